@@ -1,0 +1,32 @@
+"""orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
+
+__version__ = "0.1.0"
+
+from .convert import StepReport, convert_step, converted_provenance, plan_step, to_maxtext_items
+from .errors import CheckpointReadError, LayoutMismatchError
+from .layout import Layout, StepInfo, detect_layout, find_steps
+from .plan import Plan, make_plan
+from .spec import LeafSpec, read_specs
+from .target import KNOWN_INTERMEDIATES, Dest, Target
+
+__all__ = [
+    "KNOWN_INTERMEDIATES",
+    "CheckpointReadError",
+    "Dest",
+    "Layout",
+    "LayoutMismatchError",
+    "LeafSpec",
+    "Plan",
+    "StepInfo",
+    "StepReport",
+    "Target",
+    "__version__",
+    "convert_step",
+    "converted_provenance",
+    "detect_layout",
+    "find_steps",
+    "make_plan",
+    "plan_step",
+    "read_specs",
+    "to_maxtext_items",
+]

@@ -1,0 +1,203 @@
+"""`convert_step` and `to_maxtext_items`: the core conversion, over `plan` and `engine`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+from etils import epath
+
+from . import __version__
+from ._tree import flatten, keystr, norm_key
+from .engine import assemble, read_sources, source_items, write_items
+from .errors import CheckpointReadError
+from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, Layout, detect_layout, read_step_metadata
+from .plan import OptimizerMode, Plan, make_plan
+from .spec import read_specs, spec_of
+from .target import Target
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What a conversion did (or, for a dry run, would do) to one step."""
+
+    step_dir: str
+    status: str  # "converted" | "dry-run" | "skipped"
+    layout: str
+    step: int | None = None
+    step_source: str = ""
+    optimizer: str = "convert"
+    destinations: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    dropped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    rules: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    bytes_written: int = 0
+
+    @classmethod
+    def from_plan(cls, step_dir: epath.Path, plan: Plan, status: str, optimizer: str) -> StepReport:
+        return cls(
+            step_dir=str(step_dir),
+            status=status,
+            layout=Layout.TUNIX.value,
+            step=plan.step,
+            step_source=plan.step_source,
+            optimizer=optimizer,
+            destinations=plan.summary(),
+            dropped=[
+                {"item": d.item, "path": keystr(d.src), "bytes": d.spec.nbytes, "reason": d.reason}
+                for d in plan.drops
+            ],
+            rules=list(plan.rules),
+            notes=list(plan.notes),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        lines = [f"{self.step_dir}: {self.status} ({self.layout})"]
+        if self.destinations:
+            lines.append(f"  {'destination':<12}{'leaves':>8}{'bytes':>14}")
+            for name, d in self.destinations.items():
+                lines.append(f"  {name:<12}{d['leaves']:>8}{d['bytes']:>14,}")
+        if self.step is not None:
+            lines.append(f"  step {self.step} (from {self.step_source})")
+        if self.rules:
+            lines.append("  rules: " + ", ".join(self.rules))
+        by_reason: dict[str, list[str]] = {}
+        for d in self.dropped:
+            by_reason.setdefault(d["reason"], []).append(f"{d['item']}/{d['path']}")
+        for reason, paths in by_reason.items():
+            shown = ", ".join(paths[:3]) + (
+                f", ... ({len(paths) - 3} more)" if len(paths) > 3 else ""
+            )
+            lines.append(f"  dropped {len(paths)} ({reason}): {shown}")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.status == "converted":
+            lines.append(f"  bytes written: {self.bytes_written:,}")
+        return "\n".join(lines)
+
+
+def plan_step(
+    step_dir: epath.PathLike,
+    target: Target,
+    *,
+    optimizer: OptimizerMode = "convert",
+    ignore: Iterable[str] = (),
+) -> Plan:
+    """Plans the conversion of one Tunix-layout step from Orbax metadata alone."""
+    step_dir = epath.Path(step_dir)
+    items = source_items(step_dir)
+    params = read_specs(items[TUNIX_PARAMS_ITEM])
+    opt = read_specs(items[TUNIX_OPT_ITEM]) if TUNIX_OPT_ITEM in items else None
+    step = int(step_dir.name) if step_dir.name.isdigit() else None
+    return make_plan(params, opt, target, optimizer_mode=optimizer, step=step, ignore=ignore)
+
+
+def convert_step(
+    step_dir: epath.PathLike,
+    target: Target,
+    *,
+    dry_run: bool = False,
+    optimizer: OptimizerMode = "convert",
+    ignore: Iterable[str] = (),
+    use_zarr3: bool | None = None,
+) -> StepReport:
+    """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
+
+    The legacy ``model_params``/``optimizer_state`` items are left untouched; the
+    new item is written atomically beside them, in the source's zarr format unless
+    ``use_zarr3`` says otherwise. A step that already has ``items/`` is skipped.
+
+    Raises:
+      LayoutMismatchError: target and checkpoint disagree (nothing is written).
+      CheckpointReadError: the step is not a readable Tunix-layout step.
+    """
+    step_dir = epath.Path(step_dir)
+    layout = detect_layout(step_dir)
+    if layout is Layout.MAXTEXT:
+        return StepReport(str(step_dir), "skipped", layout.value, notes=["already has items/"])
+    if layout is Layout.UNKNOWN:
+        raise CheckpointReadError(
+            f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
+        )
+    plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore)
+    if dry_run:
+        return StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
+    tree = assemble(plan, read_sources(step_dir, plan))
+    if use_zarr3 is None:
+        use_zarr3 = _source_zarr3(step_dir / TUNIX_PARAMS_ITEM)
+    report = StepReport.from_plan(step_dir, plan, "converted", optimizer)
+    report.bytes_written = write_items(
+        step_dir, tree, use_zarr3=use_zarr3, provenance=_provenance(report)
+    )
+    return report
+
+
+def _provenance(report: StepReport) -> dict[str, Any]:
+    return {
+        "source_layout": Layout.TUNIX.value,
+        "converter_version": __version__,
+        "rules": report.rules,
+        "optimizer": report.optimizer,
+        "step_source": report.step_source,
+        "dropped": [
+            {"path": f"{d['item']}/{d['path']}", "reason": d["reason"]} for d in report.dropped
+        ],
+    }
+
+
+def _source_zarr3(item_dir: epath.Path) -> bool:
+    try:
+        return bool(json.loads((item_dir / "_METADATA").read_text()).get("use_zarr3", False))
+    except ValueError as e:
+        raise CheckpointReadError(f"{item_dir}/_METADATA: invalid JSON ({e}).") from e
+
+
+def converted_provenance(step_dir: epath.PathLike) -> dict[str, Any] | None:
+    """The provenance this library recorded for a converted step, or None for a native one."""
+    from .engine import PROVENANCE_KEY
+
+    custom = read_step_metadata(epath.Path(step_dir)).get("custom_metadata") or {}
+    return custom.get(PROVENANCE_KEY)
+
+
+def to_maxtext_items(
+    model_params: Mapping[str, Any],
+    optimizer_state: Mapping[str, Any] | None,
+    target: Target,
+    *,
+    optimizer: OptimizerMode = "convert",
+    step: int | None = None,
+    ignore: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Converts in-memory Tunix trees (as Orbax restores them) into MaxText items.
+
+    Returns ``{"params": {"params": ...}, "nnx_aux": {"model": ...}, "opt_state": ...,
+    "step": int32}``. PRNG keys stay typed. ``step`` is needed only when
+    ``optimizer_state`` is None.
+    """
+    srcs = {TUNIX_PARAMS_ITEM: _flat(model_params)}
+    if optimizer_state is not None:
+        srcs[TUNIX_OPT_ITEM] = _flat(optimizer_state)
+    specs = {name: {p: spec_of(x) for p, x in flat.items()} for name, flat in srcs.items()}
+    plan = make_plan(
+        specs[TUNIX_PARAMS_ITEM],
+        specs.get(TUNIX_OPT_ITEM),
+        target,
+        optimizer_mode=optimizer,
+        step=step,
+        ignore=ignore,
+    )
+    return assemble(plan, srcs)
+
+
+def _flat(tree: Any) -> dict:
+    leaves = flatten(tree, is_leaf=lambda x: isinstance(x, jax.Array) or hasattr(x, "dtype"))
+    return {tuple(norm_key(k) for k in p): x for p, x in leaves.items()}

@@ -1,0 +1,170 @@
+"""Executes a `Plan`: read the source leaves, assemble MaxText items, commit atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from ._tree import FlatTree, Path, unflatten
+from .errors import CheckpointReadError
+from .layout import (
+    MAXTEXT_ITEM,
+    STEP_METADATA,
+    TUNIX_OPT_ITEM,
+    TUNIX_PARAMS_ITEM,
+    read_step_metadata,
+)
+from .plan import Plan
+from .spec import _absolute
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # the marker Orbax and `find_steps` skip
+PROVENANCE_KEY = "orbax_maxtext_layout"
+_HANDLER_TYPESTR = (
+    "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+)
+
+
+def read_leaves(item_dir: epath.Path, paths: set[Path]) -> FlatTree:
+    """Reads only ``paths`` of an item, as numpy arrays in their stored form.
+
+    PRNG keys come back as raw uint32 data (``restore_type=np.ndarray``); `assemble`
+    rewraps them. Reading to host numpy avoids depending on the devices recorded
+    in the source's ``_sharding``.
+    """
+    if not paths:
+        return {}
+    item = unflatten({p: 0 for p in paths})
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    try:
+        tree = ocp.PyTreeCheckpointHandler().restore(
+            _absolute(item_dir),
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+        )
+    except Exception as e:  # tensorstore/Orbax raise many types for damaged data
+        raise CheckpointReadError(f"{item_dir}: cannot read array data: {e}") from e
+    out: FlatTree = {}
+    for p in paths:
+        node: Any = tree
+        for k in p:
+            node = node[k]
+        out[p] = node
+    return out
+
+
+def assemble(plan: Plan, sources: Mapping[str, FlatTree]) -> dict:
+    """Builds the MaxText items tree from source leaves, following ``plan`` exactly.
+
+    ``sources`` maps item name ("model_params"/"optimizer_state") to ``{src path: array}``.
+    Stored-form uint32 key data is rewrapped as typed keys, so MaxText resumes get
+    ``key<...>`` arrays and not raw ``(..., 2)`` uint32.
+    """
+    flat: FlatTree = {}
+    for m in plan.moves:
+        x = sources[m.item][m.src]
+        if m.spec.key_impl and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.wrap_key_data(jnp.asarray(x), impl=m.spec.key_impl)
+        elif m.cast is not None and np.dtype(x.dtype) != m.cast:
+            x = np.asarray(x).astype(m.cast)
+        flat[m.dst] = x
+    if plan.step is not None and ("step",) not in flat:
+        flat[("step",)] = np.int32(plan.step)
+    return unflatten(flat)
+
+
+def _to_jax(tree: Any) -> Any:
+    # Orbax records the value type; MaxText saves jax.Arrays, so write those.
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), tree)
+
+
+def write_items(step_dir: epath.Path, tree: Any, *, use_zarr3: bool, provenance: dict) -> int:
+    """Writes ``<step_dir>/items`` atomically and records provenance; returns bytes written.
+
+    The item is saved into an Orbax-style temporary directory (which readers and
+    `find_steps` ignore), the step metadata is updated by atomic replace, and the
+    temporary directory is renamed to ``items`` last: a crash leaves no ``items/``
+    or a complete one.
+    """
+    tmp = step_dir / f"{MAXTEXT_ITEM}{TMP_SUFFIX}{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=False)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=use_zarr3)
+    old_meta = read_step_metadata(step_dir)
+    try:
+        handler.save(_absolute(tmp), args=ocp.args.PyTreeSave(_to_jax(tree)))
+        handler.finalize(_absolute(tmp))
+        (tmp / "commit_success.txt").write_text(
+            f"Checkpoint successfully committed at {time.time()}."
+        )
+        written = _du(tmp)
+        _write_step_metadata(step_dir, old_meta, provenance)
+        try:
+            tmp.rename(step_dir / MAXTEXT_ITEM)
+        except BaseException:
+            _restore_step_metadata(step_dir, old_meta)
+            raise
+    except BaseException:
+        tmp.rmtree(missing_ok=True)
+        raise
+    finally:
+        handler.close()
+    return written
+
+
+def _write_step_metadata(step_dir: epath.Path, old: dict, provenance: dict) -> None:
+    meta = dict(old) or {"item_handlers": {}, "metrics": {}, "performance_metrics": {}}
+    handlers = dict(meta.get("item_handlers") or {})
+    handlers[MAXTEXT_ITEM] = _HANDLER_TYPESTR
+    meta["item_handlers"] = handlers
+    custom = dict(meta.get("custom_metadata") or {})
+    custom[PROVENANCE_KEY] = provenance
+    meta["custom_metadata"] = custom
+    _replace_json(step_dir / STEP_METADATA, meta)
+
+
+def _restore_step_metadata(step_dir: epath.Path, old: dict) -> None:
+    if old:
+        _replace_json(step_dir / STEP_METADATA, old)
+    else:
+        (step_dir / STEP_METADATA).unlink(missing_ok=True)
+
+
+def _replace_json(path: epath.Path, data: dict) -> None:
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path) if _is_local(path) else tmp.rename(path)
+
+
+def _is_local(path: epath.Path) -> bool:
+    return not str(path).startswith(("gs://", "s3://"))
+
+
+def _du(path: epath.Path) -> int:
+    """Bytes under ``path`` (walks with iterdir: epath forbids recursive globs on GCS)."""
+    total = 0
+    for child in path.iterdir():
+        total += _du(child) if child.is_dir() else child.stat().length
+    return total
+
+
+def source_items(step_dir: epath.Path) -> dict[str, epath.Path]:
+    out = {TUNIX_PARAMS_ITEM: step_dir / TUNIX_PARAMS_ITEM}
+    if (step_dir / TUNIX_OPT_ITEM).is_dir():
+        out[TUNIX_OPT_ITEM] = step_dir / TUNIX_OPT_ITEM
+    return out
+
+
+def read_sources(step_dir: epath.Path, plan: Plan) -> dict[str, FlatTree]:
+    """Reads every leaf the plan moves, and nothing else (dropped leaves stay on disk)."""
+    items = source_items(step_dir)
+    return {
+        name: read_leaves(d, {m.src for m in plan.moves_from(name)}) for name, d in items.items()
+    }

@@ -1,0 +1,104 @@
+"""Find checkpoint steps and tell their layout from directory names alone.
+
+Detection never looks at handler type strings: the Orbax v0 and v1 Tunix
+writers record different ones, and Orbax itself rewrites ``_src`` paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from typing import Any
+
+from etils import epath
+
+from .errors import CheckpointReadError
+
+MAXTEXT_ITEM = "items"
+TUNIX_PARAMS_ITEM = "model_params"
+TUNIX_OPT_ITEM = "optimizer_state"
+ROLES = ("actor", "critic")
+STEP_METADATA = "_CHECKPOINT_METADATA"
+_STEP_NAME = re.compile(r"^\d+$")
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class Layout(enum.Enum):
+    TUNIX = "tunix"
+    MAXTEXT = "maxtext"
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """One step directory under a run root."""
+
+    path: epath.Path
+    step: int
+    layout: Layout
+    role: str | None = None
+
+
+def detect_layout(step_dir: epath.PathLike) -> Layout:
+    """MAXTEXT if ``items/`` exists, TUNIX if ``model_params/`` exists without it, else UNKNOWN.
+
+    Reads directory names only. A step holding both (converted beside its legacy
+    items) is MAXTEXT: ``items/`` is what MaxText reads.
+    """
+    step_dir = epath.Path(step_dir)
+    if (step_dir / MAXTEXT_ITEM).is_dir():
+        return Layout.MAXTEXT
+    if (step_dir / TUNIX_PARAMS_ITEM).is_dir():
+        return Layout.TUNIX
+    return Layout.UNKNOWN
+
+
+def _steps_in(folder: epath.Path, role: str | None) -> list[StepInfo]:
+    out = []
+    if not folder.is_dir():
+        return out
+    for child in folder.iterdir():
+        # Interrupted saves leave "<n>.orbax-checkpoint-tmp-*"; they are never steps.
+        if _TMP_MARKER in child.name or not _STEP_NAME.match(child.name) or not child.is_dir():
+            continue
+        out.append(StepInfo(child, int(child.name), detect_layout(child), role))
+    return out
+
+
+def find_steps(root: epath.PathLike) -> list[StepInfo]:
+    """Steps at ``<root>/<n>``, ``<root>/actor/<n>`` and ``<root>/critic/<n>``.
+
+    Sorted by role (no role first) and then by step. Non-numeric entries and
+    Orbax temporary directories are ignored.
+    """
+    root = epath.Path(root)
+    found = _steps_in(root, None)
+    for role in ROLES:
+        found += _steps_in(root / role, role)
+    return sorted(found, key=lambda s: (s.role is not None, s.role or "", s.step))
+
+
+def step_dir_of(path: epath.PathLike) -> epath.Path:
+    """The step directory for a step, ``items``, ``model_params`` or ``optimizer_state`` path."""
+    path = epath.Path(path)
+    if path.name in (MAXTEXT_ITEM, TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM):
+        return path.parent
+    return path
+
+
+def read_step_metadata(step_dir: epath.Path) -> dict[str, Any]:
+    """The step-level ``_CHECKPOINT_METADATA`` JSON, or ``{}`` if the step has none."""
+    f = epath.Path(step_dir) / STEP_METADATA
+    if not f.exists():
+        return {}
+    try:
+        data = json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointReadError(
+            f"{f}: invalid JSON ({e}). Fix or remove the file; the arrays are not affected."
+        ) from e
+    if not isinstance(data, dict):
+        raise CheckpointReadError(f"{f}: expected a JSON object, got {type(data).__name__}.")
+    return data

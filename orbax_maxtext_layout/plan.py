@@ -1,0 +1,319 @@
+"""A conversion plan: every source leaf mapped to its destination, from metadata alone.
+
+`make_plan` is pure: it takes the specs of the two Tunix items and a `Target`
+and returns a `Plan` (or raises `LayoutMismatchError` naming every offending
+path). The plan is the dry-run report, and the same object drives the engine,
+the handler and the manager, so the layout is computed exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import numpy as np
+
+from . import rules as R
+from ._tree import Path, keystr
+from .errors import LayoutMismatchError
+from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
+from .spec import LeafSpec
+from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
+
+OptimizerMode = Literal["convert", "drop"]
+_DROP_HINT = (
+    "Pass optimizer='drop' (CLI: --optimizer drop) to convert params, nnx_aux and step only."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One destination leaf: read ``item/src``, write it at ``dst`` (a full items path)."""
+
+    item: str
+    src: Path
+    dst: Path
+    dest: Dest
+    spec: LeafSpec
+    cast: np.dtype | None = None  # stored dtype to cast to (step: uint32 -> int32)
+    note: str = ""  # e.g. "synthesized from ..." for a leaf copied to a second place
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    item: str
+    src: Path
+    spec: LeafSpec
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    moves: tuple[Move, ...]
+    drops: tuple[Drop, ...]
+    rules: tuple[str, ...]
+    step: int | None
+    step_source: str
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Leaves and bytes per destination, the core of every report."""
+        out = {d.value: {"leaves": 0, "bytes": 0} for d in Dest}
+        for m in self.moves:
+            out[m.dest.value]["leaves"] += 1
+            out[m.dest.value]["bytes"] += m.spec.nbytes
+        for d in self.drops:
+            out[Dest.DROPPED.value]["leaves"] += 1
+            out[Dest.DROPPED.value]["bytes"] += d.spec.nbytes
+        return out
+
+    def moves_from(self, item: str) -> list[Move]:
+        return [m for m in self.moves if m.item == item]
+
+
+def make_plan(
+    params: Mapping[Path, LeafSpec],
+    optimizer: Mapping[Path, LeafSpec] | None,
+    target: Target,
+    *,
+    optimizer_mode: OptimizerMode = "convert",
+    step: int | None = None,
+    ignore: Iterable[str] = (),
+) -> Plan:
+    """Maps every leaf of ``model_params`` (+ ``optimizer_state``) onto the target.
+
+    Args:
+      params: ``{path: spec}`` of the Tunix ``model_params`` item.
+      optimizer: the same for ``optimizer_state``, or None when the step has none.
+      target: what to split against.
+      optimizer_mode: "convert" matches the optimizer to the target; "drop" leaves it out.
+      step: the directory's step number, used when there is no optimizer ``step``.
+      ignore: extra glob patterns of model leaves to drop as intermediates.
+    """
+    moves: list[Move] = []
+    drops: list[Drop] = []
+    applied: list[str] = []
+    notes: list[str] = []
+
+    # -- model_params -> params / nnx_aux ------------------------------------------------
+    cur = {p: p for p in params}
+    cur, _ = R.apply(R.unwrap_value, cur)
+    applied.append(R.unwrap_value.name)
+    adapter = _has_adapter(cur, target)
+    if adapter:
+        cur, _ = R.apply(R.drop_adapter, cur)
+        applied.append(R.drop_adapter.name)
+    problems: list[str] = []
+    for path, src in sorted(cur.items(), key=lambda kv: keystr(kv[0])):
+        spec = params[src]
+        dest = target.classify(path, ignore)
+        if dest is None:
+            problems.append(f"{keystr(src)}: not in the target model ({spec})")
+        elif dest is Dest.DROPPED:
+            drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, "sown nnx.Intermediate (not state)"))
+        else:
+            want = (target.params if dest is Dest.PARAMS else target.nnx_aux)[path]
+            if not spec.same_layout(want):
+                problems.append(f"{keystr(src)}: checkpoint has {spec}, target expects {want}")
+            root = PARAMS_ROOT if dest is Dest.PARAMS else AUX_ROOT
+            moves.append(Move(TUNIX_PARAMS_ITEM, src, root + path, dest, spec))
+    for path in sorted(target.model_paths() - set(cur), key=keystr):
+        want = target.params.get(path) or target.nnx_aux.get(path)
+        problems.append(f"{keystr(path)}: expected by the target ({want}), missing in checkpoint")
+    if problems:
+        raise LayoutMismatchError(
+            f"model_params does not match the target model ({len(problems)} offending paths):",
+            problems,
+            hint=_model_hint(cur, target),
+        )
+
+    # -- optimizer_state -> opt_state / step -------------------------------------------
+    step_source = "directory name"
+    if optimizer is not None:
+        ocur = {p: p for p in optimizer}
+        ocur, _ = R.apply(R.unwrap_value, ocur)
+        step_src = next((src for p, src in ocur.items() if p == STEP_PATH), None)
+        if step_src is not None:
+            spec = optimizer[step_src]
+            want = np.dtype(target.abstract.get(STEP_PATH, np.zeros((), np.int32)).dtype)
+            moves.append(Move(TUNIX_OPT_ITEM, step_src, STEP_PATH, Dest.STEP, spec, cast=want))
+            step_source = f"{TUNIX_OPT_ITEM}/{keystr(step_src)}"
+            del ocur[STEP_PATH]
+        opt = {p[1:]: src for p, src in ocur.items() if p[:1] == OPT_ROOT}
+        for p, src in ocur.items():
+            if p[:1] != OPT_ROOT:
+                drops.append(Drop(TUNIX_OPT_ITEM, src, optimizer[src], "not part of opt_state"))
+        if optimizer_mode == "drop":
+            drops += [
+                Drop(TUNIX_OPT_ITEM, s, optimizer[s], "optimizer='drop'") for s in opt.values()
+            ]
+            applied.append("drop_optimizer")
+        else:
+            o_moves, o_drops, o_rules = _plan_optimizer(opt, optimizer, target, adapter)
+            moves += o_moves
+            drops += o_drops
+            applied += o_rules
+    if step_source == "directory name":
+        if step is None:
+            raise LayoutMismatchError(
+                "No optimizer step in the checkpoint and no step number given.",
+                hint="Pass step=<n> (the step directory's number).",
+            )
+        notes.append(f"step {step} taken from the directory name (no optimizer_state/step)")
+    return Plan(tuple(moves), tuple(drops), tuple(applied), step, step_source, tuple(notes))
+
+
+def _has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
+    # Strip a top-level "base" only if that makes the checkpoint fit the target
+    # better: a model may have a real module called "base".
+    want = target.model_paths()
+    stripped = sum(1 for p in cur if p[:1] == (R.ADAPTER_KEY,) and p[1:] in want)
+    kept = sum(1 for p in cur if p in want)
+    return stripped > kept
+
+
+def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
+    src_scanned = any("layers" in p for p in cur)
+    tgt_scanned = any("layers" in p for p in target.model_paths())
+    unrolled = any(str(k).startswith("layers_") for p in cur for k in p)
+    if src_scanned != tgt_scanned or (unrolled and tgt_scanned):
+        return (
+            "The scan form differs (stacked 'layers' vs 'layers_<i>'); build the target with "
+            "the same scan_layers setting as the checkpoint."
+        )
+    return (
+        "Build the target from the same model config the checkpoint was trained with "
+        "(model name and sizes), or add ignore patterns for leaves to drop on purpose."
+    )
+
+
+# -- optimizer matching -----------------------------------------------------------------
+def _pipelines(select: int | None) -> list[list[R.Rule]]:
+    """Candidate rule pipelines, fewest rules first."""
+    out = []
+    for peel_ms, peel_inj, chain, wrap in itertools.product([0, 1], repeat=4):
+        rules: list[R.Rule] = []
+        if peel_ms:
+            rules.append(R.peel_multisteps)
+        if peel_inj:
+            rules.append(R.peel_inject)
+        if select is not None:
+            rules.append(R.select_chain_member(select))
+        if chain:
+            rules.append(R.chain_to_list)
+        if wrap:
+            rules.append(R.wrap_moments)
+        out.append(rules)
+    return sorted(out, key=len)
+
+
+def _run(rules: list[R.Rule], cur: dict[Path, Path]) -> tuple[dict[Path, Path], dict[Path, str]]:
+    dropped: dict[Path, str] = {}
+    for rule in rules:
+        cur, d = R.apply(rule, cur)
+        dropped.update(d)
+    return cur, dropped
+
+
+def _plan_optimizer(
+    opt: dict[Path, Path],
+    specs: Mapping[Path, LeafSpec],
+    target: Target,
+    adapter: bool,
+) -> tuple[list[Move], list[Drop], list[str]]:
+    base: list[R.Rule] = [R.drop_adapter_in_moments] if adapter else []
+    cur, _ = _run(base, opt)
+    prefix = [r.name for r in base]
+
+    def finish(rules, mapping, dropped, synth=()):
+        moves = [
+            Move(TUNIX_OPT_ITEM, s, OPT_ROOT + p, Dest.OPT_STATE, specs[s])
+            for p, s in mapping.items()
+        ]
+        moves += [
+            Move(
+                TUNIX_OPT_ITEM,
+                s,
+                OPT_ROOT + p,
+                Dest.OPT_STATE,
+                specs[s],
+                note=f"synthesized from {keystr(s)}",
+            )
+            for p, s in synth
+        ]
+        drops = [Drop(TUNIX_OPT_ITEM, s, specs[s], r) for s, r in dropped.items()]
+        names = prefix + [r.name for r in rules] + (["synthesize_schedule_count"] if synth else [])
+        return moves, drops, names
+
+    if target.opt_state is None:  # canonical MaxText form
+        rules = [R.peel_multisteps, R.peel_inject, R.chain_to_list, R.wrap_moments]
+        mapping, dropped = _run(rules, cur)
+        return finish(rules, mapping, dropped)
+
+    want = target.opt_state
+    best: tuple[int, list[str]] | None = None
+    for select in (None, 1):
+        for rules in _pipelines(select):
+            try:
+                mapping, dropped = _run(rules, cur)
+            except ValueError:
+                continue
+            problems = _diff(mapping, specs, want)
+            synth = _synthesize_counts(mapping, specs, want) if problems else []
+            if synth:
+                mapping2 = dict(mapping) | dict(synth)
+                problems = _diff(mapping2, specs, want)
+            if not problems:
+                return finish(rules, mapping, dropped, synth)
+            if best is None or len(problems) < best[0]:
+                best = (len(problems), problems)
+    src_top = sorted({str(p[0]) for p in cur if p})
+    tgt_top = sorted({str(p[0]) for p in want if p})
+    raise LayoutMismatchError(
+        "optimizer_state matches the target's opt_state under no known conversion "
+        f"(checkpoint opt_state/{src_top}, target opt_state/{tgt_top}); "
+        f"the closest candidate differs at {best[0] if best else 0} paths:",
+        best[1] if best else [],
+        hint=_DROP_HINT,
+    )
+
+
+def _diff(
+    mapping: Mapping[Path, Path], specs: Mapping[Path, LeafSpec], want: Mapping[Path, LeafSpec]
+) -> list[str]:
+    problems = []
+    for p in sorted(set(mapping) | set(want), key=keystr):
+        if p not in want:
+            problems.append(
+                f"opt_state/{keystr(p)}: from checkpoint {keystr(mapping[p])}, not in the target"
+            )
+        elif p not in mapping:
+            problems.append(f"opt_state/{keystr(p)}: expected by the target ({want[p]}), missing")
+        elif not specs[mapping[p]].same_layout(want[p]):
+            problems.append(
+                f"opt_state/{keystr(p)}: checkpoint has {specs[mapping[p]]}, target expects {want[p]}"
+            )
+    return problems
+
+
+def _synthesize_counts(
+    mapping: Mapping[Path, Path], specs: Mapping[Path, LeafSpec], want: Mapping[Path, LeafSpec]
+) -> list[tuple[Path, Path]]:
+    """A schedule ``count`` the target has and the checkpoint lacks, copied from the one count.
+
+    Every optax step counter advances once per update, so a missing
+    ``scale_by_schedule`` count equals the Adam count; done only when exactly one
+    count of that dtype exists, so the choice is unambiguous.
+    """
+    missing = [p for p in want if p not in mapping]
+    if not missing or not all(p[-1] == "count" for p in missing):
+        return []
+    counts = [p for p in mapping if p[-1] == "count"]
+    if len(counts) != 1:
+        return []
+    src = mapping[counts[0]]
+    if not all(specs[src].same_layout(want[p]) for p in missing):
+        return []
+    return [(p, src) for p in missing]

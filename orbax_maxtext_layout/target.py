@@ -1,0 +1,177 @@
+"""The abstract target a conversion is checked and split against.
+
+Only the model can say which leaf of Tunix's mixed ``model_params`` tree is a
+weight and which is RNG or other state; a `Target` records that answer once, in
+the stored form of every leaf (see `LeafSpec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+from etils import epath
+
+from ._tree import FlatTree, Path, flatten, keystr, norm_key
+from .errors import LayoutMismatchError
+from .layout import MAXTEXT_ITEM
+from .spec import LeafSpec, read_specs, spec_of
+
+PARAMS_ROOT: Path = ("params", "params")
+AUX_ROOT: Path = ("nnx_aux", "model")
+OPT_ROOT: Path = ("opt_state",)
+STEP_PATH: Path = ("step",)
+
+# Values that NNX modules `sow` as `nnx.Intermediate` during a forward pass. A
+# checkpoint saved after one can hold them while an `nnx.eval_shape` target
+# never does; they are dropped (and reported), never routed to nnx_aux.
+KNOWN_INTERMEDIATES: tuple[str, ...] = ("max_logits", "moe_lb_loss", "intermediates")
+
+
+class Dest(enum.Enum):
+    """Where a source leaf ends up."""
+
+    PARAMS = "params"
+    NNX_AUX = "nnx_aux"
+    OPT_STATE = "opt_state"
+    STEP = "step"
+    DROPPED = "dropped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Abstract MaxText-layout target.
+
+    Attributes:
+      params: model path -> spec, for leaves under ``params/params``.
+      nnx_aux: model path -> spec, for leaves under ``nnx_aux/model``.
+      opt_state: path -> spec under ``opt_state``, or ``None`` when the target
+        carries no optimizer (then the canonical optimizer rules apply).
+      intermediates: model paths the target itself marks as `nnx.Intermediate`/`Cache`.
+      param_scan_axes: model path -> ``param_scan_axis`` metadata of Params that have it.
+      abstract: full items path -> the abstract leaf given (keeps shardings for restores).
+    """
+
+    params: Mapping[Path, LeafSpec]
+    nnx_aux: Mapping[Path, LeafSpec]
+    opt_state: Mapping[Path, LeafSpec] | None = None
+    intermediates: frozenset[Path] = frozenset()
+    param_scan_axes: Mapping[Path, int] = dataclasses.field(default_factory=dict)
+    abstract: FlatTree = dataclasses.field(default_factory=dict, repr=False)
+
+    # -- constructors -----------------------------------------------------------------
+    @classmethod
+    def from_nnx(cls, abstract: Any, *, opt_state: Any = None) -> Target:
+        """Classifies an abstract `nnx.Module` or `nnx.State` by Variable type.
+
+        `nnx.Param` (and subclasses such as `LoRAParam`) -> params; `nnx.Intermediate`
+        and `nnx.Cache` -> dropped; every other Variable (RNG count/key, batch stats,
+        custom Variables) -> nnx_aux. ``opt_state`` optionally gives the MaxText-form
+        abstract optimizer state to match.
+        """
+        from flax import nnx  # flax is heavy; import only when NNX targets are used
+
+        state = nnx.state(abstract) if isinstance(abstract, nnx.Module) else abstract
+        params, aux, inter, axes, leaves = {}, {}, set(), {}, {}
+        for raw_path, var in nnx.to_flat_state(state):
+            path = tuple(norm_key(k) for k in raw_path)
+            value = var.get_value() if hasattr(var, "get_value") else var
+            if isinstance(var, nnx.Intermediate | nnx.Cache):
+                inter.add(path)
+            elif isinstance(var, nnx.Param):
+                params[path] = spec_of(value)
+                leaves[PARAMS_ROOT + path] = value
+                meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+                if "param_scan_axis" in meta:
+                    axes[path] = int(meta["param_scan_axis"])
+            else:
+                aux[path] = spec_of(value)
+                leaves[AUX_ROOT + path] = value
+        opt = None
+        if opt_state is not None:
+            opt_flat = flatten(opt_state, is_leaf=_is_array_like)
+            opt = {tuple(norm_key(k) for k in p): spec_of(v) for p, v in opt_flat.items()}
+            leaves.update({OPT_ROOT + p: v for p, v in opt_flat.items()})
+        return cls(params, aux, opt, frozenset(inter), axes, leaves)
+
+    @classmethod
+    def from_items(cls, abstract_items: Mapping[str, Any]) -> Target:
+        """Classifies a MaxText-layout abstract tree by path.
+
+        ``abstract_items`` is ``{"params": {"params": ...}, "nnx_aux": {...},
+        "opt_state": ..., "step": ...}`` with ShapeDtypeStruct or array leaves, the
+        restore target MaxText builds.
+        """
+        flat = flatten(abstract_items, is_leaf=_is_array_like)
+        flat = {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
+        return cls._from_flat({p: spec_of(v) for p, v in flat.items()}, flat)
+
+    @classmethod
+    def from_checkpoint(cls, path: epath.PathLike) -> Target:
+        """The target of an existing MaxText-layout checkpoint (``<step>`` or ``<step>/items``).
+
+        Reads Orbax metadata only, never array bytes.
+        """
+        path = epath.Path(path)
+        items = path if (path / "_METADATA").exists() else path / MAXTEXT_ITEM
+        if not (items / "_METADATA").exists():
+            raise LayoutMismatchError(
+                f"{path}: not a MaxText-layout checkpoint (no items/_METADATA).",
+                hint="Pass a MaxText step directory (holding items/) or its items/ directory.",
+            )
+        specs = read_specs(items)
+        return cls._from_flat(specs, {p: s.abstract() for p, s in specs.items()})
+
+    @classmethod
+    def _from_flat(cls, specs: Mapping[Path, LeafSpec], abstract: FlatTree) -> Target:
+        params, aux, opt, unknown = {}, {}, {}, []
+        for p, s in specs.items():
+            if p[:2] == PARAMS_ROOT:
+                params[p[2:]] = s
+            elif p[:2] == AUX_ROOT:
+                aux[p[2:]] = s
+            elif p[:1] == OPT_ROOT:
+                opt[p[1:]] = s
+            elif p != STEP_PATH:
+                unknown.append(keystr(p))
+        if unknown:
+            raise LayoutMismatchError(
+                "The target is not in MaxText's items layout; these paths fit no section:",
+                unknown,
+                hint="Expected only params/params/..., nnx_aux/model/..., opt_state/... and step.",
+            )
+        has_opt = any(p[:1] == OPT_ROOT for p in specs)
+        return cls(params, aux, opt if has_opt else None, abstract=dict(abstract))
+
+    # -- queries ----------------------------------------------------------------------
+    def without_optimizer(self) -> Target:
+        return dataclasses.replace(self, opt_state=None)
+
+    def model_paths(self) -> set[Path]:
+        return set(self.params) | set(self.nnx_aux)
+
+    def classify(self, path: Path, ignore: Iterable[str] = ()) -> Dest | None:
+        """Destination of a model leaf (no ``value``/adapter level), or None if unknown."""
+        if path in self.params:
+            return Dest.PARAMS
+        if path in self.nnx_aux:
+            return Dest.NNX_AUX
+        if path in self.intermediates or is_intermediate(path, ignore):
+            return Dest.DROPPED
+        return None
+
+
+def is_intermediate(path: Path, ignore: Iterable[str] = ()) -> bool:
+    """True for a known sown-intermediate name, or a path matching a user glob."""
+    if any(str(k) in KNOWN_INTERMEDIATES for k in path):
+        return True
+    s = keystr(path)
+    return any(fnmatch.fnmatchcase(s, pat) for pat in ignore)
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct | jax.Array) or hasattr(x, "dtype")
