@@ -1,7 +1,6 @@
 """orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
 
-__version__ = "0.1.0"
-
+from ._version import EXAMPLES_DIR, __version__
 from .convert import StepReport, convert_step, converted_provenance, plan_step, to_maxtext_items
 from .errors import CheckpointReadError, LayoutMismatchError
 from .layout import Layout, StepInfo, detect_layout, find_steps
@@ -10,6 +9,7 @@ from .spec import LeafSpec, read_specs
 from .target import KNOWN_INTERMEDIATES, Dest, Target
 
 __all__ = [
+    "EXAMPLES_DIR",
     "KNOWN_INTERMEDIATES",
     "CheckpointReadError",
     "Dest",

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 from etils import epath
 
-from . import __version__
 from ._tree import flatten, keystr, norm_key
+from ._version import __version__
 from .engine import assemble, read_sources, source_items, write_items
 from .errors import CheckpointReadError
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, Layout, detect_layout, read_step_metadata

@@ -1,0 +1,212 @@
+"""Command line: ``orbax-maxtext-layout {demo,inspect,convert}``.
+
+A thin layer over `find_steps`, `plan_step` and `convert_step`.
+Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from etils import epath
+
+from ._version import EXAMPLES_DIR as EXAMPLES
+from .convert import StepReport, convert_step, converted_provenance
+from .errors import CheckpointReadError, LayoutMismatchError
+from .layout import Layout, StepInfo, detect_layout, find_steps
+from .spec import read_specs
+from .target import Target
+
+
+def _parse_steps(text: str | None) -> set[int] | None:
+    if not text:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _load_target(args: argparse.Namespace) -> Target | None:
+    if args.target_from:
+        return Target.from_checkpoint(args.target_from)
+    if args.target:
+        module, _, fn = args.target.partition(":")
+        abstract = getattr(importlib.import_module(module), fn)()
+        return Target.from_nnx(abstract)
+    return None
+
+
+def _steps(path: epath.Path) -> list[StepInfo]:
+    if detect_layout(path) is not Layout.UNKNOWN:
+        name = path.name
+        role = path.parent.name if path.parent.name in ("actor", "critic") else None
+        return [StepInfo(path, int(name) if name.isdigit() else -1, detect_layout(path), role)]
+    return find_steps(path)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    target = _load_target(args)
+    if target is None:
+        print("error: convert needs --target-from DIR or --target MODULE:FUNCTION", file=sys.stderr)
+        return 2
+    wanted = _parse_steps(args.steps)
+    reports, failures = [], []
+    for info in _steps(epath.Path(args.root)):
+        if wanted is not None and info.step not in wanted:
+            continue
+        try:
+            report = convert_step(
+                info.path,
+                target,
+                dry_run=args.dry_run,
+                optimizer=args.optimizer,
+                ignore=args.ignore,
+            )
+        except (LayoutMismatchError, CheckpointReadError, OSError) as e:
+            failures.append((info, e))
+            report = StepReport(str(info.path), "failed", info.layout.value, notes=[str(e)])
+        reports.append(report)
+        if not args.json and not args.quiet:
+            print(report, flush=True)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    if failures:
+        print(f"{len(failures)} step(s) failed:", file=sys.stderr)
+        for info, e in failures:
+            first = str(e).splitlines()[0]
+            print(f"  {info.path}: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    target = _load_target(args)
+    out = []
+    for info in _steps(epath.Path(args.path)):
+        entry = {
+            "path": str(info.path),
+            "step": info.step,
+            "layout": info.layout.value,
+            "role": info.role,
+        }
+        items = ["items"] if info.layout is Layout.MAXTEXT else ["model_params", "optimizer_state"]
+        groups: dict[str, dict[str, int]] = {}
+        for item in items:
+            if (info.path / item).is_dir():
+                for p, s in read_specs(info.path / item).items():
+                    g = groups.setdefault(f"{item}/{p[0]}", {"leaves": 0, "bytes": 0})
+                    g["leaves"] += 1
+                    g["bytes"] += s.nbytes
+        entry["groups"] = groups
+        entry["converted_by"] = converted_provenance(info.path)
+        if target is not None and info.layout is Layout.TUNIX:
+            try:
+                entry["plan"] = convert_step(info.path, target, dry_run=True).to_dict()
+            except LayoutMismatchError as e:
+                entry["mismatch"] = [e.summary, *e.problems]
+        out.append(entry)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for e in out:
+        role = f" role={e['role']}" if e["role"] else ""
+        conv = " (converted by orbax-maxtext-layout)" if e["converted_by"] else ""
+        print(f"{e['path']}: step {e['step']} {e['layout']}{role}{conv}")
+        for g, d in e["groups"].items():
+            print(f"  {g:<40}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
+        if "plan" in e:
+            for dest, d in e["plan"]["destinations"].items():
+                print(f"  -> {dest:<12}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
+        for line in e.get("mismatch", []):
+            print(f"  mismatch: {line}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Copies the shipped example RL run to a temp dir and converts it."""
+    out = Path(args.out or tempfile.mkdtemp(prefix="omtl-demo-"))
+    run = out / "tunix_rl_run"
+    shutil.copytree(EXAMPLES / "tunix_rl_run", run, dirs_exist_ok=True)
+    target_dir = EXAMPLES / "maxtext_run" / "checkpoints" / "2"
+    print(f"example Tunix RL run copied to {run}")
+    print(f"target: MaxText checkpoint of the same model at {target_dir}\n")
+    ns = argparse.Namespace(
+        root=str(run / "checkpoints"),
+        target_from=str(target_dir),
+        target=None,
+        steps=None,
+        dry_run=False,
+        optimizer="convert",
+        ignore=[],
+        json=False,
+        quiet=False,
+    )
+    return cmd_convert(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbax-maxtext-layout", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add_target(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument(
+            "--target-from", metavar="DIR", help="a MaxText-layout checkpoint of the same model"
+        )
+        g.add_argument(
+            "--target", metavar="MODULE:FUNCTION", help="returns an abstract nnx.Module/State"
+        )
+
+    c = sub.add_parser("convert", help="convert every Tunix-layout step under ROOT")
+    c.add_argument("root")
+    add_target(c)
+    c.add_argument("--optimizer", choices=["convert", "drop"], default="convert")
+    c.add_argument(
+        "--dry-run", action="store_true", help="report only; reads metadata, writes nothing"
+    )
+    c.add_argument("--steps", help="e.g. 1,3,10-20")
+    c.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="drop model leaves matching GLOB as intermediates (repeatable)",
+    )
+    c.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    c.add_argument("-q", "--quiet", action="store_true")
+    c.set_defaults(fn=cmd_convert)
+
+    i = sub.add_parser("inspect", help="show layout, role and tree summary (metadata only)")
+    i.add_argument("path")
+    add_target(i)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    d = sub.add_parser(
+        "demo", help="convert the shipped example into a temp dir and print the report"
+    )
+    d.add_argument("--out", help="directory to copy the example into (default: a new temp dir)")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (LayoutMismatchError, CheckpointReadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
