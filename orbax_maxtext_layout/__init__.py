@@ -1,7 +1,14 @@
 """orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
 
 from ._version import EXAMPLES_DIR, __version__
-from .convert import StepReport, convert_step, converted_provenance, plan_step, to_maxtext_items
+from .convert import (
+    StepReport,
+    convert_step,
+    converted_provenance,
+    plan_step,
+    restore_as_items,
+    to_maxtext_items,
+)
 from .errors import CheckpointReadError, LayoutMismatchError
 from .layout import Layout, StepInfo, detect_layout, find_steps
 from .plan import Plan, make_plan
@@ -28,5 +35,6 @@ __all__ = [
     "make_plan",
     "plan_step",
     "read_specs",
+    "restore_as_items",
     "to_maxtext_items",
 ]

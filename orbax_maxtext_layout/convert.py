@@ -140,6 +140,24 @@ def convert_step(
     return report
 
 
+def restore_as_items(
+    step_dir: epath.PathLike,
+    target: Target,
+    *,
+    optimizer: OptimizerMode = "convert",
+    ignore: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Restores a Tunix-layout step directly as MaxText items, in memory.
+
+    Reads only the leaves the plan moves; a leaf whose target abstract value has a
+    sharding is restored with that sharding. This is what the handler and the
+    manager use for a transparent restore.
+    """
+    step_dir = epath.Path(step_dir)
+    plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore)
+    return assemble(plan, read_sources(step_dir, plan, target.abstract))
+
+
 def _provenance(report: StepReport) -> dict[str, Any]:
     return {
         "source_layout": Layout.TUNIX.value,

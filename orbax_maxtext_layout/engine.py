@@ -34,17 +34,32 @@ _HANDLER_TYPESTR = (
 )
 
 
-def read_leaves(item_dir: epath.Path, paths: set[Path]) -> FlatTree:
-    """Reads only ``paths`` of an item, as numpy arrays in their stored form.
+def _restore_arg(abstract: Any) -> ocp.RestoreArgs:
+    sharding = getattr(abstract, "sharding", None)
+    if sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    # Restore straight into the destination's sharding: each host reads only its
+    # shards, and nothing is gathered onto one host.
+    return ocp.ArrayRestoreArgs(
+        sharding=sharding, global_shape=abstract.shape, dtype=abstract.dtype
+    )
 
-    PRNG keys come back as raw uint32 data (``restore_type=np.ndarray``); `assemble`
-    rewraps them. Reading to host numpy avoids depending on the devices recorded
-    in the source's ``_sharding``.
+
+def read_leaves(
+    item_dir: epath.Path, paths: set[Path], abstract: Mapping[Path, Any] | None = None
+) -> FlatTree:
+    """Reads only ``paths`` of an item.
+
+    Without ``abstract`` (``{src path: abstract leaf}``) leaves come back as host
+    numpy arrays in their stored form (PRNG keys as raw uint32, rewrapped by
+    `assemble`), independent of the devices recorded in the source's ``_sharding``.
+    Leaves whose abstract value has a ``sharding`` are restored as jax.Arrays with it.
     """
     if not paths:
         return {}
+    abstract = abstract or {}
     item = unflatten({p: 0 for p in paths})
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    restore_args = unflatten({p: _restore_arg(abstract.get(p)) for p in paths})
     try:
         tree = ocp.PyTreeCheckpointHandler().restore(
             _absolute(item_dir),
@@ -162,9 +177,19 @@ def source_items(step_dir: epath.Path) -> dict[str, epath.Path]:
     return out
 
 
-def read_sources(step_dir: epath.Path, plan: Plan) -> dict[str, FlatTree]:
-    """Reads every leaf the plan moves, and nothing else (dropped leaves stay on disk)."""
-    items = source_items(step_dir)
-    return {
-        name: read_leaves(d, {m.src for m in plan.moves_from(name)}) for name, d in items.items()
-    }
+def read_sources(
+    step_dir: epath.Path, plan: Plan, abstract: Mapping[Path, Any] | None = None
+) -> dict[str, FlatTree]:
+    """Reads every leaf the plan moves, and nothing else (dropped leaves stay on disk).
+
+    ``abstract`` maps destination items paths to abstract leaves (e.g. `Target.abstract`);
+    a destination leaf with a sharding is restored directly with it.
+    """
+    out = {}
+    for name, item_dir in source_items(step_dir).items():
+        moves = plan.moves_from(name)
+        if not moves:
+            continue  # e.g. optimizer='drop': the optimizer item is never opened
+        by_src = {m.src: abstract[m.dst] for m in moves if abstract and m.dst in abstract}
+        out[name] = read_leaves(item_dir, {m.src for m in moves}, by_src)
+    return out
