@@ -38,6 +38,7 @@ def copy_fixture(rel: str, dest: Path) -> Path:
 def tree_digest(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``root``."""
     out = {}
+    root = Path(root)
     for p in sorted(root.rglob("*")):
         rel = str(p.relative_to(root))
         if p.is_file() and not any(rel == e or rel.startswith(e + "/") for e in exclude):
