@@ -12,12 +12,22 @@ from etils import epath
 
 from ._tree import flatten, keystr, norm_key
 from ._version import __version__
-from .engine import assemble, read_sources, source_items, write_items
+from .engine import TMP_SUFFIX, assemble, read_sources, source_items, write_items
 from .errors import CheckpointReadError
-from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, Layout, detect_layout, read_step_metadata
+from .layout import (
+    MAXTEXT_ITEM,
+    TUNIX_OPT_ITEM,
+    TUNIX_PARAMS_ITEM,
+    Layout,
+    detect_layout,
+    read_provenance,
+)
+from .lock import StepLocked, step_lock
 from .plan import OptimizerMode, Plan, make_plan
 from .spec import read_specs, spec_of
+from .stream import DEFAULT_BUDGET, stream_items
 from .target import Target
+from .verify import verify_step
 
 
 @dataclasses.dataclass
@@ -108,12 +118,23 @@ def convert_step(
     optimizer: OptimizerMode = "convert",
     ignore: Iterable[str] = (),
     use_zarr3: bool | None = None,
+    memory_budget: int = DEFAULT_BUDGET,
+    in_place: bool = False,
+    remove_legacy: bool = False,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
-    The legacy ``model_params``/``optimizer_state`` items are left untouched; the
-    new item is written atomically beside them, in the source's zarr format unless
-    ``use_zarr3`` says otherwise. A step that already has ``items/`` is skipped.
+    The new item is written atomically beside the legacy ``model_params``/
+    ``optimizer_state``, streaming stored chunks under their new names (memory
+    stays under ``memory_budget`` plus the largest array) in the source's zarr
+    format; ``use_zarr3`` different from the source re-encodes every array.
+    ``in_place`` renames the weights' keys inside a hard-linked clone of the
+    ``model_params`` OCDBT database instead of copying them (no weight byte is
+    rewritten; the legacy files are never modified) and then removes the legacy
+    items. ``remove_legacy`` removes them after a copy too. Legacy items are only
+    removed after the new ``items`` has been verified. A step that already has
+    ``items/`` is skipped; one being converted by another live process is
+    reported as ``locked``.
 
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
@@ -122,7 +143,10 @@ def convert_step(
     step_dir = epath.Path(step_dir)
     layout = detect_layout(step_dir)
     if layout is Layout.MAXTEXT:
-        return StepReport(str(step_dir), "skipped", layout.value, notes=["already has items/"])
+        report = StepReport(str(step_dir), "skipped", layout.value, notes=["already has items/"])
+        if (in_place or remove_legacy) and not dry_run and read_provenance(step_dir):
+            report.notes += _remove_legacy(step_dir)  # finish a run killed after its commit
+        return report
     if layout is Layout.UNKNOWN:
         raise CheckpointReadError(
             f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
@@ -130,14 +154,60 @@ def convert_step(
     plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore)
     if dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
-    tree = assemble(plan, read_sources(step_dir, plan))
-    if use_zarr3 is None:
-        use_zarr3 = _source_zarr3(step_dir / TUNIX_PARAMS_ITEM)
+    try:
+        with step_lock(step_dir):
+            if detect_layout(step_dir) is Layout.MAXTEXT:  # converted while we waited
+                return StepReport(str(step_dir), "skipped", "maxtext", notes=["already has items/"])
+            _clean_stale_tmp(step_dir)
+            report = _write(step_dir, plan, optimizer, use_zarr3, memory_budget, in_place)
+            if in_place or remove_legacy:
+                report.notes += _remove_legacy(step_dir)
+            return report
+    except StepLocked as e:
+        return StepReport(str(step_dir), "locked", layout.value, notes=[str(e)])
+
+
+def _write(step_dir, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
     report = StepReport.from_plan(step_dir, plan, "converted", optimizer)
-    report.bytes_written = write_items(
-        step_dir, tree, use_zarr3=use_zarr3, provenance=_provenance(report)
-    )
+    sources = {n: d for n, d in source_items(step_dir).items() if plan.moves_from(n)}
+    sources.setdefault(TUNIX_PARAMS_ITEM, step_dir / TUNIX_PARAMS_ITEM)
+    src_zarr3 = _source_zarr3(step_dir / TUNIX_PARAMS_ITEM)
+    if use_zarr3 is None or use_zarr3 == src_zarr3:
+        report.bytes_written = stream_items(
+            step_dir,
+            plan,
+            sources,
+            provenance=_provenance(report),
+            budget=budget,
+            in_place=in_place,
+        )
+    else:  # a format change re-encodes everything anyway
+        report.notes.append(f"re-encoded as {'zarr3' if use_zarr3 else 'zarr2'}")
+        tree = assemble(plan, read_sources(step_dir, plan))
+        report.bytes_written = write_items(
+            step_dir, tree, use_zarr3=use_zarr3, provenance=_provenance(report)
+        )
     return report
+
+
+def _remove_legacy(step_dir: epath.Path) -> list[str]:
+    """Deletes the legacy items of a converted step, only once ``items`` verifies."""
+    result = verify_step(step_dir)
+    if not result.ok:
+        return [f"legacy items kept: verification failed: {result.problems[:3]}"]
+    removed = []
+    for name in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM):
+        if (step_dir / name).exists():
+            (step_dir / name).rmtree()
+            removed.append(name)
+    return [f"removed legacy {', '.join(removed)} after verifying items"] if removed else []
+
+
+def _clean_stale_tmp(step_dir: epath.Path) -> None:
+    # Under the step lock, a leftover items tmp dir can only come from a dead run.
+    for child in step_dir.iterdir():
+        if child.name.startswith(MAXTEXT_ITEM + TMP_SUFFIX):
+            child.rmtree()
 
 
 def restore_as_items(
@@ -180,10 +250,7 @@ def _source_zarr3(item_dir: epath.Path) -> bool:
 
 def converted_provenance(step_dir: epath.PathLike) -> dict[str, Any] | None:
     """The provenance this library recorded for a converted step, or None for a native one."""
-    from .engine import PROVENANCE_KEY
-
-    custom = read_step_metadata(epath.Path(step_dir)).get("custom_metadata") or {}
-    return custom.get(PROVENANCE_KEY)
+    return read_provenance(step_dir)
 
 
 def to_maxtext_items(

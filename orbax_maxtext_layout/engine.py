@@ -19,6 +19,7 @@ from ._tree import FlatTree, Path, unflatten
 from .errors import CheckpointReadError
 from .layout import (
     MAXTEXT_ITEM,
+    PROVENANCE_KEY,
     STEP_METADATA,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
@@ -28,7 +29,6 @@ from .plan import Plan
 from .spec import _absolute
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # the marker Orbax and `find_steps` skip
-PROVENANCE_KEY = "orbax_maxtext_layout"
 _HANDLER_TYPESTR = (
     "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 )
@@ -101,31 +101,43 @@ def _to_jax(tree: Any) -> Any:
     return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), tree)
 
 
-def write_items(step_dir: epath.Path, tree: Any, *, use_zarr3: bool, provenance: dict) -> int:
-    """Writes ``<step_dir>/items`` atomically and records provenance; returns bytes written.
-
-    The item is saved into an Orbax-style temporary directory (which readers and
-    `find_steps` ignore), the step metadata is updated by atomic replace, and the
-    temporary directory is renamed to ``items`` last: a crash leaves no ``items/``
-    or a complete one.
-    """
+def new_tmp_dir(step_dir: epath.Path) -> epath.Path:
+    """An Orbax-style temporary directory for ``items`` (ignored by readers and `find_steps`)."""
     tmp = step_dir / f"{MAXTEXT_ITEM}{TMP_SUFFIX}{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=False)
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=use_zarr3)
+    return tmp
+
+
+def commit(step_dir: epath.Path, tmp: epath.Path, provenance: dict) -> None:
+    """The single commit point: provenance into step metadata, then rename ``tmp`` to ``items``.
+
+    ``commit_success.txt`` is written first (object-store readers rely on it). A crash
+    before the rename leaves only an ignored temporary directory; the metadata is
+    rolled back if the rename itself fails.
+    """
+    (tmp / "commit_success.txt").write_text(f"Checkpoint successfully committed at {time.time()}.")
     old_meta = read_step_metadata(step_dir)
+    _write_step_metadata(step_dir, old_meta, provenance)
+    try:
+        tmp.rename(step_dir / MAXTEXT_ITEM)
+    except BaseException:
+        _restore_step_metadata(step_dir, old_meta)
+        raise
+
+
+def write_items(step_dir: epath.Path, tree: Any, *, use_zarr3: bool, provenance: dict) -> int:
+    """Saves an in-memory items tree with stock Orbax as ``<step_dir>/items``, atomically.
+
+    Used when the zarr format changes (every array is re-encoded anyway); the
+    streaming `stream_items` is the default. Returns bytes written.
+    """
+    tmp = new_tmp_dir(step_dir)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=use_zarr3)
     try:
         handler.save(_absolute(tmp), args=ocp.args.PyTreeSave(_to_jax(tree)))
         handler.finalize(_absolute(tmp))
-        (tmp / "commit_success.txt").write_text(
-            f"Checkpoint successfully committed at {time.time()}."
-        )
         written = _du(tmp)
-        _write_step_metadata(step_dir, old_meta, provenance)
-        try:
-            tmp.rename(step_dir / MAXTEXT_ITEM)
-        except BaseException:
-            _restore_step_metadata(step_dir, old_meta)
-            raise
+        commit(step_dir, tmp, provenance)
     except BaseException:
         tmp.rmtree(missing_ok=True)
         raise

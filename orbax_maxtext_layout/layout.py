@@ -21,6 +21,7 @@ TUNIX_PARAMS_ITEM = "model_params"
 TUNIX_OPT_ITEM = "optimizer_state"
 ROLES = ("actor", "critic")
 STEP_METADATA = "_CHECKPOINT_METADATA"
+PROVENANCE_KEY = "orbax_maxtext_layout"  # our key in the step's custom metadata
 _STEP_NAME = re.compile(r"^\d+$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 
@@ -102,3 +103,9 @@ def read_step_metadata(step_dir: epath.Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointReadError(f"{f}: expected a JSON object, got {type(data).__name__}.")
     return data
+
+
+def read_provenance(step_dir: epath.PathLike) -> dict[str, Any] | None:
+    """What this library recorded when it converted the step, or None for a native step."""
+    custom = read_step_metadata(epath.Path(step_dir)).get("custom_metadata") or {}
+    return custom.get(PROVENANCE_KEY)

@@ -1,0 +1,254 @@
+"""Raw-chunk copy at the key-value level: the streaming half of the engine.
+
+A layout change renames arrays; it does not change their bytes. So wherever the
+source and destination codecs agree, the stored chunks (and the zarr metadata
+beside them) are copied under their new keys with tensorstore KvStore reads and
+writes, in batches bounded by a memory budget, and the Orbax metadata files are
+written for the new tree. Only a dtype cast (``step``) is decoded and re-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+from etils import epath
+
+from ._tree import Path
+from .errors import CheckpointReadError
+from .plan import Move
+
+ARRAY_METADATA_FILE = "array_metadatas/process_0"
+# Orbax's default OCDBT settings for new checkpoints.
+_OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
+
+
+def param_name(path: Path) -> str:
+    """Orbax's name for a leaf: keys joined by dots (also its KvStore key prefix)."""
+    return ".".join(str(k) for k in path)
+
+
+@dataclasses.dataclass
+class SourceItem:
+    """An Orbax item opened at the KvStore level, with its metadata files parsed."""
+
+    dir: epath.Path
+    meta: dict
+    value_meta: dict[str, dict]  # param name -> value_metadata
+    shardings: dict[str, str]  # param name -> sharding JSON
+    array_meta: dict[str, dict]  # param name -> array_metadata
+    kv: ts.KvStore
+
+    @property
+    def use_zarr3(self) -> bool:
+        return bool(self.meta.get("use_zarr3", False))
+
+    @classmethod
+    def open(cls, item_dir: epath.Path, context: ts.Context) -> SourceItem:
+        item_dir = epath.Path(item_dir)
+        try:
+            meta = json.loads((item_dir / "_METADATA").read_text())
+            tree = meta["tree_metadata"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointReadError(f"{item_dir}/_METADATA: missing or invalid ({e}).") from e
+        value_meta = {
+            ".".join(k["key"] for k in entry["key_metadata"]): entry["value_metadata"]
+            for entry in tree.values()
+        }
+        shardings = {}
+        if (item_dir / "_sharding").exists():
+            raw = json.loads((item_dir / "_sharding").read_text())
+            shardings = {base64.urlsafe_b64decode(k).decode(): v for k, v in raw.items()}
+        array_meta = {}
+        if (item_dir / ARRAY_METADATA_FILE).exists():
+            for e in json.loads((item_dir / ARRAY_METADATA_FILE).read_text())["array_metadatas"]:
+                array_meta[e["array_metadata"]["param_name"]] = e["array_metadata"]
+        kv = ts.KvStore.open(kv_spec(item_dir, ocdbt=meta.get("use_ocdbt", True)), context=context)
+        return cls(item_dir, meta, value_meta, shardings, array_meta, kv.result())
+
+
+def kv_spec(item_dir: epath.Path, *, ocdbt: bool) -> dict | str:
+    """The KvStore of an item: its OCDBT database, or (Pathways style) the plain directory."""
+    base = _url(item_dir)
+    return {"driver": "ocdbt", "base": base, "config": _OCDBT_CONFIG} if ocdbt else base + "/"
+
+
+def _url(path: epath.Path) -> str:
+    s = str(path)
+    return s if "://" in s else f"file://{os.path.abspath(s)}"
+
+
+def _keys(kv: ts.KvStore, name: str) -> list[bytes]:
+    prefix = name.encode() + b"/"
+    rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=prefix[:-1] + b"0")
+    return list(kv.list(rng).result())
+
+
+def copy_chunks(
+    moves: Sequence[Move],
+    sources: Mapping[str, SourceItem],
+    dst: ts.KvStore,
+    *,
+    budget: int,
+) -> int:
+    """Copies the stored keys of each moved array under its new name; returns bytes written.
+
+    Reads are batched so that at most ``budget`` bytes (plus one array, if a
+    single array is larger) are held at once.
+    """
+    written = 0
+    batch: list[tuple[Move, list[bytes]]] = []
+    held = 0
+    for m in moves:
+        keys = _keys(sources[m.item].kv, param_name(m.src))
+        if not keys:
+            raise CheckpointReadError(
+                f"{sources[m.item].dir}: no stored data for {param_name(m.src)} "
+                "(truncated or damaged item)."
+            )
+        if batch and held + m.spec.nbytes > budget:
+            written += _flush(batch, sources, dst)
+            batch, held = [], 0
+        batch.append((m, keys))
+        held += m.spec.nbytes
+    if batch:
+        written += _flush(batch, sources, dst)
+    return written
+
+
+def _flush(batch: list[tuple[Move, list[bytes]]], sources: Mapping[str, SourceItem], dst) -> int:
+    reads = [
+        (m, key, sources[m.item].kv.read(key)) for m, keys in batch for key in keys
+    ]  # issued together: tensorstore overlaps the I/O
+    txn = ts.Transaction()
+    written = 0
+    for m, key, fut in reads:
+        r = fut.result()
+        if r.state != "value":
+            raise CheckpointReadError(f"{sources[m.item].dir}: key {key!r} vanished while copying.")
+        new_key = param_name(m.dst).encode() + key[len(param_name(m.src)) :]
+        dst.with_transaction(txn).write(new_key, r.value).result()
+        written += len(r.value)
+    txn.commit_async().result()
+    return written
+
+
+def cast_array(m: Move, src: SourceItem, dst_spec: dict, context: ts.Context) -> int:
+    """Decodes one (small) array, casts it to ``m.cast`` and writes it under its new name."""
+    driver = "zarr3" if src.use_zarr3 else "zarr"
+    source = ts.open(
+        {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(m.src))},
+        open=True,
+        context=context,
+    ).result()
+    data = np.asarray(source.read().result()).astype(m.cast)
+    spec = source.spec(minimal_spec=True).to_json()
+    spec["kvstore"] = sub_kv(dst_spec, param_name(m.dst))
+    spec["dtype"] = np.dtype(m.cast).name
+    spec.get("metadata", {}).pop("data_type", None)
+    spec.get("metadata", {}).pop("dtype", None)
+    out = ts.open(spec, create=True, context=context).result()
+    out.write(data).result()
+    return data.nbytes
+
+
+def sub_kv(spec: dict, name: str) -> dict:
+    """The KvStore spec of array ``name`` inside ``spec`` (paths are prefixes: append)."""
+    return {**spec, "path": spec.get("path", "") + name + "/"}
+
+
+def write_metadata(
+    item_dir: epath.Path,
+    moves: Sequence[Move],
+    sources: Mapping[str, SourceItem],
+    *,
+    use_zarr3: bool,
+    gaps: Iterable[Path] = (),
+) -> None:
+    """Writes ``_METADATA``, ``_sharding`` and ``array_metadatas`` for the new tree.
+
+    Value metadata, shardings and ext-metadata (``random_key_impl``, so keys come
+    back typed) are carried over from each leaf's source entry under its new name.
+    ``gaps`` are ``None`` entries of lists (EmptyState slots of a Linen chain).
+    """
+    tree: dict[str, Any] = {}
+    shardings: dict[str, str] = {}
+    arrays = []
+    for m in moves:
+        src = sources[m.item]
+        sname, dname = param_name(m.src), param_name(m.dst)
+        tree[str(tuple(str(k) for k in m.dst))] = {
+            "key_metadata": _key_meta(m.dst),
+            "value_metadata": dict(src.value_meta[sname]),
+        }
+        if sname in src.shardings:
+            shardings[base64.urlsafe_b64encode(dname.encode()).decode()] = src.shardings[sname]
+        am = dict(src.array_meta.get(sname) or _default_array_meta(m))
+        am["param_name"] = dname
+        arrays.append({"array_metadata": am})
+    for g in gaps:
+        tree[str(tuple(str(k) for k in g))] = {
+            "key_metadata": _key_meta(g),
+            "value_metadata": {"value_type": "None", "skip_deserialize": True},
+        }
+    meta = {
+        "tree_metadata": tree,
+        "use_ocdbt": True,
+        "use_zarr3": use_zarr3,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
+    (item_dir / "_METADATA").write_text(json.dumps(meta))
+    (item_dir / "_sharding").write_text(json.dumps(shardings))
+    (item_dir / "array_metadatas").mkdir(exist_ok=True)
+    (item_dir / ARRAY_METADATA_FILE).write_text(json.dumps({"array_metadatas": arrays}))
+
+
+def _key_meta(path: Path) -> list[dict]:
+    # key_type 1 = sequence index, 2 = mapping key (Orbax's KeyType enum).
+    return [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in path]
+
+
+def _default_array_meta(m: Move) -> dict:
+    return {
+        "write_shape": list(m.spec.shape),
+        "chunk_shape": list(m.spec.shape),
+        "ext_metadata": None,
+    }
+
+
+def list_gaps(paths: Iterable[Path]) -> list[Path]:
+    """``None`` slots of the lists implied by int keys (e.g. a chain's EmptyState members)."""
+    seen: dict[Path, set[int]] = {}
+    for p in paths:
+        for i, k in enumerate(p):
+            if isinstance(k, int):
+                seen.setdefault(p[:i], set()).add(k)
+    return [prefix + (i,) for prefix, idx in seen.items() for i in range(max(idx)) if i not in idx]
+
+
+def hardlink_tree(src: epath.Path, dst: epath.Path) -> None:
+    """Clones an OCDBT item directory with hard links for the immutable data files.
+
+    OCDBT never rewrites a data file (``d/*``); manifests are copied, because
+    tensorstore replaces them. Falls back to copying across file systems.
+    """
+    for root, _, files in os.walk(src):
+        rel = os.path.relpath(root, src)
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for f in files:
+            a, b = os.path.join(root, f), os.path.join(dst, rel, f)
+            if os.path.basename(root) == "d":
+                try:
+                    os.link(a, b)
+                    continue
+                except OSError:
+                    pass
+            shutil.copy2(a, b)

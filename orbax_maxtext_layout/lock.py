@@ -1,0 +1,62 @@
+"""A per-step lock, so two converters never work on the same step at once."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+from collections.abc import Iterator
+
+from etils import epath
+
+LOCK_NAME = ".orbax-maxtext-layout.lock"
+
+
+class StepLocked(RuntimeError):
+    """Another live process holds the step's lock."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    return True
+
+
+@contextlib.contextmanager
+def step_lock(step_dir: epath.Path) -> Iterator[None]:
+    """Holds ``<step>/.orbax-maxtext-layout.lock`` (O_EXCL create, owner pid and host inside).
+
+    A lock left by a dead process on this host (a SIGKILLed converter) is broken;
+    a live owner's lock raises `StepLocked`, and the caller skips the step.
+    """
+    path = os.path.join(str(step_dir), LOCK_NAME)
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(open(path).read() or "{}")
+            except (OSError, ValueError):
+                owner = {}
+            if owner.get("host") == me["host"] and owner.get("pid") and not _alive(owner["pid"]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # stale: its owner died mid-conversion
+                continue
+            raise StepLocked(
+                f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        break
+    else:
+        raise StepLocked(f"{step_dir}: lock contended")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
