@@ -10,6 +10,12 @@ from .convert import (
     to_maxtext_items,
 )
 from .errors import CheckpointReadError, LayoutMismatchError
+from .handler import (
+    MaxTextLayoutHandler,
+    MaxTextLayoutRestore,
+    MaxTextLayoutSave,
+    load_params_from_path,
+)
 from .layout import Layout, StepInfo, detect_layout, find_steps
 from .plan import Plan, make_plan
 from .spec import LeafSpec, read_specs
@@ -23,6 +29,9 @@ __all__ = [
     "Layout",
     "LayoutMismatchError",
     "LeafSpec",
+    "MaxTextLayoutHandler",
+    "MaxTextLayoutRestore",
+    "MaxTextLayoutSave",
     "Plan",
     "StepInfo",
     "StepReport",
@@ -32,6 +41,7 @@ __all__ = [
     "converted_provenance",
     "detect_layout",
     "find_steps",
+    "load_params_from_path",
     "make_plan",
     "plan_step",
     "read_specs",

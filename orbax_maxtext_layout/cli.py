@@ -1,4 +1,4 @@
-"""Command line: ``orbax-maxtext-layout {demo,inspect,convert}``.
+"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify}``.
 
 A thin layer over `find_steps`, `plan_step` and `convert_step`.
 Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error.
@@ -7,6 +7,7 @@ Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import shutil
@@ -22,7 +23,9 @@ from .convert import StepReport, convert_step, converted_provenance
 from .errors import CheckpointReadError, LayoutMismatchError
 from .layout import Layout, StepInfo, detect_layout, find_steps
 from .spec import read_specs
+from .stream import DEFAULT_BUDGET
 from .target import Target
+from .verify import verify_step
 
 
 def _parse_steps(text: str | None) -> set[int] | None:
@@ -40,8 +43,12 @@ def _load_target(args: argparse.Namespace) -> Target | None:
         return Target.from_checkpoint(args.target_from)
     if args.target:
         module, _, fn = args.target.partition(":")
-        abstract = getattr(importlib.import_module(module), fn)()
-        return Target.from_nnx(abstract)
+        made = getattr(importlib.import_module(module), fn)()
+        if isinstance(made, Target):
+            return made
+        if isinstance(made, dict) and {"params", "nnx_aux", "opt_state", "step"} & set(made):
+            return Target.from_items(made)  # MaxText's own abstract items
+        return Target.from_nnx(made)
     return None
 
 
@@ -53,16 +60,48 @@ def _steps(path: epath.Path) -> list[StepInfo]:
     return find_steps(path)
 
 
+def parse_size(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1G``, ``1000000`` -> bytes."""
+    units = {
+        "": 1,
+        "k": 10**3,
+        "m": 10**6,
+        "g": 10**9,
+        "t": 10**12,
+        "ki": 2**10,
+        "mi": 2**20,
+        "gi": 2**30,
+        "ti": 2**40,
+    }
+    t = text.strip().lower().removesuffix("b")
+    num = t.rstrip("kmgti")
+    try:
+        return int(float(num) * units[t[len(num) :]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB)") from None
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     target = _load_target(args)
     if target is None:
         print("error: convert needs --target-from DIR or --target MODULE:FUNCTION", file=sys.stderr)
         return 2
     wanted = _parse_steps(args.steps)
+    steps = [s for s in _steps(epath.Path(args.root)) if wanted is None or s.step in wanted]
+    show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
+    bar = _progress(sum(_step_bytes(s) for s in steps), show)
     reports, failures = [], []
-    for info in _steps(epath.Path(args.root)):
-        if wanted is not None and info.step not in wanted:
-            continue
+    for info in steps:
         try:
             report = convert_step(
                 info.path,
@@ -70,15 +109,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 dry_run=args.dry_run,
                 optimizer=args.optimizer,
                 ignore=args.ignore,
+                memory_budget=args.memory_budget,
+                in_place=args.in_place,
+                remove_legacy=args.remove_legacy,
             )
         except (LayoutMismatchError, CheckpointReadError, OSError) as e:
             failures.append((info, e))
             report = StepReport(str(info.path), "failed", info.layout.value, notes=[str(e)])
         reports.append(report)
+        if bar is not None:
+            bar.update(_step_bytes(info))
         if not args.json and not args.quiet:
-            print(report, flush=True)
+            print(
+                report
+                if args.verbose or report.status != "skipped"
+                else f"{report.step_dir}: skipped (already has items/)",
+                flush=True,
+            )
+    if bar is not None:
+        bar.close()
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
+    elif not args.quiet:
+        counts = {}
+        for r in reports:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        print(
+            "summary: "
+            + (", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no steps found")
+        )
     if failures:
         print(f"{len(failures)} step(s) failed:", file=sys.stderr)
         for info, e in failures:
@@ -86,6 +145,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"  {info.path}: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     return 0
+
+
+def _step_bytes(info: StepInfo) -> int:
+    total = 0
+    for item in ("model_params", "optimizer_state"):
+        if (info.path / item).is_dir():
+            try:
+                total += sum(s.nbytes for s in read_specs(info.path / item).values())
+            except CheckpointReadError:
+                pass
+    return total
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    results = []
+    for info in _steps(epath.Path(args.root)):
+        if info.layout is Layout.MAXTEXT and (info.path / "model_params").is_dir():
+            results.append(verify_step(info.path, quick=args.quick))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+    else:
+        for r in results:
+            print(f"{r.step_dir}: {'ok' if r.ok else 'MISMATCH'} ({r.checked} leaves)")
+            for p in r.problems:
+                print(f"  {p}")
+        if not results:
+            print("no converted step with legacy items found")
+    return 0 if all(r.ok for r in results) else 1
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -139,16 +226,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     target_dir = EXAMPLES / "maxtext_run" / "checkpoints" / "2"
     print(f"example Tunix RL run copied to {run}")
     print(f"target: MaxText checkpoint of the same model at {target_dir}\n")
-    ns = argparse.Namespace(
-        root=str(run / "checkpoints"),
-        target_from=str(target_dir),
-        target=None,
-        steps=None,
-        dry_run=False,
-        optimizer="convert",
-        ignore=[],
-        json=False,
-        quiet=False,
+    ns = build_parser().parse_args(
+        ["convert", str(run / "checkpoints"), "--target-from", str(target_dir), "-v"]
     )
     return cmd_convert(ns)
 
@@ -163,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--target-from", metavar="DIR", help="a MaxText-layout checkpoint of the same model"
         )
         g.add_argument(
-            "--target", metavar="MODULE:FUNCTION", help="returns an abstract nnx.Module/State"
+            "--target",
+            metavar="MODULE:FUNCTION",
+            help="returns an abstract nnx.Module/State, a Target, or MaxText abstract items",
         )
 
     c = sub.add_parser("convert", help="convert every Tunix-layout step under ROOT")
@@ -181,9 +262,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GLOB",
         help="drop model leaves matching GLOB as intermediates (repeatable)",
     )
+    c.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        default=DEFAULT_BUDGET,
+        metavar="SIZE",
+        help="bytes held at once, e.g. 2GiB (peak is this plus the largest array)",
+    )
+    c.add_argument(
+        "--in-place",
+        action="store_true",
+        help="turn the legacy items into items/ without rewriting weight bytes",
+    )
+    c.add_argument(
+        "--remove-legacy",
+        action="store_true",
+        help="delete model_params/optimizer_state once items/ verifies",
+    )
     c.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     c.add_argument("-q", "--quiet", action="store_true")
+    c.add_argument("-v", "--verbose", action="store_true")
     c.set_defaults(fn=cmd_convert)
+
+    v = sub.add_parser("verify", help="check converted steps against their legacy items")
+    v.add_argument("root")
+    v.add_argument("--quick", action="store_true", help="compare metadata only")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_verify)
 
     i = sub.add_parser("inspect", help="show layout, role and tree summary (metadata only)")
     i.add_argument("path")

@@ -26,8 +26,51 @@ from .errors import CheckpointReadError
 from .plan import Move
 
 ARRAY_METADATA_FILE = "array_metadatas/process_0"
-# Orbax's default OCDBT settings for new checkpoints.
-_OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
+# Source databases are cloned under the new item with this prefix, like Orbax's
+# own per-process sub-databases (which it also grafts into the root database).
+CHILD_PREFIX = "ocdbt.src_"
+
+
+def ts_context() -> ts.Context:
+    """Orbax's OCDBT context: cross-database grafts need the shared file kvstore it defines."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+
+    return tu.get_ts_context(use_ocdbt=True)
+
+
+def open_ocdbt(item_dir: epath.Path, context: ts.Context, *, merge: bool = False) -> ts.KvStore:
+    """Opens an item's OCDBT database with Orbax's own spec (``merge`` for a graft target)."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+
+    opts = tu.OcdbtKvStoreWriteOptions(mode=tu.OcdbtWriteMode.MERGE) if merge else None
+    spec = tu.build_kvstore_tspec(str(_abs(item_dir)), use_ocdbt=True, ocdbt_write_options=opts)
+    return ts.KvStore.open(spec, context=context).result()
+
+
+def _abs(p: epath.Path) -> str:
+    s = str(p)
+    return s if "://" in s else os.path.abspath(s)
+
+
+def graft(moves: Sequence[Move], children: Mapping[str, ts.KvStore], parent: ts.KvStore) -> None:
+    """Adds each moved array of a cloned child database to ``parent`` under its new name.
+
+    One atomic transaction; only B-tree nodes are written (the values stay in the
+    child's data files, which the parent references by relative path).
+    """
+    if not moves:
+        return
+    txn = ts.Transaction(atomic=True)
+    target = parent.with_transaction(txn)
+    futures = [
+        (children[m.item] / f"{param_name(m.src)}/").experimental_copy_range_to(
+            target / f"{param_name(m.dst)}/"
+        )
+        for m in moves
+    ]
+    for f in futures:
+        f.result()
+    txn.commit_async().result()
 
 
 def param_name(path: Path) -> str:
@@ -70,14 +113,15 @@ class SourceItem:
         if (item_dir / ARRAY_METADATA_FILE).exists():
             for e in json.loads((item_dir / ARRAY_METADATA_FILE).read_text())["array_metadatas"]:
                 array_meta[e["array_metadata"]["param_name"]] = e["array_metadata"]
-        kv = ts.KvStore.open(kv_spec(item_dir, ocdbt=meta.get("use_ocdbt", True)), context=context)
-        return cls(item_dir, meta, value_meta, shardings, array_meta, kv.result())
+        if meta.get("use_ocdbt", True):
+            kv = open_ocdbt(item_dir, context)
+        else:  # Pathways style: one zarr directory per array
+            kv = ts.KvStore.open(_url(item_dir) + "/", context=context).result()
+        return cls(item_dir, meta, value_meta, shardings, array_meta, kv)
 
-
-def kv_spec(item_dir: epath.Path, *, ocdbt: bool) -> dict | str:
-    """The KvStore of an item: its OCDBT database, or (Pathways style) the plain directory."""
-    base = _url(item_dir)
-    return {"driver": "ocdbt", "base": base, "config": _OCDBT_CONFIG} if ocdbt else base + "/"
+    @property
+    def is_ocdbt(self) -> bool:
+        return bool(self.meta.get("use_ocdbt", True))
 
 
 def _url(path: epath.Path) -> str:
@@ -124,19 +168,21 @@ def copy_chunks(
 
 
 def _flush(batch: list[tuple[Move, list[bytes]]], sources: Mapping[str, SourceItem], dst) -> int:
-    reads = [
-        (m, key, sources[m.item].kv.read(key)) for m, keys in batch for key in keys
-    ]  # issued together: tensorstore overlaps the I/O
-    txn = ts.Transaction()
+    # All reads are issued before any is awaited, so tensorstore overlaps the I/O;
+    # writes go out as each read lands, and the batch is awaited as a whole. The
+    # OCDBT driver coalesces concurrent writes into few commits.
+    reads = [(m, key, sources[m.item].kv.read(key)) for m, keys in batch for key in keys]
+    writes = []
     written = 0
     for m, key, fut in reads:
         r = fut.result()
         if r.state != "value":
             raise CheckpointReadError(f"{sources[m.item].dir}: key {key!r} vanished while copying.")
         new_key = param_name(m.dst).encode() + key[len(param_name(m.src)) :]
-        dst.with_transaction(txn).write(new_key, r.value).result()
+        writes.append(dst.write(new_key, r.value))
         written += len(r.value)
-    txn.commit_async().result()
+    for w in writes:
+        w.result()
     return written
 
 
@@ -234,21 +280,21 @@ def list_gaps(paths: Iterable[Path]) -> list[Path]:
     return [prefix + (i,) for prefix, idx in seen.items() for i in range(max(idx)) if i not in idx]
 
 
-def hardlink_tree(src: epath.Path, dst: epath.Path) -> None:
-    """Clones an OCDBT item directory with hard links for the immutable data files.
+def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
+    """Clones an item directory: hard links (``link``) or a streaming file copy.
 
-    OCDBT never rewrites a data file (``d/*``); manifests are copied, because
-    tensorstore replaces them. Falls back to copying across file systems.
+    Hard links are safe because OCDBT never modifies a data file once written and
+    the clone is only ever read; they fall back to copies across file systems.
     """
-    for root, _, files in os.walk(src):
-        rel = os.path.relpath(root, src)
-        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+    for root, _, files in os.walk(str(src)):
+        rel = os.path.relpath(root, str(src))
+        os.makedirs(os.path.join(str(dst), rel), exist_ok=True)
         for f in files:
-            a, b = os.path.join(root, f), os.path.join(dst, rel, f)
-            if os.path.basename(root) == "d":
+            a, b = os.path.join(root, f), os.path.join(str(dst), rel, f)
+            if link:
                 try:
                     os.link(a, b)
                     continue
                 except OSError:
                     pass
-            shutil.copy2(a, b)
+            shutil.copyfile(a, b)

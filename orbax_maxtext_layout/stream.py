@@ -22,11 +22,6 @@ from .plan import Move, Plan
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
 
-def _context() -> ts.Context:
-    # No chunk cache: every byte read is written once and then dropped.
-    return ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-
-
 def stream_items(
     step_dir: epath.Path,
     plan: Plan,
@@ -38,34 +33,36 @@ def stream_items(
 ) -> int:
     """Writes ``<step_dir>/items`` for ``plan`` and commits it; returns bytes written.
 
-    The destination keeps the source's zarr format (the caller falls back to the
-    decoding writer when a format change is asked for).
+    Each OCDBT source database is cloned *inside* the new item directory (hard
+    links with ``in_place``, a streaming file copy otherwise) and its arrays are
+    grafted into the new root database under their new names with
+    ``experimental_copy_range_to``: only B-tree nodes are written, never array
+    bytes. Non-OCDBT sources (Pathways style) are copied chunk by chunk within
+    ``budget``. The destination keeps the source's zarr format.
     """
-    ctx = _context()
+    ctx = kvcopy.ts_context()
     sources = {name: kvcopy.SourceItem.open(d, ctx) for name, d in sources_dirs.items()}
     use_zarr3 = sources[TUNIX_PARAMS_ITEM].use_zarr3
     tmp = new_tmp_dir(step_dir)
     try:
         raw = [m for m in plan.moves if m.cast is None]
         casts = [m for m in plan.moves if m.cast is not None]
-        params_src = sources[TUNIX_PARAMS_ITEM]
-        if in_place and params_src.meta.get("use_ocdbt", True) and _no_collisions(plan):
-            kvcopy.hardlink_tree(params_src.dir, tmp)
-            dst = ts.KvStore.open(kvcopy.kv_spec(tmp, ocdbt=True), context=ctx).result()
-            renamed = [m for m in raw if m.item == TUNIX_PARAMS_ITEM]
-            _rename_in_place(dst, renamed, plan)
-            raw = [m for m in raw if m.item != TUNIX_PARAMS_ITEM]
-            _drop_legacy_metadata(tmp)
-        else:
-            dst = ts.KvStore.open(kvcopy.kv_spec(tmp, ocdbt=True), context=ctx).result()
-        kvcopy.copy_chunks(raw, sources, dst, budget=budget)
-        dst_json = dst.spec().to_json()
+        graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
+        children = {}
+        for name in sorted(graft):
+            child_dir = tmp / f"{kvcopy.CHILD_PREFIX}{name}"
+            kvcopy.clone_tree(sources[name].dir, child_dir, link=in_place)
+            children[name] = kvcopy.open_ocdbt(child_dir, ctx)
+        parent = kvcopy.open_ocdbt(tmp, ctx, merge=True)
+        kvcopy.graft([m for m in raw if m.item in graft], children, parent)
+        kvcopy.copy_chunks([m for m in raw if m.item not in graft], sources, parent, budget=budget)
+        dst_json = parent.spec().to_json()
         for m in casts:
             kvcopy.cast_array(m, sources[m.item], dst_json, ctx)
         moves = list(plan.moves)
         if plan.step_source == "directory name":
-            moves.append(_write_dir_step(plan.step, dst_json, ctx, sources, use_zarr3))
-            sources["_synthesized"] = _synth_source(use_zarr3)
+            moves.append(_write_dir_step(plan.step, dst_json, ctx, use_zarr3))
+            sources[_SYNTH] = _synth_source(use_zarr3)
         kvcopy.write_metadata(
             tmp, moves, sources, use_zarr3=use_zarr3, gaps=kvcopy.list_gaps(m.dst for m in moves)
         )
@@ -77,38 +74,11 @@ def stream_items(
     return written
 
 
-def _no_collisions(plan: Plan) -> bool:
-    src = {kvcopy.param_name(m.src) for m in plan.moves if m.item == TUNIX_PARAMS_ITEM}
-    return not src & {kvcopy.param_name(m.dst) for m in plan.moves}
-
-
-def _rename_in_place(kv: ts.KvStore, moves: list[Move], plan: Plan) -> None:
-    """Renames keys inside the cloned OCDBT database: B-tree edits only, no data rewritten."""
-    txn = ts.Transaction(atomic=True)
-    t = kv.with_transaction(txn)
-    for m in moves:
-        (kv / f"{kvcopy.param_name(m.src)}/").experimental_copy_range_to(
-            t / f"{kvcopy.param_name(m.dst)}/"
-        ).result()
-    # Old names (moved or dropped) leave the clone; the legacy database keeps them.
-    old = {kvcopy.param_name(m.src) for m in moves}
-    old |= {kvcopy.param_name(d.src) for d in plan.drops if d.item == TUNIX_PARAMS_ITEM}
-    for name in old:
-        (t / f"{name}/").delete_range(ts.KvStore.KeyRange()).result()
-    txn.commit_async().result()
-
-
-def _drop_legacy_metadata(tmp: epath.Path) -> None:
-    for name in ("_METADATA", "_sharding", "commit_success.txt", "_CHECKPOINT_METADATA"):
-        (tmp / name).unlink(missing_ok=True)
-    (tmp / "array_metadatas").rmtree(missing_ok=True)
-
-
 _SYNTH = "_synthesized"
 _SCALAR_SHARDING = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": "cpu:0"})
 
 
-def _write_dir_step(step: int, dst_json: dict, ctx, sources, use_zarr3: bool) -> Move:
+def _write_dir_step(step: int, dst_json: dict, ctx, use_zarr3: bool) -> Move:
     """Writes ``step`` (int32 scalar) when the source has no optimizer step."""
     from .spec import LeafSpec
     from .target import Dest

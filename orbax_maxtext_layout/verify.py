@@ -63,7 +63,7 @@ def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResul
 
 
 def _compare_values(step_dir: epath.Path, plan: Plan) -> list[str]:
-    ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    ctx = kvcopy.ts_context()
     from .engine import source_items
 
     srcs = {n: kvcopy.SourceItem.open(d, ctx) for n, d in source_items(step_dir).items()}

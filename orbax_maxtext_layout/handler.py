@@ -1,0 +1,443 @@
+"""A PyTreeCheckpointHandler that restores Tunix-layout steps as MaxText items.
+
+`MaxTextLayoutHandler` saves exactly like `ocp.PyTreeCheckpointHandler`. At
+restore it looks at the directory it is given: a Tunix ``model_params`` item, or a
+step (or its would-be ``items`` path) in Tunix layout, is restored through the
+core conversion into the structure of the requested item; every other directory
+restores the stock way. `load_params_from_path` is a drop-in for MaxText's
+function of the same name that works on either layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from . import rules as R
+from ._tree import FlatTree, Path, flatten, keystr, norm_key, unflatten
+from .engine import _restore_arg, assemble, source_items
+from .errors import CheckpointReadError, LayoutMismatchError
+from .layout import (
+    MAXTEXT_ITEM,
+    TUNIX_OPT_ITEM,
+    TUNIX_PARAMS_ITEM,
+    Layout,
+    detect_layout,
+    step_dir_of,
+)
+from .plan import Drop, OptimizerMode, Plan, _has_adapter, make_plan
+from .spec import LeafSpec, _absolute, read_specs, spec_of
+from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
+
+__all__ = [
+    "MaxTextLayoutHandler",
+    "MaxTextLayoutRestore",
+    "MaxTextLayoutSave",
+    "load_params_from_path",
+    "tunix_step_of",
+]
+
+_PYTREE_METADATA = "_METADATA"
+
+
+class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
+    """`ocp.PyTreeCheckpointHandler` that also restores Tunix-layout steps as MaxText items.
+
+    Constructor arguments are PyTreeCheckpointHandler's, passed through. Saving is
+    unchanged. ``restore(directory, ...)`` accepts the stock legacy keywords
+    (``item``, ``restore_args``, ``transforms``), ``args=ocp.args.PyTreeRestore(...)``
+    and ``args=MaxTextLayoutRestore(...)``:
+
+    * ``directory`` is a Tunix ``<step>/model_params``, a Tunix ``<step>``, or a
+      ``<step>/items`` path of a Tunix step (only when calling the handler
+      directly: a Checkpointer refuses a directory that does not exist): the step
+      is converted in memory into the structure of ``item`` (MaxText items
+      layout: ``params/params/...``, ``nnx_aux/model/...``, ``opt_state``,
+      ``step``). Only the leaves ``item`` asks for are read, each with the
+      sharding of its ``restore_args`` entry (``ArrayRestoreArgs.sharding``) or of
+      its ``item`` leaf; a leaf with neither comes back as a host ``np.ndarray``.
+      ``LayoutMismatchError`` names every missing or mis-shaped leaf.
+    * A MaxText ``<step>`` (holding ``items/``) restores its ``items`` the stock way.
+    * Anything else restores the stock way.
+
+    Which checkpoint leaves must be accounted for (see `MaxTextLayoutRestore`):
+    when ``item`` names ``nnx_aux`` and neither ``partial_restore`` nor
+    ``transforms`` is given, the request describes the whole model and every
+    ``model_params`` leaf must fit it (as for `convert_step`). Otherwise the
+    request is partial: checkpoint leaves it does not name are skipped unread.
+    ``optimizer_state`` is opened only when ``item`` asks for ``opt_state`` or ``step``.
+    """
+
+    @classmethod
+    def typestr(cls) -> str:
+        # Stored in step metadata and used as the handler-registry key: must differ
+        # from the stock PyTreeCheckpointHandler's.
+        return "orbax_maxtext_layout.MaxTextLayoutHandler"
+
+    def restore(
+        self,
+        directory: epath.Path,
+        item: Any = None,
+        restore_args: Any = None,
+        transforms: Any = None,
+        transforms_default_to_original: bool = True,
+        legacy_transform_fn: Any = None,
+        args: ocp.args.PyTreeRestore | None = None,
+    ) -> Any:
+        directory = epath.Path(directory)
+        if args is None:
+            args = MaxTextLayoutRestore(
+                item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
+            )
+        step_dir = tunix_step_of(directory)
+        if step_dir is not None and not _asks_for_items(args.item):
+            step_dir = None  # an item in the stored (NNX) form: restore it as stored
+        if step_dir is None:
+            if (
+                not (directory / _PYTREE_METADATA).exists()
+                and detect_layout(directory) is Layout.MAXTEXT
+            ):
+                directory = directory / MAXTEXT_ITEM  # a MaxText step: read its items
+            return super().restore(directory, args=args)
+        return _restore_tunix(step_dir, args, self._read_sources)
+
+    def _read_sources(
+        self, step_dir: epath.Path, plan: Plan, abstract: Mapping[Path, Any]
+    ) -> dict[str, FlatTree]:
+        """`engine.read_sources`, but through this handler, so its constructor options
+        (restore_concurrent_gb, multiprocessing_options, type registry) apply."""
+        out: dict[str, FlatTree] = {}
+        for name, item_dir in source_items(step_dir).items():
+            by_src = {m.src: abstract.get(m.dst) for m in plan.moves_from(name)}
+            if not by_src:
+                continue  # e.g. a params-only request: optimizer_state is never opened
+            args = ocp.args.PyTreeRestore(
+                item=unflatten({p: 0 for p in by_src}),
+                restore_args=unflatten({p: _restore_arg(a) for p, a in by_src.items()}),
+                partial_restore=True,  # read only these leaves
+            )
+            try:
+                tree = super().restore(_absolute(item_dir), args=args)
+            except Exception as e:  # tensorstore/Orbax raise many types for damaged data
+                raise CheckpointReadError(f"{item_dir}: cannot read array data: {e}") from e
+            flat = _norm(flatten(tree, is_leaf=_is_leaf))
+            out[name] = {p: flat[p] for p in by_src}
+        return out
+
+
+@ocp.args.register_with_handler(MaxTextLayoutHandler, for_save=True)
+@dataclasses.dataclass
+class MaxTextLayoutSave(ocp.args.PyTreeSave):
+    """`ocp.args.PyTreeSave` for `MaxTextLayoutHandler` (so legacy ``save(path, item)`` works)."""
+
+
+@ocp.args.register_with_handler(MaxTextLayoutHandler, for_restore=True)
+@dataclasses.dataclass
+class MaxTextLayoutRestore(ocp.args.PyTreeRestore):
+    """`ocp.args.PyTreeRestore` plus the conversion options for Tunix-layout sources.
+
+    Attributes (besides PyTreeRestore's ``item``, ``restore_args``, ``transforms``,
+    ``partial_restore``, ...):
+      optimizer: ``"convert"`` matches ``optimizer_state`` to ``item["opt_state"]``
+        (the default when ``item`` has one); ``"drop"`` never reads it and the
+        result has no ``opt_state`` even if ``item`` has one.
+      ignore: glob patterns of ``model_params`` leaves to drop as intermediates.
+    Both apply to Tunix-layout sources only; MaxText items restore the stock way.
+    """
+
+    optimizer: OptimizerMode | None = None
+    ignore: tuple[str, ...] = ()
+
+
+def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
+    """The Tunix step to convert for a restore of ``directory``, or None to restore stock.
+
+    ``model_params`` is always Tunix; ``items`` and a bare step only when their step
+    is in Tunix layout. ``optimizer_state`` and other items restore the stock way.
+    """
+    directory = epath.Path(directory)
+    if directory.name == TUNIX_PARAMS_ITEM:
+        return directory.parent
+    if directory.name == MAXTEXT_ITEM or not (directory / _PYTREE_METADATA).exists():
+        step_dir = step_dir_of(directory)
+        if detect_layout(step_dir) is Layout.TUNIX:
+            return step_dir
+    return None
+
+
+# -- Tunix restore ------------------------------------------------------------------------
+_SECTIONS = frozenset({PARAMS_ROOT[0], AUX_ROOT[0], OPT_ROOT[0], STEP_PATH[0]})
+
+
+def _asks_for_items(item: Any) -> bool:
+    """True unless ``item`` is a tree in some other layout (e.g. Tunix's own NNX form).
+
+    ``None`` counts as an items request, so it is refused with a clear message
+    instead of silently handing back the unconverted Tunix tree.
+    """
+    return item is None or (isinstance(item, Mapping) and bool(item) and set(item) <= _SECTIONS)
+
+
+def _is_leaf(x: Any) -> bool:
+    return x is ocp.PLACEHOLDER or isinstance(x, ocp.RestoreArgs) or hasattr(x, "dtype")
+
+
+def _norm(flat: FlatTree) -> FlatTree:
+    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
+
+
+def _abstract_leaf(leaf: Any, arg: Any) -> jax.ShapeDtypeStruct:
+    """The leaf to restore into: shape/dtype from ``item``, sharding as Orbax would pick it."""
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:  # a Python scalar in item, or no item leaf at all
+        if leaf is not None:
+            shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
+        else:
+            shape, dtype = getattr(arg, "global_shape", None), getattr(arg, "dtype", None)
+    if dtype is None or shape is None:
+        raise ValueError("Cannot tell the shape and dtype to restore; pass an abstract item.")
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = None  # e.g. Orbax ArrayMetadata's ShardingMetadata: not a placement
+    if isinstance(arg, ocp.ArrayRestoreArgs) and arg.sharding is not None:
+        sharding = arg.sharding
+    elif isinstance(arg, ocp.RestoreArgs) and arg.restore_type is np.ndarray:
+        sharding = None  # explicitly asked for host arrays
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _request(args: ocp.args.PyTreeRestore) -> tuple[FlatTree, set[Path]]:
+    """``({items path: abstract leaf}, {placeholder paths})`` of what ``args`` asks for."""
+    if args.item is None:
+        raise LayoutMismatchError(
+            "A Tunix-layout step can only be restored against a target: pass item=.",
+            hint="e.g. item={'params': {'params': abstract_params}} (MaxText's items layout).",
+        )
+    items = _norm(flatten(args.item, is_leaf=_is_leaf))
+    rargs = _norm(flatten(args.restore_args, is_leaf=_is_leaf)) if args.restore_args else {}
+    skipped = {p for p, v in items.items() if v is ocp.PLACEHOLDER}
+    abstract = {p: _abstract_leaf(v, rargs.get(p)) for p, v in items.items() if p not in skipped}
+    return abstract, skipped
+
+
+def _restore_tunix(
+    step_dir: epath.Path,
+    args: ocp.args.PyTreeRestore,
+    read: Callable[[epath.Path, Plan, Mapping[Path, Any]], dict[str, FlatTree]],
+) -> Any:
+    if args.legacy_transform_fn is not None or args.transforms:
+        # `transforms={}` is MaxText's idiom for "restore a subtree" and is honoured;
+        # real transforms describe a stored tree this layout does not have.
+        raise ValueError(
+            f"{step_dir}: transforms and legacy_transform_fn are not supported for a "
+            "Tunix-layout step; pass the MaxText-layout item to restore into instead."
+        )
+    optimizer: OptimizerMode | None = getattr(args, "optimizer", None)
+    abstract, skipped = _request(args)
+    if optimizer == "drop":
+        abstract = {p: v for p, v in abstract.items() if p[:1] != OPT_ROOT}
+    if not abstract:
+        raise LayoutMismatchError(f"{step_dir}: the item asks for no leaves.")
+    target = Target.from_items(unflatten(abstract))
+    partial = bool(
+        args.partial_restore or args.transforms is not None or skipped or not target.nnx_aux
+    )
+    plan = plan_request(
+        step_dir,
+        target,
+        optimizer="drop" if target.opt_state is None else "convert",
+        ignore=getattr(args, "ignore", ()),
+        partial=partial,
+    )
+    flat = _norm(flatten(assemble(plan, read(step_dir, plan, abstract)), is_leaf=_is_leaf))
+    missing = sorted(set(abstract) - set(flat), key=keystr)
+    if missing:  # the plan checks this already; never hand back an unfilled leaf
+        raise LayoutMismatchError(
+            f"{step_dir}: no checkpoint value for", [keystr(p) for p in missing]
+        )
+
+    def fill(kp: tuple, leaf: Any) -> Any:
+        path = tuple(norm_key(k) for k in kp)
+        return leaf if path in skipped else flat.get(path, ocp.PLACEHOLDER)
+
+    out = jax.tree_util.tree_map_with_path(fill, args.item)
+    if optimizer == "drop" and isinstance(out, dict):
+        out = {k: v for k, v in out.items() if k != OPT_ROOT[0]}
+    return out
+
+
+def plan_request(
+    step_dir: epath.Path,
+    target: Target,
+    *,
+    optimizer: OptimizerMode,
+    ignore: Iterable[str] = (),
+    partial: bool = False,
+) -> Plan:
+    """Plans a restore of exactly the leaves in ``target.abstract``, from metadata.
+
+    Unlike `plan_step`, opens ``optimizer_state`` only if ``opt_state`` or ``step``
+    is requested. With ``partial``, model leaves the target does not name are
+    skipped (a params-only target says nothing about nnx_aux); requested leaves
+    must still exist with the requested shape and dtype.
+    """
+    items = source_items(step_dir)
+    params = read_specs(items[TUNIX_PARAMS_ITEM])
+    want_step = STEP_PATH in target.abstract
+    opt = None
+    if (want_step or target.opt_state is not None) and TUNIX_OPT_ITEM in items:
+        opt = read_specs(items[TUNIX_OPT_ITEM])
+    if partial:
+        target = _with_unnamed_as_aux(params, target, ignore)
+    # The step number is only a fallback for a requested `step`; 0 keeps make_plan
+    # satisfied for a non-numeric directory when no step is requested.
+    step = int(step_dir.name) if step_dir.name.isdigit() else (None if want_step else 0)
+    plan = make_plan(params, opt, target, optimizer_mode=optimizer, step=step, ignore=ignore)
+    wanted = set(target.abstract)
+    moves = tuple(m for m in plan.moves if m.dst in wanted)
+    unread = tuple(
+        Drop(m.item, m.src, m.spec, "not requested") for m in plan.moves if m.dst not in wanted
+    )
+    return dataclasses.replace(
+        plan, moves=moves, drops=plan.drops + unread, step=plan.step if want_step else None
+    )
+
+
+def _with_unnamed_as_aux(
+    params: Mapping[Path, LeafSpec], target: Target, ignore: Iterable[str]
+) -> Target:
+    """``target`` with every model leaf it does not name added to nnx_aux (then left unread).
+
+    Post-filtering instead of a core option: `make_plan` insists every checkpoint
+    leaf is placed, so unnamed leaves get a placeholder destination here and
+    `plan_request` removes their moves before anything is read. The adapter
+    decision is taken on the original target, as `make_plan` takes it.
+    """
+    cur, _ = R.apply(R.unwrap_value, {p: p for p in params})
+    if _has_adapter(cur, target):
+        cur, _ = R.apply(R.drop_adapter, cur)
+    extra = {p: params[s] for p, s in cur.items() if target.classify(p, ignore) is None}
+    return dataclasses.replace(target, nnx_aux={**target.nnx_aux, **extra})
+
+
+# -- load_params_from_path ----------------------------------------------------------------
+def load_params_from_path(
+    path: epath.PathLike,
+    abstract_params: Any,
+    *,
+    handler: ocp.PyTreeCheckpointHandler | None = None,
+    use_ocdbt: bool = True,
+    use_zarr3: bool = True,
+    concurrent_gb: int = 96,
+) -> Any:
+    """Drop-in for MaxText's ``load_params_from_path`` that reads either layout.
+
+    Args:
+      path: a MaxText ``<step>/items``, a Tunix ``<step>/model_params`` (also an RL
+        ``actor/<step>/model_params``), or a step directory of either layout.
+      abstract_params: MaxText's abstract params collection (``{"params": {...}}``,
+        what ``items/params`` holds; a dict without the single ``params`` key is
+        taken as its contents), or an NNX ``nnx.State`` of Params. Leaves carry
+        the shardings to restore with (as for MaxText: none -> host arrays).
+      handler: the handler to use; by default a `MaxTextLayoutHandler` built
+        like MaxText's (the concurrency, OCDBT and zarr3 arguments apply only then).
+
+    Returns:
+      The restored params, of the kind given (dict, or an ``nnx.State`` copy).
+
+    Raises:
+      LayoutMismatchError: naming every requested weight that is missing or has
+        another shape (metadata only; nothing is returned on a mismatch).
+    """
+    collection, rewrap = _as_collection(abstract_params)
+    directory, layout = _resolve(epath.Path(path))
+    if layout is Layout.MAXTEXT:
+        _check_items(directory, collection)  # stock Orbax would not name the paths
+    own = handler is None
+    if handler is None:
+        handler = MaxTextLayoutHandler(
+            restore_concurrent_gb=concurrent_gb,
+            save_concurrent_gb=concurrent_gb,
+            use_ocdbt=use_ocdbt,
+            use_zarr3=use_zarr3,
+        )
+    ckptr = ocp.Checkpointer(handler)
+    try:
+        # Exactly MaxText's call: `transforms={}` restores the params subtree only.
+        restored = ckptr.restore(
+            directory,
+            item={"params": collection},
+            transforms={},
+            restore_args={"params": ocp.checkpoint_utils.construct_restore_args(collection)},
+        )
+    finally:
+        if own:  # a caller's handler stays usable
+            ckptr.close()
+    return rewrap(restored["params"])
+
+
+def _as_collection(abstract_params: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """``abstract_params`` as the tree stored at ``items/params``, and the inverse for results."""
+    from flax import nnx  # heavy; only needed for NNX targets
+
+    if isinstance(abstract_params, nnx.State):
+
+        def to_state(restored: Any) -> nnx.State:
+            state = jax.tree.map(lambda x: x, abstract_params)  # a copy; input stays abstract
+            nnx.replace_by_pure_dict(state, restored[PARAMS_ROOT[1]])
+            return state
+
+        return {PARAMS_ROOT[1]: abstract_params.to_pure_dict()}, to_state
+    if isinstance(abstract_params, Mapping) and list(abstract_params) == [PARAMS_ROOT[1]]:
+        return abstract_params, lambda r: r
+    return {PARAMS_ROOT[1]: abstract_params}, lambda r: r[PARAMS_ROOT[1]]
+
+
+def _resolve(path: epath.Path) -> tuple[epath.Path, Layout]:
+    """The directory to hand to the Checkpointer, and the layout it is in."""
+    if path.name == TUNIX_PARAMS_ITEM:
+        return path, Layout.TUNIX
+    if path.name == MAXTEXT_ITEM and path.is_dir():
+        return path, Layout.MAXTEXT
+    step_dir = step_dir_of(path)
+    layout = detect_layout(step_dir)
+    if layout is Layout.MAXTEXT:
+        return step_dir / MAXTEXT_ITEM, layout
+    if layout is Layout.TUNIX:
+        return step_dir / TUNIX_PARAMS_ITEM, layout
+    if (path / _PYTREE_METADATA).exists():
+        return path, Layout.MAXTEXT  # some other PyTree item: let Orbax read it
+    raise CheckpointReadError(
+        f"{path}: neither a MaxText items/ nor a Tunix model_params/ checkpoint."
+    )
+
+
+def _check_items(items_dir: epath.Path, collection: Any) -> None:
+    """Names every requested weight an ``items`` checkpoint lacks or holds in another shape.
+
+    Shapes only: for MaxText items Orbax casts dtypes as stock MaxText does.
+    """
+    have = read_specs(items_dir)
+    problems = []
+    for p, leaf in _norm(flatten(collection, is_leaf=_is_leaf)).items():
+        got = have.get(("params", *p))
+        if leaf is ocp.PLACEHOLDER:
+            continue
+        want = spec_of(leaf)  # stored form: a typed key is compared as its uint32 data
+        if got is None:
+            problems.append(f"params/{keystr(p)}: expected by the target ({want}), missing")
+        elif got.shape != want.shape:
+            problems.append(f"params/{keystr(p)}: checkpoint has {got}, target expects {want}")
+    if problems:
+        raise LayoutMismatchError(
+            f"{items_dir}: the params do not match the target ({len(problems)} offending paths):",
+            problems,
+            hint="Build the abstract params from the model config the checkpoint was saved with.",
+        )
