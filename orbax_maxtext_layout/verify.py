@@ -40,9 +40,10 @@ def _replan(step_dir: epath.Path) -> Plan:
 def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResult:
     """Compares ``items`` with the legacy items it was converted from.
 
-    ``quick`` compares metadata only (tree, shapes, dtypes, key impls). Otherwise
-    every leaf's stored bytes are compared, falling back to decoded values where
-    the bytes were re-encoded (a dtype cast or a zarr format change).
+    ``quick`` compares metadata (tree, shapes, dtypes, key impls) and checks that
+    every leaf has stored data, without reading values. Otherwise every leaf's
+    stored bytes are compared, falling back to decoded values where the bytes were
+    re-encoded (a dtype cast or a zarr format change).
     """
     step_dir = epath.Path(step_dir)
     res = VerifyResult(str(step_dir), ok=True)
@@ -56,10 +57,19 @@ def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResul
         if got.get(m.dst) != want:
             res.problems.append(f"{keystr(m.dst)}: items has {got.get(m.dst)}, source {want}")
     res.checked = len(plan.moves)
-    if not quick and not res.problems:
-        res.problems += _compare_values(step_dir, plan)
+    if not res.problems:
+        res.problems += _keys_present(step_dir, plan) if quick else _compare_values(step_dir, plan)
     res.ok = not res.problems
     return res
+
+
+def _keys_present(step_dir: epath.Path, plan: Plan) -> list[str]:
+    dst = kvcopy.SourceItem.open(step_dir / MAXTEXT_ITEM, kvcopy.ts_context())
+    return [
+        f"{keystr(m.dst)}: no stored data in items"
+        for m in plan.moves
+        if not kvcopy._keys(dst.kv, kvcopy.param_name(m.dst))
+    ]
 
 
 def _compare_values(step_dir: epath.Path, plan: Plan) -> list[str]:

@@ -1,0 +1,72 @@
+"""One measured operation, run in a fresh process; prints JSON with peak RSS."""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _du(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    mode, step, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    budget = int(sys.argv[4]) if len(sys.argv) > 4 else 1 << 30
+    written = 0
+    if mode == "cp":
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(step), str(out)], check=True)
+        wall = time.perf_counter() - t
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        written = _du(out)
+    else:
+        import numpy as np
+        import orbax.checkpoint as ocp
+        import synth
+        from etils import epath
+
+        from orbax_maxtext_layout import convert_step, to_maxtext_items
+
+        target = synth.target_for(step)  # metadata only, outside the timed region
+        t = time.perf_counter()
+        if mode == "baseline":
+            pass  # imports and target only: the floor every Python mode starts from
+        elif mode == "naive":
+            # The upstream approach: restore the whole step to host numpy, save it again.
+            h = ocp.PyTreeCheckpointHandler()
+
+            def full(item):
+                meta = h.metadata(epath.Path(step / item)).tree
+                import jax
+
+                args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+                return h.restore(
+                    epath.Path(step / item), args=ocp.args.PyTreeRestore(restore_args=args)
+                )
+
+            items = to_maxtext_items(full("model_params"), full("optimizer_state"), target)
+            out.mkdir(parents=True)
+            w = ocp.PyTreeCheckpointHandler(use_ocdbt=True)
+            w.save(epath.Path(out), args=ocp.args.PyTreeSave(items))
+            w.finalize(epath.Path(out))
+            written = _du(out)
+        else:
+            report = convert_step(step, target, memory_budget=budget, in_place=(mode == "inplace"))
+            written = report.bytes_written
+        wall = time.perf_counter() - t
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"mode": mode, "wall": wall, "peak_rss_kib": rss, "written": written}))
+    if mode == "cp":
+        shutil.rmtree(out)
+
+
+if __name__ == "__main__":
+    main()

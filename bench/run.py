@@ -1,0 +1,125 @@
+"""Benchmark: cp -r vs naive restore+save vs convert vs convert --in-place, side by side.
+
+    python bench/run.py --sizes 1GiB 4GiB --repeats 3 --budget 1GiB
+
+Each operation runs in a fresh child process (peak RSS is that process's
+ru_maxrss), in rotating order within one run, from the page cache. Figures are
+medians; ratios are against ``cp -r`` of the same step in the same run.
+``baseline`` is a child that imports everything and builds the target but
+converts nothing; "RSS over baseline" is what the conversion itself added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+MODES = ("baseline", "cp", "naive", "convert", "inplace")
+
+
+def _size(text: str) -> int:
+    from orbax_maxtext_layout.cli import parse_size
+
+    return parse_size(text)
+
+
+def _du(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def run_once(mode: str, src: Path, work: Path, budget: int) -> dict:
+    if mode in ("convert", "inplace"):
+        step = work / mode / "actor" / src.name
+        shutil.rmtree(step.parent.parent, ignore_errors=True)
+        shutil.copytree(src, step)  # a fresh legacy step (not timed)
+        args = [mode, str(step), str(work / "unused"), str(budget)]
+    else:
+        out = work / f"{mode}-out"
+        shutil.rmtree(out, ignore_errors=True)
+        args = [mode, str(src), str(out), str(budget)]
+    res = subprocess.run(
+        [sys.executable, str(HERE / "child.py"), *args], check=True, capture_output=True, text=True
+    )
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["1GiB", "4GiB"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", default="1GiB")
+    ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import synth
+
+    budget = _size(args.budget)
+    rows = []
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="omtl-bench-") as tmp:
+            work = Path(tmp)
+            src = synth.make_step(work / "src", 3, _size(size))
+            step_bytes = _du(src)
+            weights = sum(
+                s.nbytes
+                for p, s in __import__("orbax_maxtext_layout")
+                .read_specs(src / "model_params")
+                .items()
+                if "rngs" not in p
+            )
+            runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+            for r in range(args.repeats):
+                order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+                for mode in order:
+                    runs[mode].append(run_once(mode, src, work, budget))
+            cp = statistics.median(x["wall"] for x in runs["cp"]) if "cp" in runs else None
+            base = max(x["peak_rss_kib"] for x in runs["baseline"]) if "baseline" in runs else 0
+            for mode, xs in runs.items():
+                wall = statistics.median(x["wall"] for x in xs)
+                rows.append(
+                    {
+                        "size": size,
+                        "step_bytes": step_bytes,
+                        "weight_bytes": weights,
+                        "mode": mode,
+                        "wall_s": round(wall, 3),
+                        "x_cp": round(wall / cp, 3) if cp else None,
+                        "peak_rss_mib": round(max(x["peak_rss_kib"] for x in xs) / 1024, 1),
+                        "rss_over_baseline_mib": round(
+                            (max(x["peak_rss_kib"] for x in xs) - (0 if mode == "cp" else base))
+                            / 1024,
+                            1,
+                        ),
+                        "written_mib": round(
+                            statistics.median(x["written"] for x in xs) / 2**20, 2
+                        ),
+                    }
+                )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"budget {args.budget}, {args.repeats} repeats, medians\n")
+    print(
+        "| size | on disk | mode | wall s | x cp -r | peak RSS MiB | RSS over baseline MiB | written MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['size']} | {r['step_bytes'] / 2**20:.0f} MiB | {r['mode']} | {r['wall_s']} | "
+            f"{r['x_cp']} | {r['peak_rss_mib']} | {r['rss_over_baseline_mib']} | {r['written_mib']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
