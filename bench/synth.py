@@ -55,9 +55,18 @@ def _nest(flat: dict) -> dict:
 
 
 def make_step(
-    root: Path, step: int, size_bytes: int, *, seed: int = 0, layers: int = LAYERS
+    root: Path,
+    step: int,
+    size_bytes: int,
+    *,
+    seed: int = 0,
+    layers: int = LAYERS,
+    use_ocdbt: bool = True,
 ) -> Path:
-    """Writes ``<root>/actor/<step>`` of about ``size_bytes``; returns the step dir."""
+    """Writes ``<root>/actor/<step>`` of about ``size_bytes``; returns the step dir.
+
+    ``use_ocdbt=False`` writes the Pathways style (one zarr directory per array).
+    """
     emb = emb_for_size(size_bytes, layers)
     rng = np.random.default_rng(seed)
     shapes = _shapes(emb, layers)
@@ -85,7 +94,7 @@ def make_step(
     mngr = ocp.CheckpointManager(
         directory,
         item_handlers={
-            n: ocp.PyTreeCheckpointHandler(use_ocdbt=True)
+            n: ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
             for n in ("model_params", "optimizer_state")
         },
         options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),

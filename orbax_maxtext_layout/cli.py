@@ -199,7 +199,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             try:
                 entry["plan"] = convert_step(info.path, target, dry_run=True).to_dict()
             except LayoutMismatchError as e:
-                entry["mismatch"] = [e.summary, *e.problems]
+                entry["mismatch"] = [e.summary, *e.problems, *([e.hint] if e.hint else [])]
         out.append(entry)
     if args.json:
         print(json.dumps(out, indent=2))

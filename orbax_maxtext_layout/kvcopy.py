@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
@@ -133,6 +134,30 @@ def _keys(kv: ts.KvStore, name: str) -> list[bytes]:
     prefix = name.encode() + b"/"
     rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=prefix[:-1] + b"0")
     return list(kv.list(rng).result())
+
+
+def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> None:
+    """Every moved array must have all its chunks stored; else nothing is written.
+
+    Orbax stores every chunk (``store_array_data_equal_to_fill_value``), so a
+    missing one means a truncated or damaged source. Copying it would silently
+    turn the missing values into the fill value (zeros) in the converted step.
+    """
+    problems = []
+    for m in moves:
+        src = sources[m.item]
+        name = param_name(m.src)
+        chunk = (src.array_meta.get(name) or {}).get("chunk_shape") or list(m.spec.shape)
+        want = math.prod(-(-d // max(c, 1)) for d, c in zip(m.spec.shape, chunk, strict=False))
+        keys = _keys(src.kv, name)
+        meta_keys = [k for k in keys if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
+        if not meta_keys or len(keys) - len(meta_keys) < want:
+            problems.append(f"{name}: {len(keys) - len(meta_keys)} of {want} chunks stored")
+    if problems:
+        raise CheckpointReadError(
+            f"{sources[moves[0].item].dir.parent}: source arrays are incomplete (truncated or "
+            "damaged files); nothing was written:\n  - " + "\n  - ".join(problems)
+        )
 
 
 def copy_chunks(

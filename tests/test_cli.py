@@ -1,0 +1,227 @@
+"""The command line, run as users run it: real processes on real checkpoint trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, MAXTEXT_NATIVE, tree_digest
+
+from orbax_maxtext_layout import Layout, detect_layout, find_steps
+from orbax_maxtext_layout.verify import verify_step
+
+ROOT = Path(__file__).parent.parent
+RL = FIXTURES / "tunix017/rl_run/checkpoints/actor/2"
+SFT = FIXTURES / "tunix017/sft_run/checkpoints/1"
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def cli(
+    *args: str, env: dict | None = None, check_rc: int | None = 0
+) -> subprocess.CompletedProcess:
+    res = subprocess.run(
+        [sys.executable, "-m", "orbax_maxtext_layout", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+        timeout=300,
+    )
+    if check_rc is not None:
+        assert res.returncode == check_rc, res.stdout + res.stderr
+    return res
+
+
+def _run_root(tmp_path: Path) -> Path:
+    """actor/2, actor/3, critic/4 (RL), a leftover tmp dir and noise."""
+    root = tmp_path / "checkpoints"
+    for rel in ("actor/2", "actor/3", "critic/4"):
+        shutil.copytree(RL, root / rel)
+    shutil.copytree(RL, root / "actor" / "5.orbax-checkpoint-tmp-1")
+    (root / "notes").mkdir()
+    (root / "actor" / "README").write_text("not a step")
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    return root
+
+
+def test_convert_then_skip_then_verify(tmp_path):
+    root = _run_root(tmp_path)
+    tmp_before = tree_digest(root / "actor" / "5.orbax-checkpoint-tmp-1")
+    out = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json")
+    reports = json.loads(out.stdout)
+    assert [(Path(r["step_dir"]).relative_to(root).as_posix(), r["status"]) for r in reports] == [
+        ("actor/2", "converted"),
+        ("actor/3", "converted"),
+        ("critic/4", "converted"),
+    ]
+    assert all(r["destinations"]["params"]["leaves"] == 12 for r in reports)
+    assert all(s.layout is Layout.MAXTEXT for s in find_steps(root))
+    assert tree_digest(root / "actor" / "5.orbax-checkpoint-tmp-1") == tmp_before
+
+    again = json.loads(
+        cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json").stdout
+    )
+    assert {r["status"] for r in again} == {"skipped"}
+
+    res = cli("verify", str(root), "--json")
+    assert [r["ok"] for r in json.loads(res.stdout)] == [True, True, True]
+
+
+def test_dry_run_writes_nothing_and_reads_no_array_bytes(tmp_path):
+    # Pathways-style items keep each array's chunks in their own files: delete every
+    # chunk, keep the zarr metadata. A dry run must still plan; a real run must not.
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURES / "tunix017_pathways_style", root)
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    removed = [f for f in root.rglob("*") if f.is_file() and f.parent.name.endswith(".value")]
+    removed = [f for f in removed if not f.name.startswith(".z")]
+    assert len(removed) == 42 + 29
+    for f in removed:
+        f.unlink()
+    before = tree_digest(root)
+    out = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--dry-run", "--json")
+    (report,) = json.loads(out.stdout)
+    assert report["status"] == "dry-run" and report["destinations"]["opt_state"]["leaves"] == 28
+    assert tree_digest(root) == before
+    out = cli("inspect", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json")
+    assert json.loads(out.stdout)[0]["plan"]["destinations"]["params"]["leaves"] == 12
+    res = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), check_rc=1)
+    assert "no stored data" in res.stderr or "CheckpointReadError" in res.stderr
+    assert not (root / "actor" / "1" / "items").exists()
+
+
+def test_inspect_shows_layout_groups_and_mismatches(tmp_path):
+    out = cli("inspect", str(FIXTURES / "tunix017"), "--json")
+    assert json.loads(out.stdout) == []  # a folder of runs is not a run root
+    out = cli("inspect", str(RL.parent.parent), "--target-from", str(MAXTEXT_NATIVE), "--json")
+    (entry,) = json.loads(out.stdout)
+    assert entry["layout"] == "tunix" and entry["role"] == "actor"
+    assert entry["groups"]["model_params/base"]["leaves"] == 42
+    assert entry["plan"]["destinations"]["nnx_aux"]["leaves"] == 30
+    out = cli("inspect", str(SFT), "--target-from", str(MAXTEXT_NATIVE), "--json")
+    (entry,) = json.loads(out.stdout)
+    assert "optimizer='drop'" in " ".join(entry["mismatch"])
+
+
+def test_exit_codes_and_failure_summary(tmp_path):
+    root = _run_root(tmp_path)
+    shutil.copytree(SFT, root / "7")  # its optimizer has no match: this step fails
+    for p in (root / "7").rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    res = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), check_rc=1)
+    assert "1 step(s) failed" in res.stderr and str(root / "7") in res.stderr
+    assert "LayoutMismatchError" in res.stderr
+    assert detect_layout(root / "7") is Layout.TUNIX  # the failing step is untouched
+    assert detect_layout(root / "actor" / "2") is Layout.MAXTEXT  # the others converted
+    assert cli("convert", str(root), check_rc=2).returncode == 2  # no target
+    bad = cli("convert", str(root), "--target-from", "x", "--memory-budget", "lots", check_rc=2)
+    assert "not a size" in bad.stderr
+    # --optimizer drop converts the SFT step too.
+    cli(
+        "convert",
+        str(root),
+        "--target-from",
+        str(MAXTEXT_NATIVE),
+        "--optimizer",
+        "drop",
+        "--steps",
+        "7",
+    )
+    assert detect_layout(root / "7") is Layout.MAXTEXT
+
+
+def _synth_root(tmp_path: Path, n: int, size: int, **kw) -> Path:
+    import synth
+
+    root = tmp_path / "run"
+    for i in range(n):
+        synth.make_step(root, 10 + i, size, seed=i, **kw)
+    return root
+
+
+def test_sigkill_mid_conversion_then_rerun_finishes(tmp_path):
+    root = _synth_root(tmp_path, 6, 24 << 20)
+    env = {"OMTL_SYNTH_STEP": str(root / "actor" / "10"), "PYTHONPATH": str(ROOT / "bench")}
+    args = ["convert", str(root), "--target", "synth:target_from_env", "-q"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orbax_maxtext_layout", *args], env={**os.environ, **env}, cwd=ROOT
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill as soon as the first step has committed
+        if any((root / "actor" / str(s) / "items").exists() for s in range(10, 16)):
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    layouts = [s.layout for s in find_steps(root)]
+    assert Layout.UNKNOWN not in layouts
+    for s in find_steps(root):  # each step is legacy-intact or fully converted
+        if s.layout is Layout.MAXTEXT:
+            assert verify_step(s.path).ok
+        assert (s.path / "model_params" / "_METADATA").exists()
+    cli(*args, env=env)
+    for s in find_steps(root):
+        assert s.layout is Layout.MAXTEXT and verify_step(s.path).ok
+        assert not [c for c in s.path.iterdir() if "tmp" in c.name or c.name.endswith(".lock")]
+
+
+def test_two_concurrent_converters_convert_each_step_once(tmp_path):
+    root = _synth_root(tmp_path, 4, 8 << 20)
+    env = {
+        **os.environ,
+        "OMTL_SYNTH_STEP": str(root / "actor" / "10"),
+        "PYTHONPATH": str(ROOT / "bench"),
+    }
+    args = [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(root)]
+    args += ["--target", "synth:target_from_env", "--json"]
+    procs = [
+        subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    converted = [r["step_dir"] for out in outs for r in out if r["status"] == "converted"]
+    assert sorted(converted) == sorted(str(s.path) for s in find_steps(root))  # once each
+    for s in find_steps(root):
+        assert verify_step(s.path).ok
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "pathways"])
+def test_peak_memory_stays_under_budget_plus_largest_array(tmp_path, use_ocdbt):
+    import synth
+
+    from orbax_maxtext_layout import read_specs
+
+    step = synth.make_step(tmp_path / "run", 3, 320 << 20, use_ocdbt=use_ocdbt)
+    budget = 16 << 20
+    sizes = [
+        s.nbytes
+        for item in ("model_params", "optimizer_state")
+        for s in read_specs(step / item).values()
+    ]
+    assert sum(sizes) > 10 * budget  # the step is far larger than the budget
+
+    def peak(mode: str) -> int:
+        res = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "rss_child.py"), mode, str(step), str(budget)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        return json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_kib"] * 1024
+
+    base = peak("plan")
+    used = peak("convert") - base
+    slack = 48 << 20  # allocator and tensorstore thread arenas
+    assert used <= budget + max(sizes) + slack, (used >> 20, max(sizes) >> 20)
+    assert detect_layout(step) is Layout.MAXTEXT and verify_step(step).ok
