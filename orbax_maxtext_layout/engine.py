@@ -6,7 +6,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -45,8 +45,14 @@ def _restore_arg(abstract: Any) -> ocp.RestoreArgs:
     )
 
 
+RestoreFn = Callable[[epath.Path, ocp.args.PyTreeRestore], Any]
+
+
 def read_leaves(
-    item_dir: epath.Path, paths: set[Path], abstract: Mapping[Path, Any] | None = None
+    item_dir: epath.Path,
+    paths: set[Path],
+    abstract: Mapping[Path, Any] | None = None,
+    restore: RestoreFn | None = None,
 ) -> FlatTree:
     """Reads only ``paths`` of an item.
 
@@ -54,6 +60,7 @@ def read_leaves(
     numpy arrays in their stored form (PRNG keys as raw uint32, rewrapped by
     `assemble`), independent of the devices recorded in the source's ``_sharding``.
     Leaves whose abstract value has a ``sharding`` are restored as jax.Arrays with it.
+    ``restore`` is the PyTree restore to use (a handler's own, so its options apply).
     """
     if not paths:
         return {}
@@ -61,9 +68,10 @@ def read_leaves(
     item = unflatten({p: 0 for p in paths})
     restore_args = unflatten({p: _restore_arg(abstract.get(p)) for p in paths})
     try:
-        tree = ocp.PyTreeCheckpointHandler().restore(
+        restore = restore or (lambda d, a: ocp.PyTreeCheckpointHandler().restore(d, args=a))
+        tree = restore(
             _absolute(item_dir),
-            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+            ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
         )
     except Exception as e:  # tensorstore/Orbax raise many types for damaged data
         raise CheckpointReadError(f"{item_dir}: cannot read array data: {e}") from e
@@ -190,7 +198,10 @@ def source_items(step_dir: epath.Path) -> dict[str, epath.Path]:
 
 
 def read_sources(
-    step_dir: epath.Path, plan: Plan, abstract: Mapping[Path, Any] | None = None
+    step_dir: epath.Path,
+    plan: Plan,
+    abstract: Mapping[Path, Any] | None = None,
+    restore: RestoreFn | None = None,
 ) -> dict[str, FlatTree]:
     """Reads every leaf the plan moves, and nothing else (dropped leaves stay on disk).
 
@@ -203,5 +214,5 @@ def read_sources(
         if not moves:
             continue  # e.g. optimizer='drop': the optimizer item is never opened
         by_src = {m.src: abstract[m.dst] for m in moves if abstract and m.dst in abstract}
-        out[name] = read_leaves(item_dir, {m.src for m in moves}, by_src)
+        out[name] = read_leaves(item_dir, {m.src for m in moves}, by_src, restore)
     return out

@@ -19,9 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import rules as R
 from ._tree import FlatTree, Path, flatten, keystr, norm_key, unflatten
-from .engine import _restore_arg, assemble, source_items
+from .engine import assemble, read_sources, source_items
 from .errors import CheckpointReadError, LayoutMismatchError
 from .layout import (
     MAXTEXT_ITEM,
@@ -31,8 +30,8 @@ from .layout import (
     detect_layout,
     step_dir_of,
 )
-from .plan import Drop, OptimizerMode, Plan, _has_adapter, make_plan
-from .spec import LeafSpec, _absolute, read_specs, spec_of
+from .plan import Drop, OptimizerMode, Plan, make_plan
+from .spec import read_specs, spec_of
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
 
 __all__ = [
@@ -110,25 +109,13 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
     def _read_sources(
         self, step_dir: epath.Path, plan: Plan, abstract: Mapping[Path, Any]
     ) -> dict[str, FlatTree]:
-        """`engine.read_sources`, but through this handler, so its constructor options
+        """`engine.read_sources` through this handler, so its constructor options
         (restore_concurrent_gb, multiprocessing_options, type registry) apply."""
-        out: dict[str, FlatTree] = {}
-        for name, item_dir in source_items(step_dir).items():
-            by_src = {m.src: abstract.get(m.dst) for m in plan.moves_from(name)}
-            if not by_src:
-                continue  # e.g. a params-only request: optimizer_state is never opened
-            args = ocp.args.PyTreeRestore(
-                item=unflatten({p: 0 for p in by_src}),
-                restore_args=unflatten({p: _restore_arg(a) for p, a in by_src.items()}),
-                partial_restore=True,  # read only these leaves
-            )
-            try:
-                tree = super().restore(_absolute(item_dir), args=args)
-            except Exception as e:  # tensorstore/Orbax raise many types for damaged data
-                raise CheckpointReadError(f"{item_dir}: cannot read array data: {e}") from e
-            flat = _norm(flatten(tree, is_leaf=_is_leaf))
-            out[name] = {p: flat[p] for p in by_src}
-        return out
+
+        def restore(d: epath.Path, a: ocp.args.PyTreeRestore) -> Any:
+            return ocp.PyTreeCheckpointHandler.restore(self, d, args=a)
+
+        return read_sources(step_dir, plan, abstract, restore)
 
 
 @ocp.args.register_with_handler(MaxTextLayoutHandler, for_save=True)
@@ -294,12 +281,18 @@ def plan_request(
     opt = None
     if (want_step or target.opt_state is not None) and TUNIX_OPT_ITEM in items:
         opt = read_specs(items[TUNIX_OPT_ITEM])
-    if partial:
-        target = _with_unnamed_as_aux(params, target, ignore)
     # The step number is only a fallback for a requested `step`; 0 keeps make_plan
     # satisfied for a non-numeric directory when no step is requested.
     step = int(step_dir.name) if step_dir.name.isdigit() else (None if want_step else 0)
-    plan = make_plan(params, opt, target, optimizer_mode=optimizer, step=step, ignore=ignore)
+    plan = make_plan(
+        params,
+        opt,
+        target,
+        optimizer_mode=optimizer,
+        step=step,
+        ignore=ignore,
+        unnamed="skip" if partial else "error",
+    )
     wanted = set(target.abstract)
     moves = tuple(m for m in plan.moves if m.dst in wanted)
     unread = tuple(
@@ -308,23 +301,6 @@ def plan_request(
     return dataclasses.replace(
         plan, moves=moves, drops=plan.drops + unread, step=plan.step if want_step else None
     )
-
-
-def _with_unnamed_as_aux(
-    params: Mapping[Path, LeafSpec], target: Target, ignore: Iterable[str]
-) -> Target:
-    """``target`` with every model leaf it does not name added to nnx_aux (then left unread).
-
-    Post-filtering instead of a core option: `make_plan` insists every checkpoint
-    leaf is placed, so unnamed leaves get a placeholder destination here and
-    `plan_request` removes their moves before anything is read. The adapter
-    decision is taken on the original target, as `make_plan` takes it.
-    """
-    cur, _ = R.apply(R.unwrap_value, {p: p for p in params})
-    if _has_adapter(cur, target):
-        cur, _ = R.apply(R.drop_adapter, cur)
-    extra = {p: params[s] for p, s in cur.items() if target.classify(p, ignore) is None}
-    return dataclasses.replace(target, nnx_aux={**target.nnx_aux, **extra})
 
 
 # -- load_params_from_path ----------------------------------------------------------------

@@ -81,6 +81,7 @@ def make_plan(
     optimizer_mode: OptimizerMode = "convert",
     step: int | None = None,
     ignore: Iterable[str] = (),
+    unnamed: Literal["error", "skip"] = "error",
 ) -> Plan:
     """Maps every leaf of ``model_params`` (+ ``optimizer_state``) onto the target.
 
@@ -91,6 +92,9 @@ def make_plan(
       optimizer_mode: "convert" matches the optimizer to the target; "drop" leaves it out.
       step: the directory's step number, used when there is no optimizer ``step``.
       ignore: extra glob patterns of model leaves to drop as intermediates.
+      unnamed: "error" refuses model leaves the target does not know (a conversion
+        must place every leaf); "skip" leaves them unread, reported as dropped (a
+        partial restore, e.g. params only, says nothing about the other leaves).
     """
     moves: list[Move] = []
     drops: list[Drop] = []
@@ -101,7 +105,7 @@ def make_plan(
     cur = {p: p for p in params}
     cur, _ = R.apply(R.unwrap_value, cur)
     applied.append(R.unwrap_value.name)
-    adapter = _has_adapter(cur, target)
+    adapter = has_adapter(cur, target)
     if adapter:
         cur, _ = R.apply(R.drop_adapter, cur)
         applied.append(R.drop_adapter.name)
@@ -109,7 +113,9 @@ def make_plan(
     for path, src in sorted(cur.items(), key=lambda kv: keystr(kv[0])):
         spec = params[src]
         dest = target.classify(path, ignore)
-        if dest is None:
+        if dest is None and unnamed == "skip":
+            drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, "not requested by the target"))
+        elif dest is None:
             problems.append(f"{keystr(src)}: not in the target model ({spec})")
         elif dest is Dest.DROPPED:
             drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, "sown nnx.Intermediate (not state)"))
@@ -165,7 +171,7 @@ def make_plan(
     return Plan(tuple(moves), tuple(drops), tuple(applied), step, step_source, tuple(notes))
 
 
-def _has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
+def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
     # Strip a top-level "base" only if that makes the checkpoint fit the target
     # better: a model may have a real module called "base".
     want = target.model_paths()
