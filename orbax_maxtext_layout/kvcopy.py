@@ -310,7 +310,16 @@ def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
 
     Hard links are safe because OCDBT never modifies a data file once written and
     the clone is only ever read; they fall back to copies across file systems.
+    Object stores (``gs://``) get an object-by-object copy through epath.
     """
+    if "://" in str(src):
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            if child.is_dir():
+                clone_tree(child, dst / child.name, link=False)
+            else:
+                child.copy(dst / child.name)
+        return
     for root, _, files in os.walk(str(src)):
         rel = os.path.relpath(root, str(src))
         os.makedirs(os.path.join(str(dst), rel), exist_ok=True)

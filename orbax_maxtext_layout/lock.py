@@ -33,8 +33,11 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
     A lock left by a dead process on this host (a SIGKILLed converter) is broken;
     a live owner's lock raises `StepLocked`, and the caller skips the step.
     """
-    path = os.path.join(str(step_dir), LOCK_NAME)
     me = {"pid": os.getpid(), "host": socket.gethostname()}
+    if "://" in str(step_dir):
+        yield from _object_store_lock(epath.Path(step_dir) / LOCK_NAME, me)
+        return
+    path = os.path.join(str(step_dir), LOCK_NAME)
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -60,3 +63,15 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:
+    # Object stores have no O_EXCL: best effort (check, then write). Orbax itself
+    # relies on a single writer per step there; run one converter per root on GCS.
+    if path.exists():
+        raise StepLocked(f"{path.parent}: lock file present ({path.read_text()})")
+    path.write_text(json.dumps(me))
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)

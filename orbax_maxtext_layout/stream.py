@@ -15,7 +15,7 @@ import tensorstore as ts
 from etils import epath
 
 from . import kvcopy
-from .engine import commit, new_tmp_dir
+from .engine import _du, commit, new_tmp_dir
 from .layout import TUNIX_PARAMS_ITEM
 from .plan import Move, Plan
 
@@ -109,6 +109,8 @@ def _synth_source(use_zarr3: bool):
 
 def _new_bytes(tmp: epath.Path) -> int:
     """Bytes actually written: files under ``tmp`` not hard-linked from the source."""
+    if "://" in str(tmp):
+        return _du(tmp)  # object stores have no hard links
     total = 0
     for root, _, files in os.walk(str(tmp)):
         for f in files:
