@@ -17,9 +17,11 @@ from .handler import (
     load_params_from_path,
 )
 from .layout import Layout, StepInfo, detect_layout, find_steps
+from .lock import ReadOnlyStepError, StepLocked
 from .plan import Plan, make_plan
 from .spec import LeafSpec, read_specs
 from .target import KNOWN_INTERMEDIATES, Dest, Target
+from .verify import VerifyResult, verify_step
 
 __all__ = [
     "EXAMPLES_DIR",
@@ -33,9 +35,12 @@ __all__ = [
     "MaxTextLayoutRestore",
     "MaxTextLayoutSave",
     "Plan",
+    "ReadOnlyStepError",
     "StepInfo",
+    "StepLocked",
     "StepReport",
     "Target",
+    "VerifyResult",
     "__version__",
     "convert_step",
     "converted_provenance",
@@ -47,4 +52,5 @@ __all__ = [
     "read_specs",
     "restore_as_items",
     "to_maxtext_items",
+    "verify_step",
 ]

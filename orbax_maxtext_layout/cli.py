@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -92,12 +93,24 @@ def _progress(total: int, enabled: bool):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    target = _load_target(args)
+    if args.out and (args.in_place or args.remove_legacy):
+        print(
+            "error: --out leaves the source untouched; it cannot be combined with "
+            "--in-place or --remove-legacy",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        target = _load_target(args)
+    except (LayoutMismatchError, CheckpointReadError, ImportError, AttributeError) as e:
+        print(f"error: cannot build the target: {e}", file=sys.stderr)
+        return 2
     if target is None:
         print("error: convert needs --target-from DIR or --target MODULE:FUNCTION", file=sys.stderr)
         return 2
     wanted = _parse_steps(args.steps)
-    steps = [s for s in _steps(epath.Path(args.root)) if wanted is None or s.step in wanted]
+    root = epath.Path(args.root)
+    steps = [s for s in _steps(root) if wanted is None or s.step in wanted]
     show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
     bar = _progress(sum(_step_bytes(s) for s in steps), show)
     reports, failures = [], []
@@ -112,6 +125,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 in_place=args.in_place,
                 remove_legacy=args.remove_legacy,
+                out=_dest(root, info.path, args.out),
             )
         except (LayoutMismatchError, CheckpointReadError, OSError) as e:
             failures.append((info, e))
@@ -145,6 +159,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"  {info.path}: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     return 0
+
+
+def _dest(root: epath.Path, step: epath.Path, out: str | None) -> epath.Path | None:
+    """``<out>/<step relative to root>`` (``<out>`` itself when ROOT is a step)."""
+    if out is None:
+        return None
+    rel = os.path.relpath(str(step), str(root))
+    return epath.Path(out) if rel == "." else epath.Path(out) / rel
 
 
 def _step_bytes(info: StepInfo) -> int:
@@ -270,9 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes held at once, e.g. 2GiB (peak is this plus the largest array)",
     )
     c.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write converted steps under DIR (same relative paths); the source is only "
+        "read, so it may be read-only",
+    )
+    c.add_argument(
         "--in-place",
         action="store_true",
-        help="turn the legacy items into items/ without rewriting weight bytes",
+        help="turn the legacy items into items/ without rewriting array bytes (hard links)",
     )
     c.add_argument(
         "--remove-legacy",

@@ -16,13 +16,14 @@ from .engine import TMP_SUFFIX, assemble, read_sources, source_items, write_item
 from .errors import CheckpointReadError
 from .layout import (
     MAXTEXT_ITEM,
+    STEP_METADATA,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
     read_provenance,
 )
-from .lock import StepLocked, step_lock
+from .lock import ReadOnlyStepError, StepLocked, step_lock
 from .plan import OptimizerMode, Plan, make_plan
 from .spec import read_specs, spec_of
 from .stream import DEFAULT_BUDGET, stream_items
@@ -121,29 +122,40 @@ def convert_step(
     memory_budget: int = DEFAULT_BUDGET,
     in_place: bool = False,
     remove_legacy: bool = False,
+    out: epath.PathLike | None = None,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
     The new item is written atomically beside the legacy ``model_params``/
-    ``optimizer_state``, streaming stored chunks under their new names (memory
-    stays under ``memory_budget`` plus the largest array) in the source's zarr
-    format; ``use_zarr3`` different from the source re-encodes every array.
-    ``in_place`` renames the weights' keys inside a hard-linked clone of the
-    ``model_params`` OCDBT database instead of copying them (no weight byte is
-    rewritten; the legacy files are never modified) and then removes the legacy
-    items. ``remove_legacy`` removes them after a copy too. Legacy items are only
-    removed after the new ``items`` has been verified. A step that already has
-    ``items/`` is skipped; one being converted by another live process is
-    reported as ``locked``.
+    ``optimizer_state`` (or, with ``out``, as ``<out>/items`` of a separate step
+    directory, leaving the source step entirely untouched, e.g. when it is
+    read-only). No array is decoded: the source databases are cloned into the new
+    item and grafted under their new names (see `stream.stream_items`); memory
+    stays under ``memory_budget`` plus the largest array. ``use_zarr3`` different
+    from the source re-encodes every array. ``in_place`` clones with hard links
+    (next to no bytes written; the legacy files are never modified) and then
+    removes the legacy items; ``remove_legacy`` removes them after a copy. Legacy
+    items are removed only after the new ``items`` has been verified. A step that
+    already has ``items/`` is skipped; one being converted by another live process
+    is reported as ``locked``.
 
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
       CheckpointReadError: the step is not a readable Tunix-layout step.
+      ReadOnlyStepError: the step directory cannot be written (use ``out``), or
+        ``in_place``/``remove_legacy`` were asked together with ``out``.
     """
     step_dir = epath.Path(step_dir)
+    dest = epath.Path(out) if out is not None else step_dir
+    if out is not None and (in_place or remove_legacy):
+        raise ReadOnlyStepError(
+            f"{step_dir}: in_place/remove_legacy modify the source step; they cannot be "
+            f"combined with a separate destination ({dest})."
+        )
     layout = detect_layout(step_dir)
-    if layout is Layout.MAXTEXT:
-        report = StepReport(str(step_dir), "skipped", layout.value, notes=["already has items/"])
+    if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
+        done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
+        report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
         if (in_place or remove_legacy) and not dry_run and read_provenance(step_dir):
             # Finish a run killed between its commit and the legacy removal.
             report.notes += _remove_legacy(
@@ -157,39 +169,43 @@ def convert_step(
     plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore)
     if dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
+    if out is not None:
+        _seed_destination(step_dir, dest)
     try:
-        with step_lock(step_dir):
-            if detect_layout(step_dir) is Layout.MAXTEXT:  # converted while we waited
-                return StepReport(str(step_dir), "skipped", "maxtext", notes=["already has items/"])
-            _clean_stale_tmp(step_dir)
-            report = _write(step_dir, plan, optimizer, use_zarr3, memory_budget, in_place)
+        with step_lock(dest):
+            if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
+                return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
+            _clean_stale_tmp(dest)
+            report = _write(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
             if in_place or remove_legacy:
                 report.notes += _remove_legacy(step_dir, linked=in_place)
             return report
     except StepLocked as e:
-        return StepReport(str(step_dir), "locked", layout.value, notes=[str(e)])
+        return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
 
 
-def _write(step_dir, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
-    report = StepReport.from_plan(step_dir, plan, "converted", optimizer)
-    sources = {n: d for n, d in source_items(step_dir).items() if plan.moves_from(n)}
-    sources.setdefault(TUNIX_PARAMS_ITEM, step_dir / TUNIX_PARAMS_ITEM)
-    src_zarr3 = _source_zarr3(step_dir / TUNIX_PARAMS_ITEM)
+def _seed_destination(step_dir: epath.Path, dest: epath.Path) -> None:
+    """A separate destination step starts with the source's step metadata."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (STEP_METADATA, "commit_success.txt"):
+        if (step_dir / name).exists() and not (dest / name).exists():
+            (step_dir / name).copy(dest / name)
+
+
+def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
+    report = StepReport.from_plan(dest, plan, "converted", optimizer)
+    sources = {n: d for n, d in source_items(src).items() if plan.moves_from(n)}
+    sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
+    src_zarr3 = _source_zarr3(src / TUNIX_PARAMS_ITEM)
+    prov = _provenance(report) | ({"source": str(src)} if src != dest else {})
     if use_zarr3 is None or use_zarr3 == src_zarr3:
         report.bytes_written = stream_items(
-            step_dir,
-            plan,
-            sources,
-            provenance=_provenance(report),
-            budget=budget,
-            in_place=in_place,
+            dest, plan, sources, provenance=prov, budget=budget, in_place=in_place
         )
     else:  # a format change re-encodes everything anyway
         report.notes.append(f"re-encoded as {'zarr3' if use_zarr3 else 'zarr2'}")
-        tree = assemble(plan, read_sources(step_dir, plan))
-        report.bytes_written = write_items(
-            step_dir, tree, use_zarr3=use_zarr3, provenance=_provenance(report)
-        )
+        tree = assemble(plan, read_sources(src, plan))
+        report.bytes_written = write_items(dest, tree, use_zarr3=use_zarr3, provenance=prov)
     return report
 
 

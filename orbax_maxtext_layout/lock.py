@@ -18,6 +18,10 @@ class StepLocked(RuntimeError):
     """Another live process holds the step's lock."""
 
 
+class ReadOnlyStepError(OSError):
+    """The step directory cannot be written; convert to a separate destination instead."""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -38,24 +42,17 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
         yield from _object_store_lock(epath.Path(step_dir) / LOCK_NAME, me)
         return
     path = os.path.join(str(step_dir), LOCK_NAME)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                owner = json.loads(open(path).read() or "{}")
-            except (OSError, ValueError):
-                owner = {}
-            if owner.get("host") == me["host"] and owner.get("pid") and not _alive(owner["pid"]):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # stale: its owner died mid-conversion
-                continue
-            raise StepLocked(
-                f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
-            ) from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        break
+    for _ in range(2):  # a second try after breaking a stale lock
+        if _create(path, me, step_dir):
+            break
+        owner = _owner(path)
+        if owner.get("host") == me["host"] and owner.get("pid") and not _alive(owner["pid"]):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # stale: its owner died mid-conversion
+            continue
+        raise StepLocked(
+            f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
+        )
     else:
         raise StepLocked(f"{step_dir}: lock contended")
     try:
@@ -63,6 +60,32 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
+    """Creates the lock file; False if it already exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ReadOnlyStepError(
+                f"{step_dir}: read-only ({e.strerror}); nothing was written. Convert to a "
+                "separate destination instead (out= / --out DIR)."
+            ) from e
+        raise
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    return True
+
+
+def _owner(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return {}
 
 
 def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:

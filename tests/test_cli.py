@@ -225,3 +225,23 @@ def test_peak_memory_stays_under_budget_plus_largest_array(tmp_path, use_ocdbt):
     slack = 48 << 20  # allocator and tensorstore thread arenas
     assert used <= budget + max(sizes) + slack, (used >> 20, max(sizes) >> 20)
     assert detect_layout(step) is Layout.MAXTEXT and verify_step(step).ok
+
+
+def test_out_writes_a_separate_destination_and_leaves_the_source_alone(tmp_path):
+    root = _run_root(tmp_path)
+    before = tree_digest(root)
+    out = tmp_path / "converted"
+    cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), "-q")
+    assert tree_digest(root) == before
+    for rel in ("actor/2", "actor/3", "critic/4"):
+        assert detect_layout(out / rel) is Layout.MAXTEXT
+        meta = json.loads((out / rel / "_CHECKPOINT_METADATA").read_text())
+        assert meta["custom_metadata"]["orbax_maxtext_layout"]["source"] == str(root / rel)
+    again = cli(
+        "convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), "--json"
+    )
+    assert {r["status"] for r in json.loads(again.stdout)} == {"skipped"}
+    res = cli(
+        "convert", str(root), "--target-from", "x", "--out", str(out), "--in-place", check_rc=2
+    )
+    assert "--in-place" in res.stderr
