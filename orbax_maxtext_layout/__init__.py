@@ -19,6 +19,16 @@ from .handler import (
 from .layout import Layout, StepInfo, detect_layout, find_steps
 from .lock import ReadOnlyStepError, StepLocked
 from .plan import Plan, make_plan
+from .scan import (
+    SCAN_GROUPS,
+    StackReport,
+    scan_axes,
+    stack,
+    stack_target,
+    unroll,
+    unroll_target,
+    unstack_layer,
+)
 from .spec import LeafSpec, read_specs
 from .target import KNOWN_INTERMEDIATES, Dest, Target
 from .verify import VerifyResult, verify_step
@@ -26,6 +36,7 @@ from .verify import VerifyResult, verify_step
 __all__ = [
     "EXAMPLES_DIR",
     "KNOWN_INTERMEDIATES",
+    "SCAN_GROUPS",
     "CheckpointReadError",
     "Dest",
     "Layout",
@@ -36,6 +47,7 @@ __all__ = [
     "MaxTextLayoutSave",
     "Plan",
     "ReadOnlyStepError",
+    "StackReport",
     "StepInfo",
     "StepLocked",
     "StepReport",
@@ -51,6 +63,12 @@ __all__ = [
     "plan_step",
     "read_specs",
     "restore_as_items",
+    "scan_axes",
+    "stack",
+    "stack_target",
     "to_maxtext_items",
+    "unroll",
+    "unroll_target",
+    "unstack_layer",
     "verify_step",
 ]

@@ -93,6 +93,9 @@ def _progress(total: int, enabled: bool):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.rescan and args.in_place:
+        print("error: --unroll/--stack re-slice every array; --in-place cannot", file=sys.stderr)
+        return 2
     if args.out and (args.in_place or args.remove_legacy):
         print(
             "error: --out leaves the source untouched; it cannot be combined with "
@@ -126,6 +129,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 in_place=args.in_place,
                 remove_legacy=args.remove_legacy,
                 out=_dest(root, info.path, args.out),
+                rescan=args.rescan,
             )
         except (LayoutMismatchError, CheckpointReadError, OSError) as e:
             failures.append((info, e))
@@ -290,6 +294,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BUDGET,
         metavar="SIZE",
         help="bytes held at once, e.g. 2GiB (peak is this plus the largest array)",
+    )
+    form = c.add_mutually_exclusive_group()
+    form.add_argument(
+        "--unroll",
+        dest="rescan",
+        action="store_const",
+        const="unroll",
+        help="write the unscanned form (layers_<i>); the target is unscanned",
+    )
+    form.add_argument(
+        "--stack",
+        dest="rescan",
+        action="store_const",
+        const="stack",
+        help="write the scanned form (layers); the target is scanned",
     )
     c.add_argument(
         "--out",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
 
 import jax
 from etils import epath
 
-from ._tree import flatten, keystr, norm_key
+from ._tree import Path, flatten, keystr, norm_key
 from ._version import __version__
 from .engine import TMP_SUFFIX, assemble, read_sources, source_items, write_items
 from .errors import CheckpointReadError
@@ -25,6 +25,7 @@ from .layout import (
 )
 from .lock import ReadOnlyStepError, StepLocked, step_lock
 from .plan import OptimizerMode, Plan, make_plan
+from .rescan import plan_rescan, write_pieces
 from .spec import read_specs, spec_of
 from .stream import DEFAULT_BUDGET, stream_items
 from .target import Target
@@ -101,6 +102,8 @@ def plan_step(
     *,
     optimizer: OptimizerMode = "convert",
     ignore: Iterable[str] = (),
+    unnamed: Literal["error", "skip"] = "error",
+    allow_missing: Callable[[Path], bool] | None = None,
 ) -> Plan:
     """Plans the conversion of one Tunix-layout step from Orbax metadata alone."""
     step_dir = epath.Path(step_dir)
@@ -108,7 +111,16 @@ def plan_step(
     params = read_specs(items[TUNIX_PARAMS_ITEM])
     opt = read_specs(items[TUNIX_OPT_ITEM]) if TUNIX_OPT_ITEM in items else None
     step = int(step_dir.name) if step_dir.name.isdigit() else None
-    return make_plan(params, opt, target, optimizer_mode=optimizer, step=step, ignore=ignore)
+    return make_plan(
+        params,
+        opt,
+        target,
+        optimizer_mode=optimizer,
+        step=step,
+        ignore=ignore,
+        unnamed=unnamed,
+        allow_missing=allow_missing,
+    )
 
 
 def convert_step(
@@ -123,6 +135,7 @@ def convert_step(
     in_place: bool = False,
     remove_legacy: bool = False,
     out: epath.PathLike | None = None,
+    rescan: Literal["unroll", "stack"] | None = None,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
@@ -137,7 +150,9 @@ def convert_step(
     removes the legacy items; ``remove_legacy`` removes them after a copy. Legacy
     items are removed only after the new ``items`` has been verified. A step that
     already has ``items/`` is skipped; one being converted by another live process
-    is reported as ``locked``.
+    is reported as ``locked``. ``rescan="unroll"``/``"stack"`` writes the other scan
+    form (the target is given in that form; see `rescan`), re-slicing each array
+    on its own layer axis, one array at a time.
 
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
@@ -166,7 +181,12 @@ def convert_step(
         raise CheckpointReadError(
             f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
         )
-    plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore)
+    if rescan is not None:
+        if in_place:
+            raise ValueError("in_place cannot change the scan form: every array is re-sliced")
+        plan, pieces = plan_rescan(step_dir, target, rescan, optimizer=optimizer, ignore=ignore)
+    else:
+        plan, pieces = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore), None
     if dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
     if out is not None:
@@ -176,7 +196,15 @@ def convert_step(
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
             _clean_stale_tmp(dest)
-            report = _write(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
+            if pieces is not None:
+                report = StepReport.from_plan(dest, plan, "converted", optimizer)
+                report.notes.append(f"{len(pieces)} arrays written in {rescan}ed form")
+                casts = {m.dst: m.cast for m in plan.moves if m.cast is not None}
+                report.bytes_written = write_pieces(
+                    step_dir, dest, plan, pieces, provenance=_provenance(report), cast=casts
+                )
+            else:
+                report = _write(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
             if in_place or remove_legacy:
                 report.notes += _remove_legacy(step_dir, linked=in_place)
             return report

@@ -30,6 +30,7 @@ ARRAY_METADATA_FILE = "array_metadatas/process_0"
 # Source databases are cloned under the new item with this prefix, like Orbax's
 # own per-process sub-databases (which it also grafts into the root database).
 CHILD_PREFIX = "ocdbt.src_"
+_SINGLE_DEVICE = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": "cpu:0"})
 
 
 def ts_context() -> ts.Context:
@@ -263,6 +264,13 @@ def write_metadata(
             shardings[base64.urlsafe_b64encode(dname.encode()).decode()] = src.shardings[sname]
         am = dict(src.array_meta.get(sname) or _default_array_meta(m))
         am["param_name"] = dname
+        vm = tree[str(tuple(str(k) for k in m.dst))]["value_metadata"]
+        if list(m.spec.shape) != list(am.get("write_shape") or m.spec.shape):
+            # Re-sliced by a scan change: one chunk of the new shape, and no sharding
+            # to carry over (the source's has another rank).
+            am.update(write_shape=list(m.spec.shape), chunk_shape=list(m.spec.shape))
+            vm["write_shape"] = list(m.spec.shape)
+            shardings[base64.urlsafe_b64encode(dname.encode()).decode()] = _SINGLE_DEVICE
         arrays.append({"array_metadata": am})
     for g in gaps:
         tree[str(tuple(str(k) for k in g))] = {
@@ -332,3 +340,19 @@ def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
                 except OSError:
                     pass
             shutil.copyfile(a, b)
+
+
+def write_array(dst_spec: dict, name: str, data: np.ndarray, *, use_zarr3: bool, context) -> None:
+    """Writes one re-sliced array as a zarr array (one chunk, zstd) under ``name``."""
+    shape = list(data.shape)
+    if use_zarr3:
+        meta = {
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shape}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+        }
+    else:
+        meta = {"chunks": shape, "compressor": {"id": "zstd", "level": 1}}
+    spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": sub_kv(dst_spec, name)}
+    spec["metadata"] = {**meta, "shape": shape}
+    store = ts.open(spec, create=True, dtype=ts.dtype(data.dtype.name), context=context).result()
+    store.write(data).result()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 import numpy as np
@@ -82,6 +82,7 @@ def make_plan(
     step: int | None = None,
     ignore: Iterable[str] = (),
     unnamed: Literal["error", "skip"] = "error",
+    allow_missing: Callable[[Path], bool] | None = None,
 ) -> Plan:
     """Maps every leaf of ``model_params`` (+ ``optimizer_state``) onto the target.
 
@@ -95,6 +96,9 @@ def make_plan(
       unnamed: "error" refuses model leaves the target does not know (a conversion
         must place every leaf); "skip" leaves them unread, reported as dropped (a
         partial restore, e.g. params only, says nothing about the other leaves).
+      allow_missing: target model leaves for which it returns True may be absent
+        from the checkpoint (e.g. per-layer copies of a shared RNG stream when
+        stacking); each is listed in the plan's notes.
     """
     moves: list[Move] = []
     drops: list[Drop] = []
@@ -127,6 +131,9 @@ def make_plan(
             moves.append(Move(TUNIX_PARAMS_ITEM, src, root + path, dest, spec))
     for path in sorted(target.model_paths() - set(cur), key=keystr):
         want = target.params.get(path) or target.nnx_aux.get(path)
+        if allow_missing is not None and allow_missing(path):
+            notes.append(f"{keystr(path)}: not in the checkpoint (allowed; initialised fresh)")
+            continue
         problems.append(f"{keystr(path)}: expected by the target ({want}), missing in checkpoint")
     if problems:
         raise LayoutMismatchError(

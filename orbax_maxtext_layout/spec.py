@@ -63,13 +63,13 @@ def spec_of(x: Any) -> LeafSpec:
 
 
 def _impl_of_dtype(dtype: Any) -> Any:
-    return dtype._impl  # the only public-ish handle on a key dtype's implementation
+    return dtype._impl  # the only handle on a key dtype's implementation
 
 
 def _impl_name(impl: Any) -> str:
-    name = str(impl)
-    # jax prints PRNGImpl as e.g. "PRNGImpl(threefry2x32)" or plain "threefry2x32".
-    return name[name.find("(") + 1 : name.rfind(")")] if "(" in name else name
+    # PRNGImpl.name is the registered name ("threefry2x32") that Orbax records as
+    # random_key_impl; str() of a dtype's impl is only its short tag ("fry").
+    return getattr(impl, "name", None) or str(impl)
 
 
 def key_impls(item_dir: epath.Path) -> dict[str, str]:

@@ -1,0 +1,166 @@
+"""``convert --unroll`` / ``--stack``: the other scan form, written from the real fixtures."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, tree_digest
+from etils import epath
+from test_cli import cli
+
+from orbax_maxtext_layout import (
+    LayoutMismatchError,
+    LeafSpec,
+    Target,
+    convert_step,
+    read_specs,
+    scan_axes,
+    unroll_target,
+)
+from orbax_maxtext_layout._tree import flatten, norm_key
+
+
+def _restore(d) -> dict:
+    tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(d))
+    flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))
+    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
+
+
+def _raw(x) -> np.ndarray:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
+def _full(t: Target) -> dict:
+    out = {("params", "params", *p): s for p, s in t.params.items()}
+    out |= {("nnx_aux", "model", *p): s for p, s in t.nnx_aux.items()}
+    return out | {("opt_state", *p): s for p, s in (t.opt_state or {}).items()}
+
+
+def test_unroll_writes_the_unscanned_tree_slicing_each_leaf_on_its_own_axis(tmp_path):
+    scanned = Target.from_checkpoint(MAXTEXT_NATIVE)
+    target = unroll_target(scanned)
+    step = copy_fixture(RL_ACTOR_STEPS["tunix017_rl"], tmp_path)
+    before = tree_digest(step, exclude=("_CHECKPOINT_METADATA",))
+    report = convert_step(step, target, rescan="unroll")
+    assert "unroll" in report.rules
+    assert read_specs(step / "items") == _full(target) | {
+        ("step",): LeafSpec((), np.dtype("int32"))
+    }
+    converted = convert_step(copy_fixture(RL_ACTOR_STEPS["tunix017_rl"], tmp_path / "b"), scanned)
+    assert converted.status == "converted"
+    stacked = _restore(tmp_path / "b" / RL_ACTOR_STEPS["tunix017_rl"] / "items")
+    got = _restore(step / "items")
+    axes = scan_axes(scanned)
+    checked = 0
+    for p, x in stacked.items():
+        a = axes.get(p)
+        if a is None:
+            assert _raw(got[p]).tobytes() == _raw(x).tobytes(), p
+            continue
+        for i in range(3):  # Params on axis 1, RNG counts (L,) and keys (L, 2) on axis 0
+            q = tuple(f"layers_{i}" if k == "layers" else k for k in p)
+            assert _raw(got[q]).tobytes() == np.take(_raw(x), i, axis=a).tobytes(), q
+            checked += 1
+    assert checked == 3 * (9 + 18 + 9 + 9)  # params, RNG, mu, nu leaves in the block
+    for p, x in got.items():
+        if p[-1] == "key":
+            assert jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key), p
+    assert tree_digest(step, exclude=("_CHECKPOINT_METADATA", "items")) == before
+
+
+def test_stack_writes_the_scanned_tree_and_reports_fresh_rng(tmp_path):
+    target = Target.from_checkpoint(MAXTEXT_NATIVE).without_optimizer()
+    step = copy_fixture("tunix017/dpo_run/checkpoints/1", tmp_path)
+    report = convert_step(step, target, rescan="stack", optimizer="drop")
+    want = {p: s for p, s in read_specs(MAXTEXT_NATIVE / "items").items() if p[0] != "opt_state"}
+    assert read_specs(step / "items") == want
+    fresh = [n for n in report.notes if "initialised fresh" in n]
+    # The unscanned model stores the attention RNG once (layer 0) and has no decoder/rngs.
+    assert len(fresh) == 12 + 6
+    src = _restore(step / "model_params")
+    got = _restore(step / "items")
+    for i in range(3):
+        w = src[("base", "decoder", f"layers_{i}", "mlp", "wo", "kernel", "value")]
+        assert np.array_equal(
+            np.asarray(got[("params", "params", "decoder", "layers", "mlp", "wo", "kernel")])[
+                :, i, :
+            ],
+            np.asarray(w),
+        )
+    c0 = src[
+        (
+            "base",
+            "decoder",
+            "layers_0",
+            "self_attention",
+            "attention_op",
+            "rngs",
+            "aqt",
+            "count",
+            "value",
+        )
+    ]
+    stacked = got[
+        (
+            "nnx_aux",
+            "model",
+            "decoder",
+            "layers",
+            "self_attention",
+            "attention_op",
+            "rngs",
+            "aqt",
+            "count",
+        )
+    ]
+    assert int(stacked[0]) == int(c0) and list(np.asarray(stacked[1:])) == [0, 0]
+
+
+def test_unroll_with_the_wrong_model_is_refused(tmp_path):
+    step = copy_fixture(RL_ACTOR_STEPS["tunix017_rl"], tmp_path)
+    target = unroll_target(Target.from_checkpoint(MAXTEXT_NATIVE), num_layers=None)
+    bad = Target(
+        {p: s for p, s in target.params.items() if "wo" not in p},
+        target.nnx_aux,
+        target.opt_state,
+        abstract={k: v for k, v in target.abstract.items() if "wo" not in k},
+    )
+    with pytest.raises(LayoutMismatchError) as e:
+        convert_step(step, bad, rescan="unroll", optimizer="drop")
+    assert any("wo" in p for p in e.value.problems)
+    assert not (step / "items").exists()
+
+
+def test_cli_unroll_on_the_shipped_example(tmp_path):
+    import shutil
+
+    from orbax_maxtext_layout import EXAMPLES_DIR
+
+    run = tmp_path / "run"
+    shutil.copytree(EXAMPLES_DIR / "tunix_rl_run", run)
+    target = tmp_path / "unscanned.py"
+    target.write_text(
+        "import orbax_maxtext_layout as o\n"
+        "def target():\n"
+        f"    return o.unroll_target(o.Target.from_checkpoint({str(EXAMPLES_DIR / 'maxtext_run/checkpoints/2')!r}))\n"
+    )
+    res = cli(
+        "convert",
+        str(run / "checkpoints"),
+        "--target",
+        "unscanned:target",
+        "--unroll",
+        "--json",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    (report,) = json.loads(res.stdout)
+    assert report["status"] == "converted" and "unroll" in report["rules"]
+    assert ("params", "params", "decoder", "layers_2", "mlp", "wo", "kernel") in read_specs(
+        run / "checkpoints/actor/2/items"
+    )
