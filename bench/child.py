@@ -13,6 +13,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def _vm_hwm_kib() -> int:
+    """This process's own peak RSS. ru_maxrss is inherited across fork+exec on
+    Linux (a child starts at its parent's high-water mark), VmHWM is not."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _du(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -62,7 +72,7 @@ def main() -> None:
             report = convert_step(step, target, memory_budget=budget, in_place=(mode == "inplace"))
             written = report.bytes_written
         wall = time.perf_counter() - t
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss = _vm_hwm_kib()
     print(json.dumps({"mode": mode, "wall": wall, "peak_rss_kib": rss, "written": written}))
     if mode == "cp":
         shutil.rmtree(out)

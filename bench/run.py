@@ -61,14 +61,24 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    import synth
-
     budget = _size(args.budget)
     rows = []
     for size in args.sizes:
         with tempfile.TemporaryDirectory(prefix="omtl-bench-") as tmp:
             work = Path(tmp)
-            src = synth.make_step(work / "src", 3, _size(size))
+            # Built in a child: a parent that held the arrays would hand its RSS
+            # high-water mark to every measured child (ru_maxrss survives exec).
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    f"import sys; sys.path.insert(0, {str(HERE)!r}); import synth; "
+                    f"synth.make_step(__import__('pathlib').Path({str(work / 'src')!r}), 3, {_size(size)})",
+                ],
+                check=True,
+                capture_output=True,
+            )
+            src = work / "src" / "actor" / "3"
             step_bytes = _du(src)
             weights = sum(
                 s.nbytes

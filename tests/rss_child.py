@@ -1,7 +1,6 @@
 """Run by test_cli in a fresh process: convert one step, print peak RSS (KiB) as JSON."""
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -11,9 +10,20 @@ import synth
 
 from orbax_maxtext_layout import convert_step, plan_step
 
+
+def _vm_hwm_kib() -> int:
+    """This process's own peak RSS. ru_maxrss is inherited across fork+exec on
+    Linux (a child starts at its parent's high-water mark), VmHWM is not."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 mode, step, budget = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 target = synth.target_for(step)
 plan_step(step, target)  # both modes pay for planning
 if mode == "convert":
     convert_step(step, target, memory_budget=budget)
-print(json.dumps({"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"peak_rss_kib": _vm_hwm_kib()}))
