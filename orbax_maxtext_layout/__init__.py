@@ -18,6 +18,7 @@ from .handler import (
 )
 from .layout import Layout, StepInfo, detect_layout, find_steps
 from .lock import ReadOnlyStepError, StepLocked
+from .manager import TUNIX_STEP_KEY, CheckpointManager
 from .plan import Plan, make_plan
 from .scan import (
     SCAN_GROUPS,
@@ -37,6 +38,8 @@ __all__ = [
     "EXAMPLES_DIR",
     "KNOWN_INTERMEDIATES",
     "SCAN_GROUPS",
+    "TUNIX_STEP_KEY",
+    "CheckpointManager",
     "CheckpointReadError",
     "Dest",
     "Layout",

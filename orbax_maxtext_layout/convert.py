@@ -22,6 +22,7 @@ from .layout import (
     Layout,
     detect_layout,
     read_provenance,
+    read_step_metadata,
 )
 from .lock import ReadOnlyStepError, StepLocked, step_lock
 from .plan import OptimizerMode, Plan, make_plan
@@ -110,7 +111,7 @@ def plan_step(
     items = source_items(step_dir)
     params = read_specs(items[TUNIX_PARAMS_ITEM])
     opt = read_specs(items[TUNIX_OPT_ITEM]) if TUNIX_OPT_ITEM in items else None
-    step = int(step_dir.name) if step_dir.name.isdigit() else None
+    step = _tunix_step_number(step_dir)
     return make_plan(
         params,
         opt,
@@ -121,6 +122,16 @@ def plan_step(
         unnamed=unnamed,
         allow_missing=allow_missing,
     )
+
+
+def _tunix_step_number(step_dir: epath.Path) -> int | None:
+    """The Tunix step number: recorded by the manager when it moved the step, else the name."""
+    from .manager import TUNIX_STEP_KEY
+
+    custom = read_step_metadata(step_dir).get("custom_metadata") or {}
+    if isinstance(custom.get(TUNIX_STEP_KEY), int):
+        return custom[TUNIX_STEP_KEY]
+    return int(step_dir.name) if step_dir.name.isdigit() else None
 
 
 def convert_step(

@@ -34,10 +34,18 @@ _SINGLE_DEVICE = json.dumps({"sharding_type": "SingleDeviceSharding", "device_st
 
 
 def ts_context() -> ts.Context:
-    """Orbax's OCDBT context: cross-database grafts need the shared file kvstore it defines."""
+    """Orbax's OCDBT context (the graft needs the shared resources it names), without caches.
+
+    Every byte is read once and written once, so a cache only costs memory: Orbax's
+    100 MB OCDBT cache would sit on top of the memory budget.
+    """
     from orbax.checkpoint._src.serialization import tensorstore_utils as tu
 
-    return tu.get_ts_context(use_ocdbt=True)
+    spec = tu.get_ts_context(use_ocdbt=True).spec.to_json()
+    for name in list(spec):
+        if name.startswith("cache_pool"):
+            spec[name] = {"total_bytes_limit": 0}
+    return ts.Context(spec)
 
 
 def open_ocdbt(item_dir: epath.Path, context: ts.Context, *, merge: bool = False) -> ts.KvStore:
@@ -161,6 +169,33 @@ def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> 
         )
 
 
+def _release_large_buffers() -> None:
+    """Make glibc return large freed buffers to the OS at once.
+
+    glibc raises its mmap threshold after freeing a large block (up to 32 MiB), so
+    later chunk-sized buffers come from the heap and stay resident: copying many
+    multi-MiB chunks then grows RSS far past the budget. A fixed 1 MiB threshold
+    keeps every chunk buffer in its own mapping. No-op off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    global _TUNED
+    if _TUNED:
+        return
+    _TUNED = True
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+_TUNED = False
+
+
 def copy_chunks(
     moves: Sequence[Move],
     sources: Mapping[str, SourceItem],
@@ -170,9 +205,14 @@ def copy_chunks(
 ) -> int:
     """Copies the stored keys of each moved array under its new name; returns bytes written.
 
-    Reads are batched so that at most ``budget`` bytes (plus one array, if a
-    single array is larger) are held at once.
+    Reads are batched so that at most ``budget`` bytes of stored values are read
+    ahead; an array larger than that is copied alone. While a value is in flight
+    it exists as the bytes read and as tensorstore's write buffer, so the peak is
+    about ``budget`` plus two to three times the largest stored array.
     """
+    if not moves:
+        return 0
+    _release_large_buffers()
     written = 0
     batch: list[tuple[Move, list[bytes]]] = []
     held = 0

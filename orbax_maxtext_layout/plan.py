@@ -174,7 +174,9 @@ def make_plan(
                 "No optimizer step in the checkpoint and no step number given.",
                 hint="Pass step=<n> (the step directory's number).",
             )
-        notes.append(f"step {step} taken from the directory name (no optimizer_state/step)")
+        notes.append(f"step {step} taken from the step directory (no optimizer_state/step)")
+        if target.opt_state is not None and optimizer is None:
+            notes.append("the step has no optimizer_state: no opt_state is written")
     return Plan(tuple(moves), tuple(drops), tuple(applied), step, step_source, tuple(notes))
 
 

@@ -54,7 +54,7 @@ def stream_items(
             child_dir = tmp / f"{kvcopy.CHILD_PREFIX}{name}"
             kvcopy.clone_tree(sources[name].dir, child_dir, link=in_place)
             children[name] = kvcopy.open_ocdbt(child_dir, ctx)
-        parent = kvcopy.open_ocdbt(tmp, ctx, merge=True)
+        parent = kvcopy.open_ocdbt(tmp, ctx, merge=bool(graft))
         kvcopy.graft([m for m in raw if m.item in graft], children, parent)
         kvcopy.copy_chunks([m for m in raw if m.item not in graft], sources, parent, budget=budget)
         dst_json = parent.spec().to_json()

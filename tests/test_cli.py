@@ -223,7 +223,14 @@ def test_peak_memory_stays_under_budget_plus_largest_array(tmp_path, use_ocdbt):
     base = peak("plan")
     used = peak("convert") - base
     slack = 48 << 20  # allocator and tensorstore thread arenas
-    assert used <= budget + max(sizes) + slack, (used >> 20, max(sizes) >> 20)
+    if use_ocdbt:
+        # Grafting copies files and B-tree references: no array is ever in memory.
+        assert used <= slack, used >> 20
+    else:
+        # Chunk copy: a batch of at most `budget`, and the largest array in flight
+        # as the bytes read plus tensorstore's write buffers.
+        assert used <= budget + 3 * max(sizes) + slack, (used >> 20, max(sizes) >> 20)
+    assert used < sum(sizes) // 2  # far below holding the step
     assert detect_layout(step) is Layout.MAXTEXT and verify_step(step).ok
 
 
