@@ -105,13 +105,21 @@ def plan_step(
     ignore: Iterable[str] = (),
     unnamed: Literal["error", "skip"] = "error",
     allow_missing: Callable[[Path], bool] | None = None,
+    read_optimizer: bool = True,
 ) -> Plan:
-    """Plans the conversion of one Tunix-layout step from Orbax metadata alone."""
+    """Plans the conversion of one Tunix-layout step from Orbax metadata alone.
+
+    ``read_optimizer=False`` never opens ``optimizer_state`` (a params-only restore);
+    the plan's step then falls back to the step number, or 0 if the directory has none.
+    """
     step_dir = epath.Path(step_dir)
     items = source_items(step_dir)
     params = read_specs(items[TUNIX_PARAMS_ITEM])
-    opt = read_specs(items[TUNIX_OPT_ITEM]) if TUNIX_OPT_ITEM in items else None
+    read_opt = read_optimizer and TUNIX_OPT_ITEM in items
+    opt = read_specs(items[TUNIX_OPT_ITEM]) if read_opt else None
     step = _tunix_step_number(step_dir)
+    if step is None and not read_optimizer:
+        step = 0
     return make_plan(
         params,
         opt,

@@ -20,17 +20,17 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ._tree import FlatTree, Path, flatten, keystr, norm_key, unflatten
-from .engine import assemble, read_sources, source_items
+from .convert import plan_step
+from .engine import assemble, read_sources
 from .errors import CheckpointReadError, LayoutMismatchError
 from .layout import (
     MAXTEXT_ITEM,
-    TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
     step_dir_of,
 )
-from .plan import Drop, OptimizerMode, Plan, make_plan
+from .plan import Drop, OptimizerMode, Plan
 from .spec import read_specs, spec_of
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
 
@@ -275,23 +275,14 @@ def plan_request(
     skipped (a params-only target says nothing about nnx_aux); requested leaves
     must still exist with the requested shape and dtype.
     """
-    items = source_items(step_dir)
-    params = read_specs(items[TUNIX_PARAMS_ITEM])
     want_step = STEP_PATH in target.abstract
-    opt = None
-    if (want_step or target.opt_state is not None) and TUNIX_OPT_ITEM in items:
-        opt = read_specs(items[TUNIX_OPT_ITEM])
-    # The step number is only a fallback for a requested `step`; 0 keeps make_plan
-    # satisfied for a non-numeric directory when no step is requested.
-    step = int(step_dir.name) if step_dir.name.isdigit() else (None if want_step else 0)
-    plan = make_plan(
-        params,
-        opt,
+    plan = plan_step(
+        step_dir,
         target,
-        optimizer_mode=optimizer,
-        step=step,
+        optimizer=optimizer,
         ignore=ignore,
         unnamed="skip" if partial else "error",
+        read_optimizer=want_step or target.opt_state is not None,
     )
     wanted = set(target.abstract)
     moves = tuple(m for m in plan.moves if m.dst in wanted)

@@ -46,6 +46,28 @@ def tree_digest(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
     return out
 
 
+def restore_flat(item_dir) -> dict:
+    """Stock Orbax restore of a whole item, flattened to ``{path: array}``."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    from orbax_maxtext_layout._tree import flatten, norm_key
+
+    tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(item_dir))
+    flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))
+    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
+
+
+def raw(x):
+    """An array's stored values as numpy; typed PRNG keys as their uint32 data."""
+    import jax
+    import numpy as np
+
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
 @pytest.fixture
 def maxtext_target():
     from orbax_maxtext_layout import Target

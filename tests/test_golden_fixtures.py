@@ -6,10 +6,16 @@ import json
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, SFT_STEPS, copy_fixture, tree_digest
-from etils import epath
+from conftest import (
+    MAXTEXT_NATIVE,
+    RL_ACTOR_STEPS,
+    SFT_STEPS,
+    copy_fixture,
+    raw,
+    restore_flat,
+    tree_digest,
+)
 
 from orbax_maxtext_layout import (
     Layout,
@@ -20,20 +26,6 @@ from orbax_maxtext_layout import (
     detect_layout,
     read_specs,
 )
-from orbax_maxtext_layout._tree import flatten, norm_key
-
-
-def _restore(path) -> dict:
-    """Stock Orbax restore of a whole item, flattened to ``{path: array}``."""
-    tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(path))
-    flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
-
-
-def _raw(x) -> np.ndarray:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x)
 
 
 def _expected_items(step_dir) -> dict:
@@ -44,12 +36,12 @@ def _expected_items(step_dir) -> dict:
     'base' removed after mu/nu and every trailing 'value' removed.
     """
     out = {}
-    for p, v in _restore(step_dir / "model_params").items():
+    for p, v in restore_flat(step_dir / "model_params").items():
         assert p[-1] == "value" and p[0] == "base"
         model_path = p[1:-1]
         root = ("nnx_aux", "model") if "rngs" in model_path else ("params", "params")
         out[root + model_path] = v
-    for p, v in _restore(step_dir / "optimizer_state").items():
+    for p, v in restore_flat(step_dir / "optimizer_state").items():
         assert p[-1] == "value"
         p = p[:-1]
         if p == ("step",):
@@ -72,11 +64,11 @@ def test_rl_actor_steps_convert_to_the_maxtext_tree_bit_identically(name, tmp_pa
     # The converted tree equals the target's tree: paths, stored shapes, dtypes, key impls.
     assert read_specs(step / "items") == read_specs(MAXTEXT_NATIVE / "items")
     # Every value is bit-identical to the source, and keys are typed.
-    got = _restore(step / "items")
+    got = restore_flat(step / "items")
     want = _expected_items(step)
     assert set(got) == set(want)
     for p, v in want.items():
-        assert _raw(got[p]).tobytes() == _raw(v).tobytes(), p
+        assert raw(got[p]).tobytes() == raw(v).tobytes(), p
         if p[-1] == "key":
             assert jax.dtypes.issubdtype(got[p].dtype, jax.dtypes.prng_key), p
     assert got[("step",)].dtype == np.int32

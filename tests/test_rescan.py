@@ -6,10 +6,15 @@ import json
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, tree_digest
-from etils import epath
+from conftest import (
+    MAXTEXT_NATIVE,
+    RL_ACTOR_STEPS,
+    copy_fixture,
+    raw,
+    restore_flat,
+    tree_digest,
+)
 from test_cli import cli
 
 from orbax_maxtext_layout import (
@@ -21,19 +26,6 @@ from orbax_maxtext_layout import (
     scan_axes,
     unroll_target,
 )
-from orbax_maxtext_layout._tree import flatten, norm_key
-
-
-def _restore(d) -> dict:
-    tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(d))
-    flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
-
-
-def _raw(x) -> np.ndarray:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x)
 
 
 def _full(t: Target) -> dict:
@@ -54,18 +46,18 @@ def test_unroll_writes_the_unscanned_tree_slicing_each_leaf_on_its_own_axis(tmp_
     }
     converted = convert_step(copy_fixture(RL_ACTOR_STEPS["tunix017_rl"], tmp_path / "b"), scanned)
     assert converted.status == "converted"
-    stacked = _restore(tmp_path / "b" / RL_ACTOR_STEPS["tunix017_rl"] / "items")
-    got = _restore(step / "items")
+    stacked = restore_flat(tmp_path / "b" / RL_ACTOR_STEPS["tunix017_rl"] / "items")
+    got = restore_flat(step / "items")
     axes = scan_axes(scanned)
     checked = 0
     for p, x in stacked.items():
         a = axes.get(p)
         if a is None:
-            assert _raw(got[p]).tobytes() == _raw(x).tobytes(), p
+            assert raw(got[p]).tobytes() == raw(x).tobytes(), p
             continue
         for i in range(3):  # Params on axis 1, RNG counts (L,) and keys (L, 2) on axis 0
             q = tuple(f"layers_{i}" if k == "layers" else k for k in p)
-            assert _raw(got[q]).tobytes() == np.take(_raw(x), i, axis=a).tobytes(), q
+            assert raw(got[q]).tobytes() == np.take(raw(x), i, axis=a).tobytes(), q
             checked += 1
     assert checked == 3 * (9 + 18 + 9 + 9)  # params, RNG, mu, nu leaves in the block
     for p, x in got.items():
@@ -83,8 +75,8 @@ def test_stack_writes_the_scanned_tree_and_reports_fresh_rng(tmp_path):
     fresh = [n for n in report.notes if "initialised fresh" in n]
     # The unscanned model stores the attention RNG once (layer 0) and has no decoder/rngs.
     assert len(fresh) == 12 + 6
-    src = _restore(step / "model_params")
-    got = _restore(step / "items")
+    src = restore_flat(step / "model_params")
+    got = restore_flat(step / "items")
     for i in range(3):
         w = src[("base", "decoder", f"layers_{i}", "mlp", "wo", "kernel", "value")]
         assert np.array_equal(
