@@ -31,7 +31,7 @@ from .scan import (
     unstack_layer,
 )
 from .spec import LeafSpec, read_specs
-from .target import KNOWN_INTERMEDIATES, Dest, Target
+from .target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
 from .verify import VerifyResult, verify_step
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "find_steps",
     "load_params_from_path",
     "make_plan",
+    "maxtext_opt_state",
     "plan_step",
     "read_specs",
     "restore_as_items",

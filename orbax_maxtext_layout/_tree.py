@@ -37,7 +37,7 @@ def flatten(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> FlatT
                 rec(getattr(node, name), (*path, name))
         elif isinstance(node, Mapping):
             for k, v in node.items():
-                rec(v, (*path, k))
+                rec(v, (*path, k if isinstance(k, str) else str(k)))
         elif _is_seq(node):
             for i, v in enumerate(node):
                 rec(v, (*path, i))
@@ -85,9 +85,11 @@ def keystr(path: Path) -> str:
 
 
 def norm_key(k: Any) -> str | int:
-    """Normalises a key from jax/Orbax key paths or NNX state paths to ``str | int``."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr) and type(k).__module__.startswith("jax"):
-            k = getattr(k, attr)
-            break
+    """A key of a jax key path or of `flatten`'s paths as ``str`` (mapping) or ``int`` (sequence)."""
+    if type(k).__module__.startswith("jax"):
+        if hasattr(k, "idx"):  # SequenceKey / FlattenedIndexKey-like: a position
+            return int(k.idx)
+        for attr in ("key", "name"):  # DictKey, GetAttrKey: always a name
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
     return k if isinstance(k, int) else str(k)

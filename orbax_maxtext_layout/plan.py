@@ -208,7 +208,7 @@ def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
 def _pipelines(select: int | None) -> list[list[R.Rule]]:
     """Candidate rule pipelines, fewest rules first."""
     out = []
-    for peel_ms, peel_inj, chain, wrap in itertools.product([0, 1], repeat=4):
+    for peel_ms, peel_inj, chain, wrap in itertools.product([0, 1], [0, 1], [0, 1, 2], [0, 1]):
         rules: list[R.Rule] = []
         if peel_ms:
             rules.append(R.peel_multisteps)
@@ -217,7 +217,7 @@ def _pipelines(select: int | None) -> list[list[R.Rule]]:
         if select is not None:
             rules.append(R.select_chain_member(select))
         if chain:
-            rules.append(R.chain_to_list)
+            rules.append(R.top_chain_to_list if chain == 1 else R.chain_to_list)
         if wrap:
             rules.append(R.wrap_moments)
         out.append(rules)

@@ -155,6 +155,20 @@ def _chain_to_list(paths: Collection[Path]) -> Mapping_:
 chain_to_list = Rule("chain_to_list", _chain_to_list, "chain dicts ('0','1',...) become lists")
 
 
+def _top_chain_to_list(paths: Collection[Path]) -> Mapping_:
+    # MaxText 0.2.5's `_opt_state_to_linen` is not recursive: only the outermost
+    # chain becomes a list; nested chains stay (int-keyed) dicts.
+    roots = _children_index(paths)[()]
+    if not roots or not all(_is_digit(k) for k in roots):
+        return {p: p for p in paths}
+    return {p: (int(p[0]), *p[1:]) for p in paths}
+
+
+top_chain_to_list = Rule(
+    "top_chain_to_list", _top_chain_to_list, "the outermost chain dict becomes a list (MaxText)"
+)
+
+
 def select_chain_member(index: int) -> Rule:
     """Keep only member ``index`` of a top-level chain, dropping the rest (e.g. the clip slot)."""
 

@@ -65,20 +65,23 @@ class Target:
 
     # -- constructors -----------------------------------------------------------------
     @classmethod
-    def from_nnx(cls, abstract: Any, *, opt_state: Any = None) -> Target:
+    def from_nnx(cls, abstract: Any, *, optimizer: Any = None, opt_state: Any = None) -> Target:
         """Classifies an abstract `nnx.Module` or `nnx.State` by Variable type.
 
         `nnx.Param` (and subclasses such as `LoRAParam`) -> params; `nnx.Intermediate`
         and `nnx.Cache` -> dropped; every other Variable (RNG count/key, batch stats,
-        custom Variables) -> nnx_aux. ``opt_state`` optionally gives the MaxText-form
-        abstract optimizer state to match.
+        custom Variables) -> nnx_aux. ``optimizer`` (an abstract `nnx.Optimizer`, e.g.
+        from `nnx.eval_shape`) adds the optimizer state in the form MaxText checkpoints
+        it (`maxtext_opt_state`); ``opt_state`` gives that MaxText-form tree directly.
         """
         from flax import nnx  # flax is heavy; import only when NNX targets are used
 
+        if optimizer is not None:
+            opt_state = maxtext_opt_state(nnx.state(optimizer, nnx.optimizer.OptState))
         state = nnx.state(abstract) if isinstance(abstract, nnx.Module) else abstract
         params, aux, inter, axes, leaves = {}, {}, set(), {}, {}
         for raw_path, var in nnx.to_flat_state(state):
-            path = tuple(norm_key(k) for k in raw_path)
+            path = tuple(str(k) for k in raw_path)  # State keys are mapping keys (nnx.List: "0")
             value = var.get_value() if hasattr(var, "get_value") else var
             if isinstance(var, nnx.Intermediate | nnx.Cache):
                 inter.add(path)
@@ -163,6 +166,34 @@ class Target:
         if path in self.intermediates or is_intermediate(path, ignore):
             return Dest.DROPPED
         return None
+
+
+def maxtext_opt_state(nnx_opt_state: Any) -> Any:
+    """The optimizer state as MaxText 0.2.5 checkpoints it (``_opt_state_to_linen``).
+
+    Takes ``nnx.state(optimizer, OptState)`` (or its ``opt_state`` part). Not
+    recursive, like MaxText: an outermost int-keyed chain becomes a list with ``None``
+    gaps and its members' own ``mu``/``nu`` are wrapped as ``{"params": ...}``;
+    anything else stays a dict with only its top-level ``mu``/``nu`` wrapped. Nested
+    chains and an ``inject_hyperparams`` shell are left as they are.
+    """
+    tree = nnx_opt_state.to_pure_dict() if hasattr(nnx_opt_state, "to_pure_dict") else nnx_opt_state
+    if isinstance(tree, Mapping) and "opt_state" in tree:
+        tree = tree["opt_state"]
+
+    def wrap(node: Any) -> Any:
+        if not isinstance(node, Mapping):
+            return node
+        return {k: {"params": v} if k in ("mu", "nu") else v for k, v in node.items()}
+
+    if not isinstance(tree, Mapping):
+        return tree
+    if tree and all(isinstance(k, int) or str(k).isdigit() for k in tree):
+        chain: list[Any] = [None] * (max(int(k) for k in tree) + 1)
+        for k, v in tree.items():
+            chain[int(k)] = wrap(v)
+        return chain
+    return wrap(tree)
 
 
 def is_intermediate(path: Path, ignore: Iterable[str] = ()) -> bool:

@@ -133,9 +133,9 @@ def test_scan_axes_from_maxtext_layout_by_section_and_argument():
         axes = scan_axes(target, param_scan_axis=default)
         assert axes[("params", "params", *LAYERS, "mlp", "wi", "kernel")] == default
         assert axes[("nnx_aux", "model", *LAYERS, "routing_table")] == 0
-        mu = ("opt_state", "inner_state", 1, 0, "mu", *LAYERS, "mlp", "wo", "kernel")
+        mu = ("opt_state", "inner_state", "1", "0", "mu", *LAYERS, "mlp", "wo", "kernel")
         assert axes[mu] == default  # moments mirror the Params
-        assert axes[("opt_state", "inner_state", 1, 0, "count")] is None
+        assert axes[("opt_state", "inner_state", "1", "0", "count")] is None
         assert axes[("params", "params", "decoder", "decoder_norm", "scale")] is None
     assert set(axes) == {("params", "params", *p) for p in target.params} | {
         ("nnx_aux", "model", *p) for p in target.nnx_aux
