@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -13,7 +15,7 @@ from etils import epath
 from ._tree import Path, flatten, keystr, norm_key
 from ._version import __version__
 from .engine import TMP_SUFFIX, assemble, read_sources, source_items, write_items
-from .errors import CheckpointReadError
+from .errors import CheckpointReadError, LayoutMismatchError
 from .layout import (
     MAXTEXT_ITEM,
     STEP_METADATA,
@@ -190,11 +192,16 @@ def convert_step(
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
         report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
-        if (in_place or remove_legacy) and not dry_run and read_provenance(step_dir):
-            # Finish a run killed between its commit and the legacy removal.
-            report.notes += _remove_legacy(
-                step_dir, linked=bool(read_provenance(step_dir).get("in_place"))
-            )
+        prov = read_provenance(step_dir)
+        if (in_place or remove_legacy) and not dry_run and prov:
+            # Finish a run killed between its commit and the legacy removal, under the
+            # step lock (which also clears a dead run's lock).
+            try:
+                with step_lock(step_dir):
+                    _clean_stale_tmp(step_dir)
+                    report.notes += _remove_legacy(step_dir, linked=bool(prov.get("in_place")))
+            except StepLocked as e:
+                return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
         return report
     if layout is Layout.UNKNOWN:
         raise CheckpointReadError(
@@ -240,6 +247,19 @@ def _seed_destination(step_dir: epath.Path, dest: epath.Path) -> None:
 
 
 def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
+    try:
+        return _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place)
+    except (LayoutMismatchError, CheckpointReadError):
+        raise
+    except ValueError as e:  # tensorstore reports I/O failures as ValueError
+        full = "No space left" in str(e) or "RESOURCE_EXHAUSTED" in str(e)
+        raise OSError(
+            errno.ENOSPC if full else errno.EIO,
+            f"{dest}: writing items/ failed; nothing was committed and the source is intact: {e}",
+        ) from e
+
+
+def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
     report = StepReport.from_plan(dest, plan, "converted", optimizer)
     sources = {n: d for n, d in source_items(src).items() if plan.moves_from(n)}
     sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
@@ -256,29 +276,57 @@ def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepRepor
     return report
 
 
+REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being deleted
+
+
 def _remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
     """Deletes the legacy items of a converted step, only once ``items`` verifies.
 
     After an in-place conversion ``items`` holds hard links to the very same data
     files, so the check is metadata plus stored-data presence; after a copy every
-    value is compared.
+    value is compared. A verified item is first renamed aside (atomic), then
+    deleted, so a kill mid-deletion never leaves a half-deleted legacy item that
+    reads as a checkpoint; a rerun finishes the deletion. A symlinked legacy item
+    loses only its link: nothing outside the step is ever deleted.
     """
+    notes = _finish_removal(step_dir)
+    present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
+    if not present:
+        return notes
     result = verify_step(step_dir, quick=linked)
     if not result.ok:
-        return [f"legacy items kept: verification failed: {result.problems[:3]}"]
-    removed = []
-    for name in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM):
-        if (step_dir / name).exists():
-            (step_dir / name).rmtree()
-            removed.append(name)
-    return [f"removed legacy {', '.join(removed)} after verifying items"] if removed else []
+        return [*notes, f"legacy items kept: verification failed: {result.problems[:3]}"]
+    for name in present:
+        item = step_dir / name
+        if os.path.islink(str(item)):
+            os.unlink(str(item))  # the link only; its target is outside this step
+        else:
+            item.rename(step_dir / f"{name}{REMOVING}")
+    _finish_removal(step_dir)
+    return [*notes, f"removed legacy {', '.join(present)} after verifying items"]
+
+
+def _exists(p: epath.Path) -> bool:
+    return p.exists() or os.path.islink(str(p))
+
+
+def _finish_removal(step_dir: epath.Path) -> list[str]:
+    done = []
+    for child in step_dir.iterdir():
+        if child.name.endswith(REMOVING):
+            child.rmtree()
+            done.append(child.name.removesuffix(REMOVING))
+    return [f"finished removing verified legacy {', '.join(done)}"] if done else []
 
 
 def _clean_stale_tmp(step_dir: epath.Path) -> None:
-    # Under the step lock, a leftover items tmp dir can only come from a dead run.
+    # Under the step lock, leftovers can only come from a dead run: an items tmp dir,
+    # or the temporary file of a step-metadata replace.
     for child in step_dir.iterdir():
         if child.name.startswith(MAXTEXT_ITEM + TMP_SUFFIX):
             child.rmtree()
+        elif child.name.startswith(f".{STEP_METADATA}.") and child.name.endswith(".tmp"):
+            child.unlink()
 
 
 def restore_as_items(

@@ -174,8 +174,12 @@ def _restore_step_metadata(step_dir: epath.Path, old: dict) -> None:
 
 def _replace_json(path: epath.Path, data: dict) -> None:
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path) if _is_local(path) else tmp.rename(path)
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path) if _is_local(path) else tmp.rename(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing behind
+        raise
 
 
 def _is_local(path: epath.Path) -> bool:

@@ -111,18 +111,30 @@ class SourceItem:
             tree = meta["tree_metadata"]
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointReadError(f"{item_dir}/_METADATA: missing or invalid ({e}).") from e
-        value_meta = {
-            ".".join(k["key"] for k in entry["key_metadata"]): entry["value_metadata"]
-            for entry in tree.values()
-        }
+        try:
+            value_meta = {
+                ".".join(str(k["key"]) for k in entry["key_metadata"]): entry["value_metadata"]
+                for entry in tree.values()
+            }
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointReadError(
+                f"{item_dir}/_METADATA: invalid tree metadata ({e!r})."
+            ) from e
         shardings = {}
         if (item_dir / "_sharding").exists():
-            raw = json.loads((item_dir / "_sharding").read_text())
-            shardings = {base64.urlsafe_b64decode(k).decode(): v for k, v in raw.items()}
+            try:
+                raw = json.loads((item_dir / "_sharding").read_text())
+                shardings = {base64.urlsafe_b64decode(k).decode(): v for k, v in raw.items()}
+            except (ValueError, TypeError, AttributeError) as e:
+                raise CheckpointReadError(f"{item_dir}/_sharding: invalid ({e!r}).") from e
         array_meta = {}
         if (item_dir / ARRAY_METADATA_FILE).exists():
-            for e in json.loads((item_dir / ARRAY_METADATA_FILE).read_text())["array_metadatas"]:
-                array_meta[e["array_metadata"]["param_name"]] = e["array_metadata"]
+            f = item_dir / ARRAY_METADATA_FILE
+            try:
+                for e in json.loads(f.read_text())["array_metadatas"]:
+                    array_meta[str(e["array_metadata"]["param_name"])] = dict(e["array_metadata"])
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointReadError(f"{f}: invalid array metadata ({e!r}).") from e
         if meta.get("use_ocdbt", True):
             kv = open_ocdbt(item_dir, context)
         else:  # Pathways style: one zarr directory per array
@@ -255,12 +267,14 @@ def _flush(batch: list[tuple[Move, list[bytes]]], sources: Mapping[str, SourceIt
 def cast_array(m: Move, src: SourceItem, dst_spec: dict, context: ts.Context) -> int:
     """Decodes one (small) array, casts it to ``m.cast`` and writes it under its new name."""
     driver = "zarr3" if src.use_zarr3 else "zarr"
-    source = ts.open(
-        {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(m.src))},
-        open=True,
-        context=context,
-    ).result()
-    data = np.asarray(source.read().result()).astype(m.cast)
+    spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(m.src))}
+    # A missing chunk must fail, not read as the fill value (a `step` of 0).
+    spec["fill_missing_data_reads"] = False
+    try:
+        source = ts.open(spec, open=True, context=context).result()
+        data = np.asarray(source.read().result()).astype(m.cast)
+    except ValueError as e:
+        raise CheckpointReadError(f"{src.dir}: cannot read {param_name(m.src)}: {e}") from e
     spec = source.spec(minimal_spec=True).to_json()
     spec["kvstore"] = sub_kv(dst_spec, param_name(m.dst))
     spec["dtype"] = np.dtype(m.cast).name

@@ -46,7 +46,10 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
         if _create(path, me, step_dir):
             break
         owner = _owner(path)
-        if owner.get("host") == me["host"] and owner.get("pid") and not _alive(owner["pid"]):
+        # An owner-less lock cannot be ours to wait for: locks are created with their
+        # owner inside, so it is damage (or a pre-fix leftover) and is broken.
+        dead = owner.get("host") == me["host"] and owner.get("pid") and not _alive(owner["pid"])
+        if dead or not owner.get("pid"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # stale: its owner died mid-conversion
             continue
@@ -63,9 +66,17 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
 
 
 def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
-    """Creates the lock file; False if it already exists."""
+    """Creates the lock with its owner already inside; False if it already exists.
+
+    The owner is written to a private file that is then hard-linked to the lock
+    name, so the lock never exists empty (a kill or a full disk between creating
+    and writing it would otherwise leave a lock no one owns).
+    """
+    tmp = f"{path}.{me['pid']}.tmp"
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with open(tmp, "w") as f:
+            json.dump(me, f)
+        os.link(tmp, path)
     except FileExistsError:
         return False
     except OSError as e:
@@ -75,17 +86,19 @@ def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
                 "separate destination instead (out= / --out DIR)."
             ) from e
         raise
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return True
 
 
 def _owner(path: str) -> dict:
     try:
         with open(path) as f:
-            return json.loads(f.read() or "{}")
+            owner = json.loads(f.read() or "{}")
     except (OSError, ValueError):
         return {}
+    return owner if isinstance(owner, dict) else {}
 
 
 def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:

@@ -11,7 +11,8 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping
 
-from ._tree import Path
+from ._tree import Path, keystr
+from .errors import LayoutMismatchError
 
 INJECT_SHELL = ("count", "hyperparams", "hyperparams_states", "inner_state")
 MULTISTEPS_SHELL = ("mini_step", "gradient_step", "inner_opt_state", "acc_grads")
@@ -210,12 +211,19 @@ def apply(rule: Rule, current: Mapping[Path, Path]) -> tuple[dict[Path, Path], d
     mapping = rule(list(current))
     kept: dict[Path, Path] = {}
     dropped: dict[Path, str] = {}
+    clashes: list[str] = []
     for cur, src in current.items():
         new = mapping[cur]
         if isinstance(new, Dropped):
             dropped[src] = new.reason
         elif new in kept:
-            raise ValueError(f"rule {rule.name} maps two leaves onto {new}")
+            clashes.append(f"{keystr(kept[new])} and {keystr(src)} both become {keystr(new)}")
         else:
             kept[new] = src
+    if clashes:
+        raise LayoutMismatchError(
+            f"Rule {rule.name} would merge leaves; the tree is not in the expected layout:",
+            clashes,
+            hint="Two checkpoint leaves would land on one path; check the checkpoint's tree.",
+        )
     return kept, dropped

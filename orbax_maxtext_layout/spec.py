@@ -81,13 +81,13 @@ def key_impls(item_dir: epath.Path) -> dict[str, str]:
     for f in sorted(folder.iterdir()):
         try:
             entries = json.loads(f.read_text())["array_metadatas"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointReadError(f"{f}: invalid array metadata ({e}).") from e
-        for entry in entries:
-            meta = entry.get("array_metadata", {})
-            impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
-            if impl:
-                out[meta["param_name"]] = impl
+            for entry in entries:
+                meta = entry.get("array_metadata", {})
+                impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+                if impl:
+                    out[str(meta["param_name"])] = str(impl)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointReadError(f"{f}: invalid array metadata ({e!r}).") from e
     return out
 
 
@@ -104,6 +104,18 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
             "(an interrupted save, or the wrong directory)."
         )
     try:
+        meta = json.loads((item_dir / "_METADATA").read_text())
+    except ValueError as e:
+        raise CheckpointReadError(f"{item_dir}/_METADATA: invalid JSON ({e}).") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
+        raise CheckpointReadError(
+            f"{item_dir}/_METADATA: not an Orbax PyTree metadata file (no tree_metadata object)."
+        )
+    if _is_ocdbt(item_dir) and not (item_dir / "manifest.ocdbt").exists():
+        raise CheckpointReadError(
+            f"{item_dir}/manifest.ocdbt: missing; the item's OCDBT database cannot be opened."
+        )
+    try:
         tree = ocp.PyTreeCheckpointHandler().metadata(_absolute(item_dir)).tree
     except Exception as e:  # Orbax raises many types for a damaged item
         raise CheckpointReadError(f"{item_dir}: cannot read Orbax metadata: {e}") from e
@@ -115,6 +127,13 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
         dtype = np.dtype(getattr(leaf, "dtype", None) or np.int64)
         out[path] = LeafSpec(shape, dtype, impls.get(".".join(str(k) for k in path)))
     return out
+
+
+def _is_ocdbt(item_dir: epath.Path) -> bool:
+    try:
+        return bool(json.loads((item_dir / "_METADATA").read_text()).get("use_ocdbt", True))
+    except (ValueError, AttributeError):
+        return True
 
 
 def _absolute(p: epath.Path) -> epath.Path:

@@ -47,7 +47,7 @@ def stream_items(
     try:
         raw = [m for m in plan.moves if m.cast is None]
         casts = [m for m in plan.moves if m.cast is not None]
-        kvcopy.check_complete(raw, sources)
+        kvcopy.check_complete(list(plan.moves), sources)  # casts too: `step` must exist
         graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
         children = {}
         for name in sorted(graft):

@@ -46,11 +46,17 @@ def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResul
     re-encoded (a dtype cast or a zarr format change).
     """
     step_dir = epath.Path(step_dir)
-    res = VerifyResult(str(step_dir), ok=True)
     try:
-        plan = _replan(step_dir)
+        return _verify(step_dir, quick)
     except LayoutMismatchError as e:
         return VerifyResult(str(step_dir), False, 0, [e.summary, *e.problems])
+    except Exception as e:  # unreadable metadata or data: a failed check, not a crash
+        return VerifyResult(str(step_dir), False, 0, [f"cannot read: {e}"])
+
+
+def _verify(step_dir: epath.Path, quick: bool) -> VerifyResult:
+    res = VerifyResult(str(step_dir), ok=True)
+    plan = _replan(step_dir)
     got = read_specs(step_dir / MAXTEXT_ITEM)
     for m in plan.moves:
         want = m.spec if m.cast is None else dataclasses.replace(m.spec, dtype=np.dtype(m.cast))

@@ -130,7 +130,6 @@ def _wait_stopped(pid: int, timeout: float = 120) -> None:
     raise AssertionError(f"pid {pid} never stopped")
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_UNLOCKED_REMOVAL)
 def test_second_converter_leaves_a_step_whose_owner_is_alive(base, target, tmp_path):
     """A (--in-place) is paused halfway through removing the legacy items (after its
     commit, holding the lock); B (--in-place) runs to the end; then A resumes."""
@@ -154,7 +153,7 @@ def test_second_converter_leaves_a_step_whose_owner_is_alive(base, target, tmp_p
     )
     assert calls.rc == 0
     labels = json.loads(count.read_text())
-    rmdirs = [i for i, c in enumerate(labels) if c == "_remove_legacy>rmdir"]
+    rmdirs = [i for i, c in enumerate(labels) if c == "_finish_removal>rmdir"]
     k = rmdirs[len(rmdirs) // 2] + 1  # A has removed one legacy item, not the other
     a = z.start(
         {**job, "kill_on_call": {"calls": S.MUTATIONS, "at": k, "signal": "SIGSTOP"}}, env=env

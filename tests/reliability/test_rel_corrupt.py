@@ -125,21 +125,15 @@ META_CASES = [
         "model_params/_METADATA",
         "write:{not json",
         id="invalid-json-METADATA",
-        marks=_xfail(BUG_NAMES),
     ),
     pytest.param(
         S.RL,
         "model_params/_METADATA",
         "write:[]",
         id="METADATA-not-object",
-        marks=_xfail(BUG_NAMES),
     ),
-    pytest.param(
-        S.RL, "model_params/_METADATA", "write:{}", id="METADATA-no-tree", marks=_xfail(BUG_NAMES)
-    ),
-    pytest.param(
-        S.RL, "optimizer_state/_METADATA", "empty", id="empty-opt-METADATA", marks=_xfail(BUG_NAMES)
-    ),
+    pytest.param(S.RL, "model_params/_METADATA", "write:{}", id="METADATA-no-tree"),
+    pytest.param(S.RL, "optimizer_state/_METADATA", "empty", id="empty-opt-METADATA"),
     pytest.param(S.RL, "_CHECKPOINT_METADATA", "write:{not json", id="invalid-CHECKPOINT_METADATA"),
     pytest.param(S.RL, "_CHECKPOINT_METADATA", "write:[1]", id="CHECKPOINT_METADATA-not-object"),
     pytest.param(
@@ -147,7 +141,6 @@ META_CASES = [
         "model_params/manifest.ocdbt",
         "delete",
         id="missing-manifest",
-        marks=_xfail(BUG_NAMES),
     ),
     pytest.param(S.RL, "model_params/manifest.ocdbt", "truncate", id="truncated-manifest"),
     pytest.param(S.RL, "optimizer_state/manifest.ocdbt", "flip", id="bit-flipped-manifest"),
@@ -161,7 +154,6 @@ META_CASES = [
         "model_params/array_metadatas/process_0",
         "drop_param_name",
         id="array-metadata-without-param_name",
-        marks=_xfail(BUG_KEYERROR),
     ),
     pytest.param(S.PATHWAYS, PW_ARRAY + "/.zarray", "write:{x", id="pw-invalid-zarray"),
     pytest.param(S.PATHWAYS, PW_ARRAY + "/.zarray", "delete", id="pw-missing-zarray"),
@@ -235,8 +227,8 @@ DATA_CASES = [
 @pytest.mark.parametrize(
     "how",
     [
-        pytest.param("truncate", marks=_xfail(BUG_STEP_READ)),
-        pytest.param("delete", marks=_xfail(BUG_MISSING_STEP)),
+        pytest.param("truncate"),
+        pytest.param("delete"),
     ],
 )
 def test_damaged_step_counter_is_refused_naming_it(how, tmp_path):
@@ -277,9 +269,6 @@ def test_bit_flip_stock_orbax_cannot_see_is_copied_faithfully(fixture, tmp_path)
 # anything else. Delete an entry once its bug is fixed.
 KNOWN = {
     "damaged data committed": BUG_DATA,
-    "KeyError": BUG_KEYERROR,
-    "tensorstore error escaped": BUG_STEP_READ,
-    "unreadable source converted into readable items (values invented)": BUG_MISSING_STEP,
 }
 
 
@@ -393,7 +382,6 @@ def test_items_of_another_model_found_by_verify(tmp_path):
     S.count("bad_inputs")
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_VERIFY)
 @pytest.mark.parametrize("damaged", ["items", "model_params"])
 def test_verify_reports_unreadable_data_and_checks_the_other_steps(damaged, tmp_path):
     root = _converted_root(tmp_path)

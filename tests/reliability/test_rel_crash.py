@@ -56,14 +56,14 @@ COPY_POINTS = [
 ]
 REMOVAL_POINTS = [
     ("commit>rename", "first", 1),  # committed, legacy items all there
-    ("_remove_legacy>rmdir", "mid", 0),  # the first legacy item is gone, the second is not
+    ("_finish_removal>rmdir", "mid", 0),  # the first legacy item is gone, the second is not
     ("step_lock>unlink", "last", 0),
 ]
 MANAGER_POINTS = [
     ("_place>rename", "first", 1),  # the Tunix step moved to its own number
     ("rename>rename", "last", 0),  # Orbax about to commit the new save
     ("commit>rename", "first", 0),  # the migration about to commit
-    ("_remove_legacy>rmdir", "mid", 0),  # the migration removing the legacy items
+    ("_finish_removal>rmdir", "mid", 0),  # the migration removing the legacy items
 ]
 BUG_LEGACY_REMOVAL = (
     "BUG: convert.py _remove_legacy deletes model_params/optimizer_state in place with "
@@ -332,14 +332,12 @@ def test_sigkill_copy(base, base1, reference, tmp_path):
     assert not violations, _report(violations)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_LEGACY_REMOVAL)
 def test_sigkill_in_place(base, base1, reference, tmp_path):
     violations = _random_campaign("in_place", base, reference, tmp_path)
     violations += _boundary_campaign("in_place", base1, reference, tmp_path, REMOVAL_POINTS)
     assert not violations, _report(violations)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_LEGACY_REMOVAL)
 def test_sigkill_remove_legacy(base1, reference, tmp_path):
     violations = _boundary_campaign("remove_legacy", base1, reference, tmp_path, REMOVAL_POINTS)
     assert not violations, _report(violations)
@@ -363,7 +361,6 @@ def test_rerun_clears_the_lock_of_a_run_killed_after_its_commit(base1, reference
     assert LOCK not in S.leftovers(step), S.leftovers(step)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_EMPTY_LOCK)
 def test_rerun_after_a_kill_between_creating_and_writing_the_lock(base1, reference, tmp_path):
     step, rerun = _single_kill("copy", "_create>io.open", base1, reference, tmp_path)
     assert rerun.rc == 0, rerun.stderr[-400:]
@@ -371,7 +368,6 @@ def test_rerun_after_a_kill_between_creating_and_writing_the_lock(base1, referen
     assert S.restore_problem(step / "items", reference[STEPS[0]]) is None
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_META_TMP)
 def test_rerun_clears_the_metadata_temp_file_of_a_killed_run(base1, reference, tmp_path):
     step, rerun = _single_kill("copy", "_replace_json>replace", base1, reference, tmp_path)
     assert rerun.rc == 0 and detect_layout(step) is Layout.MAXTEXT
@@ -480,7 +476,7 @@ def test_manager_finishes_the_legacy_removal_of_a_killed_migration(mbase, mrefer
     job = _manager_job(mbase)
     calls = _calls(job, mbase, tmp_path)
     work = S.copy_root(mbase, tmp_path / "work")
-    k = point(calls, "_remove_legacy>unlink", "first")
+    k = point(calls, "_finish_removal>unlink", "first")
     assert job(work, {"calls": S.MUTATIONS, "at": k}).rc == -9
     S.count("crash.points")
     assert job(work).rc == 0

@@ -187,7 +187,6 @@ def _plan(src, opt, target):
     return make_plan(src, opt, target, step=7)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_COLLISION)
 @SETTINGS
 @given(case=cases())
 @example(  # an adapter level beside a sibling of the same name: base/a and a
@@ -358,7 +357,6 @@ def test_step_metadata_reader_fuzz(item_copy):
         f.write_bytes(original)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_READERS)
 def test_array_metadata_reader_fuzz(item_copy):
     f = item_copy / "model_params" / "array_metadatas" / "process_0"
     original = f.read_bytes()

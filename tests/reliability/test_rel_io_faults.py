@@ -136,14 +136,12 @@ def test_disk_full_while_copying_the_data(base, disk, reference):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_EMPTY_LOCK)
 def test_disk_full_before_the_lock_is_written(base, disk, reference):
     """No byte free: the lock file can be created but not written."""
     problems = _full_disk_case(base, disk, (), 0, reference)
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_TS_ERRORS)
 @pytest.mark.parametrize("mode", [(), ("--in-place",)], ids=["copy", "in-place"])
 def test_disk_full_during_the_final_writes(mode, base, disk, reference):
     """Short of what the B-tree, metadata and commit writes need (every 4 KiB page of that

@@ -143,7 +143,6 @@ def test_legacy_removal_never_deletes_through_a_symlinked_item(mode, tmp_path):
     S.count("bad_inputs")
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_SYMLINKED_ITEM)
 @pytest.mark.parametrize("mode", ["--remove-legacy", "--in-place"])
 def test_symlinked_legacy_item_is_refused_up_front_or_finished(mode, target, tmp_path):
     root, ext = tmp_path / "run", tmp_path / "external"
@@ -226,7 +225,6 @@ def test_lock_of_a_dead_process_is_broken(target, tmp_path):
     S.count("bad_inputs")
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_EMPTY_LOCK)
 @pytest.mark.parametrize("content", ["", "{garbage"], ids=["empty", "garbage"])
 def test_unreadable_lock_file_does_not_block_the_step_forever(content, tmp_path):
     root = tmp_path / "run"
@@ -337,7 +335,6 @@ def test_remove_legacy_deletes_only_the_converted_steps_legacy_items(target, tmp
     S.count("faults")
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_IDEMPOTENT)
 @pytest.mark.parametrize("mode", ["--in-place", "--remove-legacy"])
 def test_rerunning_a_finished_removing_conversion_skips(mode, tmp_path):
     root = tmp_path / "run"
