@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 MODES = ("baseline", "cp", "naive", "convert", "inplace")
+RESTORE_MODES = ("restore_tunix", "restore_stock")
 
 
 def _size(text: str) -> int:
@@ -38,7 +39,26 @@ def _du(p: Path) -> int:
 
 
 def run_once(mode: str, src: Path, work: Path, budget: int) -> dict:
-    if mode in ("convert", "inplace"):
+    if mode in RESTORE_MODES:
+        converted = work / "converted" / "actor" / src.name
+        if not converted.exists():  # a converted copy for the stock manager (not timed)
+            shutil.copytree(src, converted)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / "child.py"),
+                    "convert",
+                    str(converted),
+                    "-",
+                    str(budget),
+                ],
+                check=True,
+                capture_output=True,
+            )
+            for legacy in ("model_params", "optimizer_state"):
+                shutil.rmtree(converted / legacy)
+        args = [mode, str(src), str(converted), str(budget)]
+    elif mode in ("convert", "inplace"):
         step = work / mode / "actor" / src.name
         shutil.rmtree(step.parent.parent, ignore_errors=True)
         shutil.copytree(src, step)  # a fresh legacy step (not timed)
@@ -58,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["1GiB", "4GiB"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", default="1GiB")
-    ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), help=f"of {MODES + RESTORE_MODES}")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     budget = _size(args.budget)
