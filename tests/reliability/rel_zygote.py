@@ -119,13 +119,20 @@ def _install_kill_hook(spec: dict) -> list[str]:
 
     funcs = {id(io.open if n == "io.open" else getattr(os, n)): n for n in spec["calls"]}
     at = spec.get("at")
+    # Or: the n-th call of one label. Unlike an absolute position, this does not move
+    # when helper threads (Orbax, tensorstore) interleave their own calls differently.
+    at_label, occurrence = spec.get("at_label"), spec.get("occurrence", 1)
     sig = getattr(signal, spec.get("signal", "SIGKILL"))
     seen: list[str] = []
 
     def hook(frame, event, arg):
         if event == "c_call" and id(arg) in funcs:
-            seen.append(f"{_caller(frame)}>{funcs[id(arg)]}")
-            if len(seen) == at:
+            label = f"{_caller(frame)}>{funcs[id(arg)]}"
+            seen.append(label)
+            hit = len(seen) == at
+            if at_label is not None and label == at_label:
+                hit = seen.count(label) == occurrence
+            if hit:
                 os.kill(os.getpid(), sig)  # SIGSTOP: the test resumes it with SIGCONT
 
     threading.setprofile(hook)

@@ -153,11 +153,15 @@ def test_second_converter_leaves_a_step_whose_owner_is_alive(base, target, tmp_p
     )
     assert calls.rc == 0
     labels = json.loads(count.read_text())
-    rmdirs = [i for i, c in enumerate(labels) if c == "_finish_removal>rmdir"]
-    k = rmdirs[len(rmdirs) // 2] + 1  # A has removed one legacy item, not the other
-    a = z.start(
-        {**job, "kill_on_call": {"calls": S.MUTATIONS, "at": k, "signal": "SIGSTOP"}}, env=env
-    )
+    rmdirs = [c for c in labels if c == "_finish_removal>rmdir"]
+    assert rmdirs, labels
+    pause = {  # before the middle rmdir of the legacy removal: half of it is gone
+        "calls": S.MUTATIONS,
+        "at_label": "_finish_removal>rmdir",
+        "occurrence": len(rmdirs) // 2 + 1,
+        "signal": "SIGSTOP",
+    }
+    a = z.start({**job, "kill_on_call": pause}, env=env)
     S.count("faults")
     try:
         _wait_stopped(a[1])
