@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Interop suite (docs/interop.md): real google-tunix 0.1.7 writes checkpoints, this library
-# converts them, real maxtext 0.2.5 reads them; plus the core suite at the newest and at the
-# oldest orbax-checkpoint this package declares (pyproject's lower bound).
+# converts them, real maxtext 0.2.5 reads them; plus the core suite (without the reliability
+# suite, which .ci/run runs once) at the newest and at the oldest orbax-checkpoint this
+# package declares (pyproject's lower bound).
 #
 # Venvs are built from constraints/interop.txt (exact pins, installed --no-deps) under
 #   ${ORBAX_MAXTEXT_LAYOUT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/orbax-maxtext-layout}/
@@ -106,7 +107,7 @@ if [[ "$RUN_CORE" == 1 ]]; then
   # -- 2. core suite at the newest pinned orbax-checkpoint (the interop venv) ---------------
   NEWEST="$(sed -nE 's/^orbax-checkpoint==([^ ]+).*/\1/p' "$CONSTRAINTS")"
   log "core suite, orbax-checkpoint $NEWEST (newest pinned)"
-  pytest_in "$INTEROP_VENV" --ignore=tests/interop tests || status=1
+  pytest_in "$INTEROP_VENV" --ignore=tests/interop --ignore=tests/reliability tests || status=1
 
   # -- 3. core suite at the oldest orbax-checkpoint pyproject declares ----------------------
   # INTEROP_OLDEST_ORBAX=X tries a lower bound before pyproject.toml declares it.
@@ -126,7 +127,7 @@ if [[ "$RUN_CORE" == 1 ]]; then
     OLDEST_VENV="$(build_venv core-orbax-oldest-venv "$OLDEST_REQS" "$PY312")"
     install_repo "$OLDEST_VENV"
     log "core suite, orbax-checkpoint $OLDEST ($OLDEST_FROM)"
-    pytest_in "$OLDEST_VENV" --ignore=tests/interop tests || status=1
+    pytest_in "$OLDEST_VENV" --ignore=tests/interop --ignore=tests/reliability tests || status=1
   fi
 fi
 
