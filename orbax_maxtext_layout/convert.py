@@ -26,7 +26,7 @@ from .layout import (
     read_provenance,
     read_step_metadata,
 )
-from .lock import ReadOnlyStepError, StepLocked, step_lock
+from .lock import ReadOnlyStepError, StepLocked, break_stale_lock, step_lock
 from .plan import OptimizerMode, Plan, make_plan
 from .rescan import plan_rescan, write_pieces
 from .spec import read_specs, spec_of
@@ -193,6 +193,8 @@ def convert_step(
         done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
         report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
         prov = read_provenance(step_dir)
+        if not dry_run and break_stale_lock(done):
+            report.notes.append("removed the lock of a dead run")
         if (in_place or remove_legacy) and not dry_run and prov:
             # Finish a run killed between its commit and the legacy removal, under the
             # step lock (which also clears a dead run's lock).

@@ -111,3 +111,18 @@ def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:
         yield
     finally:
         path.unlink(missing_ok=True)
+
+
+def break_stale_lock(step_dir: epath.Path) -> bool:
+    """Removes a lock whose owner died on this host (or that has no owner); True if removed."""
+    path = os.path.join(str(step_dir), LOCK_NAME)
+    if "://" in str(step_dir) or not os.path.exists(path):
+        return False
+    owner = _owner(path)
+    me = socket.gethostname()
+    dead = owner.get("host") == me and owner.get("pid") and not _alive(owner["pid"])
+    if dead or not owner.get("pid"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    return False

@@ -353,7 +353,6 @@ def _single_kill(mode, label, base1, reference, tmp_path) -> tuple[Path, S.Resul
     return work / "actor" / str(STEPS[0]), job(work)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_STALE_LOCK)
 def test_rerun_clears_the_lock_of_a_run_killed_after_its_commit(base1, reference, tmp_path):
     step, rerun = _single_kill("copy", "step_lock>unlink", base1, reference, tmp_path)
     assert rerun.rc == 0 and detect_layout(step) is Layout.MAXTEXT
