@@ -46,10 +46,7 @@ def step_lock(step_dir: epath.Path) -> Iterator[None]:
         if _create(path, me, step_dir):
             break
         owner = _owner(path)
-        # An owner-less lock cannot be ours to wait for: locks are created with their
-        # owner inside, so it is damage (or a pre-fix leftover) and is broken.
-        dead = owner.get("host") == me["host"] and owner.get("pid") and not _alive(owner["pid"])
-        if dead or not owner.get("pid"):
+        if _stale(owner):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # stale: its owner died mid-conversion
             continue
@@ -92,6 +89,17 @@ def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
     return True
 
 
+def _stale(owner: dict) -> bool:
+    """A lock to break: its owner died on this host, or it names no owner at all.
+
+    Locks are created with their owner inside, so an owner-less lock is damage and
+    cannot be anyone's to wait for.
+    """
+    if not owner.get("pid"):
+        return True
+    return owner.get("host") == socket.gethostname() and not _alive(owner["pid"])
+
+
 def _owner(path: str) -> dict:
     try:
         with open(path) as f:
@@ -118,10 +126,7 @@ def break_stale_lock(step_dir: epath.Path) -> bool:
     path = os.path.join(str(step_dir), LOCK_NAME)
     if "://" in str(step_dir) or not os.path.exists(path):
         return False
-    owner = _owner(path)
-    me = socket.gethostname()
-    dead = owner.get("host") == me and owner.get("pid") and not _alive(owner["pid"])
-    if dead or not owner.get("pid"):
+    if _stale(_owner(path)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return True

@@ -7,19 +7,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 
 import synth
+from child import _vm_hwm_kib
 
 from orbax_maxtext_layout import convert_step, plan_step
-
-
-def _vm_hwm_kib() -> int:
-    """This process's own peak RSS. ru_maxrss is inherited across fork+exec on
-    Linux (a child starts at its parent's high-water mark), VmHWM is not."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
 
 mode, step, budget = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 target = synth.target_for(step)
