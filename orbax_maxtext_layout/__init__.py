@@ -1,25 +1,26 @@
 """orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
 
 from ._version import EXAMPLES_DIR, __version__
-from .convert import (
-    StepReport,
-    convert_step,
-    converted_provenance,
-    plan_step,
-    restore_as_items,
-    to_maxtext_items,
+from .convert import StepReport, convert_step, converted_provenance, to_maxtext_items
+from .errors import (
+    CheckpointReadError,
+    LayoutMismatchError,
+    OrbaxMaxTextLayoutError,
+    ReadOnlyStepError,
+    StepLocked,
+    UsageError,
 )
-from .errors import CheckpointReadError, LayoutMismatchError
 from .handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
     MaxTextLayoutSave,
     load_params_from_path,
 )
-from .layout import Layout, StepInfo, detect_layout, find_steps
-from .lock import ReadOnlyStepError, StepLocked
-from .manager import TUNIX_STEP_KEY, CheckpointManager
-from .plan import Plan, make_plan
+from .layout import TUNIX_STEP_KEY, Layout, StepInfo, detect_layout, find_steps, tunix_step_number
+from .manager import CheckpointManager
+from .moves import Drop, Move, Op, apply_op
+from .plan import Plan, make_plan, narrow, plan_step
+from .restore import restore_as_items
 from .scan import (
     SCAN_GROUPS,
     StackReport,
@@ -32,7 +33,7 @@ from .scan import (
 )
 from .spec import LeafSpec, read_specs
 from .target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
-from .verify import VerifyResult, verify_step
+from .verify import VerifyResult, replay_plan, verify_step
 
 __all__ = [
     "EXAMPLES_DIR",
@@ -42,12 +43,16 @@ __all__ = [
     "CheckpointManager",
     "CheckpointReadError",
     "Dest",
+    "Drop",
     "Layout",
     "LayoutMismatchError",
     "LeafSpec",
     "MaxTextLayoutHandler",
     "MaxTextLayoutRestore",
     "MaxTextLayoutSave",
+    "Move",
+    "Op",
+    "OrbaxMaxTextLayoutError",
     "Plan",
     "ReadOnlyStepError",
     "StackReport",
@@ -55,8 +60,10 @@ __all__ = [
     "StepLocked",
     "StepReport",
     "Target",
+    "UsageError",
     "VerifyResult",
     "__version__",
+    "apply_op",
     "convert_step",
     "converted_provenance",
     "detect_layout",
@@ -64,13 +71,16 @@ __all__ = [
     "load_params_from_path",
     "make_plan",
     "maxtext_opt_state",
+    "narrow",
     "plan_step",
     "read_specs",
+    "replay_plan",
     "restore_as_items",
     "scan_axes",
     "stack",
     "stack_target",
     "to_maxtext_items",
+    "tunix_step_number",
     "unroll",
     "unroll_target",
     "unstack_layer",

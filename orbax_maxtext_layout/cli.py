@@ -21,12 +21,13 @@ from etils import epath
 
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_step, converted_provenance
-from .errors import CheckpointReadError, LayoutMismatchError
-from .layout import Layout, StepInfo, detect_layout, find_steps
+from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
+from .layout import Layout, StepInfo, find_steps
+from .plan import Plan, plan_step
 from .spec import read_specs
-from .stream import DEFAULT_BUDGET
 from .target import Target
 from .verify import verify_step
+from .write import DEFAULT_BUDGET
 
 
 def _parse_steps(text: str | None) -> set[int] | None:
@@ -51,14 +52,6 @@ def _load_target(args: argparse.Namespace) -> Target | None:
             return Target.from_items(made)  # MaxText's own abstract items
         return Target.from_nnx(made)
     return None
-
-
-def _steps(path: epath.Path) -> list[StepInfo]:
-    if detect_layout(path) is not Layout.UNKNOWN:
-        name = path.name
-        role = path.parent.name if path.parent.name in ("actor", "critic") else None
-        return [StepInfo(path, int(name) if name.isdigit() else -1, detect_layout(path), role)]
-    return find_steps(path)
 
 
 def parse_size(text: str) -> int:
@@ -113,9 +106,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     wanted = _parse_steps(args.steps)
     root = epath.Path(args.root)
-    steps = [s for s in _steps(root) if wanted is None or s.step in wanted]
+    steps = [s for s in find_steps(root) if wanted is None or s.step in wanted]
     show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
-    bar = _progress(sum(_step_bytes(s) for s in steps), show)
+    plans = {s.path: _plan(s, target, args) for s in steps} if show else {}
+    bar = _progress(sum(p.source_bytes() for p in plans.values() if p is not None), show)
     reports, failures = [], []
     for info in steps:
         try:
@@ -130,13 +124,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 remove_legacy=args.remove_legacy,
                 out=_dest(root, info.path, args.out),
                 rescan=args.rescan,
+                plan=plans.get(info.path),
             )
-        except (LayoutMismatchError, CheckpointReadError, OSError) as e:
+        except (OrbaxMaxTextLayoutError, OSError) as e:
             failures.append((info, e))
             report = StepReport(str(info.path), "failed", info.layout.value, notes=[str(e)])
         reports.append(report)
-        if bar is not None:
-            bar.update(_step_bytes(info))
+        if bar is not None and plans.get(info.path) is not None:
+            bar.update(plans[info.path].source_bytes())
         if not args.json and not args.quiet:
             print(
                 report
@@ -173,20 +168,21 @@ def _dest(root: epath.Path, step: epath.Path, out: str | None) -> epath.Path | N
     return epath.Path(out) if rel == "." else epath.Path(out) / rel
 
 
-def _step_bytes(info: StepInfo) -> int:
-    total = 0
-    for item in ("model_params", "optimizer_state"):
-        if (info.path / item).is_dir():
-            try:
-                total += sum(s.nbytes for s in read_specs(info.path / item).values())
-            except CheckpointReadError:
-                pass
-    return total
+def _plan(info: StepInfo, target: Target, args: argparse.Namespace) -> Plan | None:
+    """The plan of a Tunix-layout step (for the progress total; reused by the conversion)."""
+    if info.layout is not Layout.TUNIX:
+        return None
+    try:
+        return plan_step(
+            info.path, target, optimizer=args.optimizer, ignore=args.ignore, scan=args.rescan
+        )
+    except OrbaxMaxTextLayoutError:
+        return None  # reported by the conversion itself
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     results = []
-    for info in _steps(epath.Path(args.root)):
+    for info in find_steps(epath.Path(args.root)):
         if info.layout is Layout.MAXTEXT and (info.path / "model_params").is_dir():
             results.append(verify_step(info.path, quick=args.quick))
     if args.json:
@@ -204,7 +200,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     target = _load_target(args)
     out = []
-    for info in _steps(epath.Path(args.path)):
+    for info in find_steps(epath.Path(args.path)):
         entry = {
             "path": str(info.path),
             "step": info.step,
@@ -355,7 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (LayoutMismatchError, CheckpointReadError) as e:
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OrbaxMaxTextLayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -1,38 +1,45 @@
-"""`convert_step` and `to_maxtext_items`: the core conversion, over `plan` and `engine`."""
+"""`convert_step` and `to_maxtext_items`: plan a step, then write it (or report the plan).
+
+The report, the provenance record and the progress total all come from the one
+`Plan`; `write.write_items` executes it and `verify` replays it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
 import json
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import jax
 from etils import epath
 
-from ._tree import Path, flatten, keystr, norm_key
+from . import stepdir
 from ._version import __version__
-from .engine import TMP_SUFFIX, assemble, read_sources, source_items, write_items
-from .errors import CheckpointReadError, LayoutMismatchError
+from .errors import (
+    CheckpointReadError,
+    LayoutMismatchError,
+    ReadOnlyStepError,
+    StepLocked,
+    UsageError,
+)
 from .layout import (
-    MAXTEXT_ITEM,
-    STEP_METADATA,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
     read_provenance,
-    read_step_metadata,
+    tunix_items,
 )
-from .lock import ReadOnlyStepError, StepLocked, break_stale_lock, step_lock
-from .plan import OptimizerMode, Plan, make_plan
-from .rescan import plan_rescan, write_pieces
-from .spec import read_specs, spec_of
-from .stream import DEFAULT_BUDGET, stream_items
+from .lock import break_stale_lock, step_lock
+from .orbax_files import ItemFiles
+from .paths import flatten, keystr, norm_key
+from .plan import OptimizerMode, Plan, make_plan, plan_step
+from .restore import assemble
+from .spec import spec_of
 from .target import Target
-from .verify import verify_step
+from .write import DEFAULT_BUDGET, write_items
 
 
 @dataclasses.dataclass
@@ -99,51 +106,6 @@ class StepReport:
         return "\n".join(lines)
 
 
-def plan_step(
-    step_dir: epath.PathLike,
-    target: Target,
-    *,
-    optimizer: OptimizerMode = "convert",
-    ignore: Iterable[str] = (),
-    unnamed: Literal["error", "skip"] = "error",
-    allow_missing: Callable[[Path], bool] | None = None,
-    read_optimizer: bool = True,
-) -> Plan:
-    """Plans the conversion of one Tunix-layout step from Orbax metadata alone.
-
-    ``read_optimizer=False`` never opens ``optimizer_state`` (a params-only restore);
-    the plan's step then falls back to the step number, or 0 if the directory has none.
-    """
-    step_dir = epath.Path(step_dir)
-    items = source_items(step_dir)
-    params = read_specs(items[TUNIX_PARAMS_ITEM])
-    read_opt = read_optimizer and TUNIX_OPT_ITEM in items
-    opt = read_specs(items[TUNIX_OPT_ITEM]) if read_opt else None
-    step = _tunix_step_number(step_dir)
-    if step is None and not read_optimizer:
-        step = 0
-    return make_plan(
-        params,
-        opt,
-        target,
-        optimizer_mode=optimizer,
-        step=step,
-        ignore=ignore,
-        unnamed=unnamed,
-        allow_missing=allow_missing,
-    )
-
-
-def _tunix_step_number(step_dir: epath.Path) -> int | None:
-    """The Tunix step number: recorded by the manager when it moved the step, else the name."""
-    from .manager import TUNIX_STEP_KEY
-
-    custom = read_step_metadata(step_dir).get("custom_metadata") or {}
-    if isinstance(custom.get(TUNIX_STEP_KEY), int):
-        return custom[TUNIX_STEP_KEY]
-    return int(step_dir.name) if step_dir.name.isdigit() else None
-
-
 def convert_step(
     step_dir: epath.PathLike,
     target: Target,
@@ -157,6 +119,7 @@ def convert_step(
     remove_legacy: bool = False,
     out: epath.PathLike | None = None,
     rescan: Literal["unroll", "stack"] | None = None,
+    plan: Plan | None = None,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
@@ -164,7 +127,7 @@ def convert_step(
     ``optimizer_state`` (or, with ``out``, as ``<out>/items`` of a separate step
     directory, leaving the source step entirely untouched, e.g. when it is
     read-only). No array is decoded: the source databases are cloned into the new
-    item and grafted under their new names (see `stream.stream_items`); memory
+    item and grafted under their new names (see `write.write_items`); memory
     stays under ``memory_budget`` plus the largest array. ``use_zarr3`` different
     from the source re-encodes every array. ``in_place`` clones with hard links
     (next to no bytes written; the legacy files are never modified) and then
@@ -173,7 +136,8 @@ def convert_step(
     already has ``items/`` is skipped; one being converted by another live process
     is reported as ``locked``. ``rescan="unroll"``/``"stack"`` writes the other scan
     form (the target is given in that form; see `rescan`), re-slicing each array
-    on its own layer axis, one array at a time.
+    on its own layer axis, one array at a time. ``plan`` is this step's plan if the
+    caller already made it (`plan_step` with the same options), so it is not made twice.
 
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
@@ -200,8 +164,10 @@ def convert_step(
             # step lock (which also clears a dead run's lock).
             try:
                 with step_lock(step_dir):
-                    _clean_stale_tmp(step_dir)
-                    report.notes += _remove_legacy(step_dir, linked=bool(prov.get("in_place")))
+                    stepdir.clean_stale_tmp(step_dir)
+                    report.notes += stepdir.remove_legacy(
+                        step_dir, linked=bool(prov.get("in_place"))
+                    )
             except StepLocked as e:
                 return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
         return report
@@ -209,43 +175,27 @@ def convert_step(
         raise CheckpointReadError(
             f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
         )
-    if rescan is not None:
-        if in_place:
-            raise ValueError("in_place cannot change the scan form: every array is re-sliced")
-        plan, pieces = plan_rescan(step_dir, target, rescan, optimizer=optimizer, ignore=ignore)
-    else:
-        plan, pieces = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore), None
+    if rescan is not None and in_place:
+        raise UsageError(
+            f"{step_dir}: in_place cannot change the scan form: every array is re-sliced."
+        )
+    if plan is None:
+        plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore, scan=rescan)
     if dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
     if out is not None:
-        _seed_destination(step_dir, dest)
+        stepdir.seed_destination(step_dir, dest)
     try:
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
-            _clean_stale_tmp(dest)
-            if pieces is not None:
-                report = StepReport.from_plan(dest, plan, "converted", optimizer)
-                report.notes.append(f"{len(pieces)} arrays written in {rescan}ed form")
-                casts = {m.dst: m.cast for m in plan.moves if m.cast is not None}
-                report.bytes_written = write_pieces(
-                    step_dir, dest, plan, pieces, provenance=_provenance(report), cast=casts
-                )
-            else:
-                report = _write(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
+            stepdir.clean_stale_tmp(dest)
+            report = _write(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
             if in_place or remove_legacy:
-                report.notes += _remove_legacy(step_dir, linked=in_place)
+                report.notes += stepdir.remove_legacy(step_dir, linked=in_place)
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
-
-
-def _seed_destination(step_dir: epath.Path, dest: epath.Path) -> None:
-    """A separate destination step starts with the source's step metadata."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in (STEP_METADATA, "commit_success.txt"):
-        if (step_dir / name).exists() and not (dest / name).exists():
-            (step_dir / name).copy(dest / name)
 
 
 def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
@@ -263,110 +213,31 @@ def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepRepor
 
 def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
     report = StepReport.from_plan(dest, plan, "converted", optimizer)
-    sources = {n: d for n, d in source_items(src).items() if plan.moves_from(n)}
-    sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
-    src_zarr3 = _source_zarr3(src / TUNIX_PARAMS_ITEM)
-    prov = _provenance(report) | ({"source": str(src)} if src != dest else {})
-    if use_zarr3 is None or use_zarr3 == src_zarr3:
-        report.bytes_written = stream_items(
-            dest, plan, sources, provenance=prov, budget=budget, in_place=in_place
-        )
-    else:  # a format change re-encodes everything anyway
+    if use_zarr3 is not None and use_zarr3 != ItemFiles.read(src / TUNIX_PARAMS_ITEM).use_zarr3:
         report.notes.append(f"re-encoded as {'zarr3' if use_zarr3 else 'zarr2'}")
-        tree = assemble(plan, read_sources(src, plan))
-        report.bytes_written = write_items(dest, tree, use_zarr3=use_zarr3, provenance=prov)
+    sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
+    sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
+    prov = provenance(plan, optimizer) | ({"source": str(src)} if src != dest else {})
+    report.bytes_written = write_items(
+        dest, plan, sources, provenance=prov, budget=budget, in_place=in_place, use_zarr3=use_zarr3
+    )
     return report
 
 
-REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being deleted
-
-
-def _remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
-    """Deletes the legacy items of a converted step, only once ``items`` verifies.
-
-    After an in-place conversion ``items`` holds hard links to the very same data
-    files, so the check is metadata plus stored-data presence; after a copy every
-    value is compared. A verified item is first renamed aside (atomic), then
-    deleted, so a kill mid-deletion never leaves a half-deleted legacy item that
-    reads as a checkpoint; a rerun finishes the deletion. A symlinked legacy item
-    loses only its link: nothing outside the step is ever deleted.
-    """
-    notes = _finish_removal(step_dir)
-    present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
-    if not present:
-        return notes
-    result = verify_step(step_dir, quick=linked)
-    if not result.ok:
-        return [*notes, f"legacy items kept: verification failed: {result.problems[:3]}"]
-    for name in present:
-        item = step_dir / name
-        if os.path.islink(str(item)):
-            os.unlink(str(item))  # the link only; its target is outside this step
-        else:
-            item.rename(step_dir / f"{name}{REMOVING}")
-    _finish_removal(step_dir)
-    return [*notes, f"removed legacy {', '.join(present)} after verifying items"]
-
-
-def _exists(p: epath.Path) -> bool:
-    return p.exists() or os.path.islink(str(p))
-
-
-def _finish_removal(step_dir: epath.Path) -> list[str]:
-    done = []
-    for child in step_dir.iterdir():
-        if child.name.endswith(REMOVING):
-            child.rmtree()
-            done.append(child.name.removesuffix(REMOVING))
-    return [f"finished removing verified legacy {', '.join(done)}"] if done else []
-
-
-def _clean_stale_tmp(step_dir: epath.Path) -> None:
-    # Under the step lock, leftovers can only come from a dead run: an items tmp dir,
-    # or the temporary file of a step-metadata replace.
-    for child in step_dir.iterdir():
-        if child.name.startswith(MAXTEXT_ITEM + TMP_SUFFIX):
-            child.rmtree()
-        elif child.name.startswith(f".{STEP_METADATA}.") and child.name.endswith(".tmp"):
-            child.unlink()
-
-
-def restore_as_items(
-    step_dir: epath.PathLike,
-    target: Target,
-    *,
-    optimizer: OptimizerMode = "convert",
-    ignore: Iterable[str] = (),
-) -> dict[str, Any]:
-    """Restores a Tunix-layout step directly as MaxText items, in memory.
-
-    Reads only the leaves the plan moves; a leaf whose target abstract value has a
-    sharding is restored with that sharding. This is what the handler and the
-    manager use for a transparent restore.
-    """
-    step_dir = epath.Path(step_dir)
-    plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore)
-    return assemble(plan, read_sources(step_dir, plan, target.abstract))
-
-
-def _provenance(report: StepReport) -> dict[str, Any]:
-    return {
+def provenance(plan: Plan, optimizer: str) -> dict[str, Any]:
+    """What a converted step records of its conversion: enough for `verify` to replay it."""
+    out: dict[str, Any] = {
         "source_layout": Layout.TUNIX.value,
         "converter_version": __version__,
-        "rules": report.rules,
-        "optimizer": report.optimizer,
-        "step_source": report.step_source,
-        "dropped": [
-            {"path": f"{d['item']}/{d['path']}", "reason": d["reason"]} for d in report.dropped
-        ],
+        "rules": list(plan.rules),
+        "optimizer": optimizer,
+        "step_source": plan.step_source,
+        "dropped": [{"path": f"{d.item}/{keystr(d.src)}", "reason": d.reason} for d in plan.drops],
     }
-
-
-def _source_zarr3(item_dir: epath.Path) -> bool:
-    try:
-        return bool(json.loads((item_dir / "_METADATA").read_text()).get("use_zarr3", False))
-    except ValueError as e:
-        raise CheckpointReadError(f"{item_dir}/_METADATA: invalid JSON ({e}).") from e
+    if plan.scan:
+        out["scan"] = plan.scan
+        out["scan_axes"] = dict(plan.scan_axes)
+    return out
 
 
 def converted_provenance(step_dir: epath.PathLike) -> dict[str, Any] | None:

@@ -1,15 +1,27 @@
-"""Errors. Each names the path it is about and says what to do."""
+"""Errors. One hierarchy under `OrbaxMaxTextLayoutError`; each names its path and what to do."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
-class CheckpointReadError(ValueError):
+class OrbaxMaxTextLayoutError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class UsageError(OrbaxMaxTextLayoutError, ValueError):
+    """The call itself is wrong (options that cannot go together, a missing argument).
+
+    A ``ValueError`` too, so callers that caught the plain ``ValueError`` raised
+    before this class existed keep working.
+    """
+
+
+class CheckpointReadError(OrbaxMaxTextLayoutError, ValueError):
     """A checkpoint directory or file cannot be read as what it claims to be."""
 
 
-class LayoutMismatchError(ValueError):
+class LayoutMismatchError(OrbaxMaxTextLayoutError, ValueError):
     """The target and the checkpoint disagree. Raised before anything is written.
 
     ``problems`` holds one line per offending path, all of them, not only the first.
@@ -23,3 +35,11 @@ class LayoutMismatchError(ValueError):
         if hint:
             lines.append(hint)
         super().__init__("\n".join(lines))
+
+
+class StepLocked(OrbaxMaxTextLayoutError, RuntimeError):
+    """Another live process holds the step's lock."""
+
+
+class ReadOnlyStepError(OrbaxMaxTextLayoutError, OSError):
+    """The step directory cannot be written; convert to a separate destination instead."""

@@ -11,18 +11,14 @@ function of the same name that works on either layout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ._tree import FlatTree, Path, flatten, keystr, norm_key, unflatten
-from .convert import plan_step
-from .engine import assemble, read_sources
-from .errors import CheckpointReadError, LayoutMismatchError
+from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
     TUNIX_PARAMS_ITEM,
@@ -30,9 +26,12 @@ from .layout import (
     detect_layout,
     step_dir_of,
 )
-from .plan import Drop, OptimizerMode, Plan
+from .orbax_files import METADATA_FILE
+from .paths import flatten, keystr, norm_key
+from .plan import OptimizerMode
+from .restore import asks_for_items, is_request_leaf, restore_request
 from .spec import read_specs, spec_of
-from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
+from .target import PARAMS_ROOT
 
 __all__ = [
     "MaxTextLayoutHandler",
@@ -42,7 +41,11 @@ __all__ = [
     "tunix_step_of",
 ]
 
-_PYTREE_METADATA = "_METADATA"
+_is_leaf = is_request_leaf
+
+
+def _norm(flat: dict) -> dict:
+    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
 
 
 class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
@@ -95,27 +98,38 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
                 item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
             )
         step_dir = tunix_step_of(directory)
-        if step_dir is not None and not _asks_for_items(args.item):
+        if step_dir is not None and not asks_for_items(args.item):
             step_dir = None  # an item in the stored (NNX) form: restore it as stored
         if step_dir is None:
             if (
-                not (directory / _PYTREE_METADATA).exists()
+                not (directory / METADATA_FILE).exists()
                 and detect_layout(directory) is Layout.MAXTEXT
             ):
                 directory = directory / MAXTEXT_ITEM  # a MaxText step: read its items
             return super().restore(directory, args=args)
-        return _restore_tunix(step_dir, args, self._read_sources)
-
-    def _read_sources(
-        self, step_dir: epath.Path, plan: Plan, abstract: Mapping[Path, Any]
-    ) -> dict[str, FlatTree]:
-        """`engine.read_sources` through this handler, so its constructor options
-        (restore_concurrent_gb, multiprocessing_options, type registry) apply."""
+        if args.legacy_transform_fn is not None or args.transforms:
+            # `transforms={}` is MaxText's idiom for "restore a subtree" and is honoured;
+            # real transforms describe a stored tree this layout does not have.
+            raise UsageError(
+                f"{step_dir}: transforms and legacy_transform_fn are not supported for a "
+                "Tunix-layout step; pass the MaxText-layout item to restore into instead."
+            )
 
         def restore(d: epath.Path, a: ocp.args.PyTreeRestore) -> Any:
+            # Reads through this handler, so its constructor options (restore_concurrent_gb,
+            # multiprocessing_options, type registry) apply.
             return ocp.PyTreeCheckpointHandler.restore(self, d, args=a)
 
-        return read_sources(step_dir, plan, abstract, restore)
+        return restore_request(
+            step_dir,
+            args.item,
+            args.restore_args,
+            partial_restore=bool(args.partial_restore),
+            transforms=args.transforms,
+            optimizer=getattr(args, "optimizer", None),
+            ignore=getattr(args, "ignore", ()),
+            restore=restore,
+        )
 
 
 @ocp.args.register_with_handler(MaxTextLayoutHandler, for_save=True)
@@ -151,147 +165,11 @@ def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
     directory = epath.Path(directory)
     if directory.name == TUNIX_PARAMS_ITEM:
         return directory.parent
-    if directory.name == MAXTEXT_ITEM or not (directory / _PYTREE_METADATA).exists():
+    if directory.name == MAXTEXT_ITEM or not (directory / METADATA_FILE).exists():
         step_dir = step_dir_of(directory)
         if detect_layout(step_dir) is Layout.TUNIX:
             return step_dir
     return None
-
-
-# -- Tunix restore ------------------------------------------------------------------------
-_SECTIONS = frozenset({PARAMS_ROOT[0], AUX_ROOT[0], OPT_ROOT[0], STEP_PATH[0]})
-
-
-def _asks_for_items(item: Any) -> bool:
-    """True unless ``item`` is a tree in some other layout (e.g. Tunix's own NNX form).
-
-    ``None`` counts as an items request, so it is refused with a clear message
-    instead of silently handing back the unconverted Tunix tree.
-    """
-    return item is None or (isinstance(item, Mapping) and bool(item) and set(item) <= _SECTIONS)
-
-
-def _is_leaf(x: Any) -> bool:
-    return x is ocp.PLACEHOLDER or isinstance(x, ocp.RestoreArgs) or hasattr(x, "dtype")
-
-
-def _norm(flat: FlatTree) -> FlatTree:
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
-
-
-def _abstract_leaf(leaf: Any, arg: Any) -> jax.ShapeDtypeStruct:
-    """The leaf to restore into: shape/dtype from ``item``, sharding as Orbax would pick it."""
-    shape = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:  # a Python scalar in item, or no item leaf at all
-        if leaf is not None:
-            shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
-        else:
-            shape, dtype = getattr(arg, "global_shape", None), getattr(arg, "dtype", None)
-    if dtype is None or shape is None:
-        raise ValueError("Cannot tell the shape and dtype to restore; pass an abstract item.")
-    sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, jax.sharding.Sharding):
-        sharding = None  # e.g. Orbax ArrayMetadata's ShardingMetadata: not a placement
-    if isinstance(arg, ocp.ArrayRestoreArgs) and arg.sharding is not None:
-        sharding = arg.sharding
-    elif isinstance(arg, ocp.RestoreArgs) and arg.restore_type is np.ndarray:
-        sharding = None  # explicitly asked for host arrays
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
-
-
-def _request(args: ocp.args.PyTreeRestore) -> tuple[FlatTree, set[Path]]:
-    """``({items path: abstract leaf}, {placeholder paths})`` of what ``args`` asks for."""
-    if args.item is None:
-        raise LayoutMismatchError(
-            "A Tunix-layout step can only be restored against a target: pass item=.",
-            hint="e.g. item={'params': {'params': abstract_params}} (MaxText's items layout).",
-        )
-    items = _norm(flatten(args.item, is_leaf=_is_leaf))
-    rargs = _norm(flatten(args.restore_args, is_leaf=_is_leaf)) if args.restore_args else {}
-    skipped = {p for p, v in items.items() if v is ocp.PLACEHOLDER}
-    abstract = {p: _abstract_leaf(v, rargs.get(p)) for p, v in items.items() if p not in skipped}
-    return abstract, skipped
-
-
-def _restore_tunix(
-    step_dir: epath.Path,
-    args: ocp.args.PyTreeRestore,
-    read: Callable[[epath.Path, Plan, Mapping[Path, Any]], dict[str, FlatTree]],
-) -> Any:
-    if args.legacy_transform_fn is not None or args.transforms:
-        # `transforms={}` is MaxText's idiom for "restore a subtree" and is honoured;
-        # real transforms describe a stored tree this layout does not have.
-        raise ValueError(
-            f"{step_dir}: transforms and legacy_transform_fn are not supported for a "
-            "Tunix-layout step; pass the MaxText-layout item to restore into instead."
-        )
-    optimizer: OptimizerMode | None = getattr(args, "optimizer", None)
-    abstract, skipped = _request(args)
-    if optimizer == "drop":
-        abstract = {p: v for p, v in abstract.items() if p[:1] != OPT_ROOT}
-    if not abstract:
-        raise LayoutMismatchError(f"{step_dir}: the item asks for no leaves.")
-    target = Target.from_items(unflatten(abstract))
-    partial = bool(
-        args.partial_restore or args.transforms is not None or skipped or not target.nnx_aux
-    )
-    plan = plan_request(
-        step_dir,
-        target,
-        optimizer="drop" if target.opt_state is None else "convert",
-        ignore=getattr(args, "ignore", ()),
-        partial=partial,
-    )
-    flat = _norm(flatten(assemble(plan, read(step_dir, plan, abstract)), is_leaf=_is_leaf))
-    missing = sorted(set(abstract) - set(flat), key=keystr)
-    if missing:  # the plan checks this already; never hand back an unfilled leaf
-        raise LayoutMismatchError(
-            f"{step_dir}: no checkpoint value for", [keystr(p) for p in missing]
-        )
-
-    def fill(kp: tuple, leaf: Any) -> Any:
-        path = tuple(norm_key(k) for k in kp)
-        return leaf if path in skipped else flat.get(path, ocp.PLACEHOLDER)
-
-    out = jax.tree_util.tree_map_with_path(fill, args.item)
-    if optimizer == "drop" and isinstance(out, dict):
-        out = {k: v for k, v in out.items() if k != OPT_ROOT[0]}
-    return out
-
-
-def plan_request(
-    step_dir: epath.Path,
-    target: Target,
-    *,
-    optimizer: OptimizerMode,
-    ignore: Iterable[str] = (),
-    partial: bool = False,
-) -> Plan:
-    """Plans a restore of exactly the leaves in ``target.abstract``, from metadata.
-
-    Unlike `plan_step`, opens ``optimizer_state`` only if ``opt_state`` or ``step``
-    is requested. With ``partial``, model leaves the target does not name are
-    skipped (a params-only target says nothing about nnx_aux); requested leaves
-    must still exist with the requested shape and dtype.
-    """
-    want_step = STEP_PATH in target.abstract
-    plan = plan_step(
-        step_dir,
-        target,
-        optimizer=optimizer,
-        ignore=ignore,
-        unnamed="skip" if partial else "error",
-        read_optimizer=want_step or target.opt_state is not None,
-    )
-    wanted = set(target.abstract)
-    moves = tuple(m for m in plan.moves if m.dst in wanted)
-    unread = tuple(
-        Drop(m.item, m.src, m.spec, "not requested") for m in plan.moves if m.dst not in wanted
-    )
-    return dataclasses.replace(
-        plan, moves=moves, drops=plan.drops + unread, step=plan.step if want_step else None
-    )
 
 
 # -- load_params_from_path ----------------------------------------------------------------
@@ -379,7 +257,7 @@ def _resolve(path: epath.Path) -> tuple[epath.Path, Layout]:
         return step_dir / MAXTEXT_ITEM, layout
     if layout is Layout.TUNIX:
         return step_dir / TUNIX_PARAMS_ITEM, layout
-    if (path / _PYTREE_METADATA).exists():
+    if (path / METADATA_FILE).exists():
         return path, Layout.MAXTEXT  # some other PyTree item: let Orbax read it
     raise CheckpointReadError(
         f"{path}: neither a MaxText items/ nor a Tunix model_params/ checkpoint."

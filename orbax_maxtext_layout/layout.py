@@ -22,6 +22,8 @@ TUNIX_OPT_ITEM = "optimizer_state"
 ROLES = ("actor", "critic")
 STEP_METADATA = "_CHECKPOINT_METADATA"
 PROVENANCE_KEY = "orbax_maxtext_layout"  # our key in the step's custom metadata
+# Recorded in a moved legacy step's custom metadata: the Tunix step (update count) it holds.
+TUNIX_STEP_KEY = "orbax_maxtext_layout.tunix_step"
 _STEP_NAME = re.compile(r"^\d+$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 
@@ -68,17 +70,48 @@ def _steps_in(folder: epath.Path, role: str | None) -> list[StepInfo]:
     return out
 
 
-def find_steps(root: epath.PathLike) -> list[StepInfo]:
+def find_steps(root: epath.PathLike, *, roles: bool = True) -> list[StepInfo]:
     """Steps at ``<root>/<n>``, ``<root>/actor/<n>`` and ``<root>/critic/<n>``.
 
     Sorted by role (no role first) and then by step. Non-numeric entries and
-    Orbax temporary directories are ignored.
+    Orbax temporary directories are ignored. ``roles=False`` looks at ``<root>/<n>``
+    only (what a checkpoint manager of ``root`` lists). A ``root`` that is itself a
+    step (it holds ``items/`` or ``model_params/``) is returned alone.
     """
     root = epath.Path(root)
+    layout = detect_layout(root)
+    if layout is not Layout.UNKNOWN:
+        role = root.parent.name if root.parent.name in ROLES else None
+        number = int(root.name) if _STEP_NAME.match(root.name) else -1
+        return [StepInfo(root, number, layout, role)]
     found = _steps_in(root, None)
-    for role in ROLES:
+    for role in ROLES if roles else ():
         found += _steps_in(root / role, role)
     return sorted(found, key=lambda s: (s.role is not None, s.role or "", s.step))
+
+
+def tunix_items(step_dir: epath.PathLike) -> dict[str, epath.Path]:
+    """The legacy items of a Tunix-layout step: ``model_params`` and, if present, the optimizer."""
+    step_dir = epath.Path(step_dir)
+    out = {TUNIX_PARAMS_ITEM: step_dir / TUNIX_PARAMS_ITEM}
+    if (step_dir / TUNIX_OPT_ITEM).is_dir():
+        out[TUNIX_OPT_ITEM] = step_dir / TUNIX_OPT_ITEM
+    return out
+
+
+def tunix_step_number(step_dir: epath.PathLike, meta: dict[str, Any] | None = None) -> int | None:
+    """The Tunix step (optimizer updates done) a legacy step directory holds.
+
+    Recorded under `TUNIX_STEP_KEY` when a manager moved the step to MaxText's
+    number, else the directory's name; None for a non-numeric name. ``meta`` is the
+    step metadata if already read.
+    """
+    step_dir = epath.Path(step_dir)
+    custom = (read_step_metadata(step_dir) if meta is None else meta).get("custom_metadata") or {}
+    recorded = custom.get(TUNIX_STEP_KEY)
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    return int(step_dir.name) if _STEP_NAME.match(step_dir.name) else None
 
 
 def step_dir_of(path: epath.PathLike) -> epath.Path:

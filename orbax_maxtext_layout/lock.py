@@ -11,15 +11,9 @@ from collections.abc import Iterator
 
 from etils import epath
 
+from .errors import ReadOnlyStepError, StepLocked
+
 LOCK_NAME = ".orbax-maxtext-layout.lock"
-
-
-class StepLocked(RuntimeError):
-    """Another live process holds the step's lock."""
-
-
-class ReadOnlyStepError(OSError):
-    """The step directory cannot be written; convert to a separate destination instead."""
 
 
 def _alive(pid: int) -> bool:

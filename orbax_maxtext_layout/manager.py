@@ -58,34 +58,31 @@ import logging
 import threading
 from typing import Any, Literal
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo, StepAlreadyExistsError
 
-from ._tree import FlatTree, Path, flatten, keystr, norm_key
-from .convert import convert_step, plan_step
-from .engine import _replace_json, assemble, read_sources
-from .errors import CheckpointReadError
+from .convert import convert_step
+from .errors import CheckpointReadError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
-    STEP_METADATA,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
+    TUNIX_STEP_KEY,
     Layout,
     detect_layout,
+    find_steps,
     read_step_metadata,
+    tunix_step_number,
 )
-from .plan import OptimizerMode, Plan
-from .spec import _absolute
+from .orbax_files import absolute
+from .restore import request_target, restore_request
+from .stepdir import update_step_metadata
 from .target import Target
 
 __all__ = ["TUNIX_STEP_KEY", "CheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-# Recorded in a moved legacy step's custom metadata: the Tunix step it holds.
-TUNIX_STEP_KEY = "orbax_maxtext_layout.tunix_step"
 
 
 class CheckpointManager(ocp.CheckpointManager):
@@ -107,7 +104,7 @@ class CheckpointManager(ocp.CheckpointManager):
         **kwargs: Any,
     ) -> None:
         if migrate not in ("on_save", "off"):
-            raise ValueError(f"migrate must be 'on_save' or 'off', not {migrate!r}")
+            raise UsageError(f"migrate must be 'on_save' or 'off', not {migrate!r}")
         self._migrate = migrate
         self._remove_legacy = remove_legacy
         self._lock = threading.RLock()  # the save-finalize thread migrates concurrently
@@ -123,18 +120,18 @@ class CheckpointManager(ocp.CheckpointManager):
             self._legacy = {}  # the stock scan must read directories under their own names
         infos = super()._load_checkpoint_infos(skip_metadata_read)  # reads from worker threads
         with self._lock:
-            tunix = {}
-            if self.directory.exists():
-                for child in self.directory.iterdir():
-                    if child.name.isdigit() and detect_layout(child) is Layout.TUNIX:
-                        tunix[int(child.name)] = child
+            tunix = {
+                s.step: s.path
+                for s in find_steps(self.directory, roles=False)
+                if s.layout is Layout.TUNIX
+            }
             infos = [i for i in infos if i.step not in tunix]
             taken = {i.step for i in infos}
             self._hidden = set()
             for n, d in sorted(tunix.items()):
                 try:
                     meta = read_step_metadata(d)
-                    p = _tunix_step(d, meta) - 1
+                    p = (tunix_step_number(d, meta) or 0) - 1
                 except (CheckpointReadError, ValueError) as e:
                     meta, p, why = {}, -1, str(e)
                 else:
@@ -200,10 +197,7 @@ class CheckpointManager(ocp.CheckpointManager):
                     f"Cannot move Tunix step {held} to {home}: that directory is taken."
                 )
             if self._is_primary() and held.exists():
-                meta = read_step_metadata(held)
-                custom = dict(meta.get("custom_metadata") or {})
-                custom[TUNIX_STEP_KEY] = p + 1
-                _replace_json(held / STEP_METADATA, {**meta, "custom_metadata": custom})
+                update_step_metadata(held, lambda meta: _record_tunix_step(meta, p + 1))
                 held.rename(home)
                 logger.info("Moved Tunix step %s to %s (MaxText step %d).", held, home, p)
         self._legacy[p] = home
@@ -273,7 +267,7 @@ class CheckpointManager(ocp.CheckpointManager):
             return super().restore(step, items, restore_kwargs, directory, args)
         assert step is not None
         if items is not None or restore_kwargs is not None:
-            raise ValueError(f"Step {step} is in Tunix layout: restore it with args=, not items=.")
+            raise UsageError(f"Step {step} is in Tunix layout: restore it with args=, not items=.")
         if args is None:
             return self._restore_as_stored(step, held)
         composite = isinstance(args, ocp.args.Composite)
@@ -308,34 +302,31 @@ class CheckpointManager(ocp.CheckpointManager):
     def _restore_items(self, step: int, held: epath.Path, args: Any) -> Any:
         item = getattr(args, "item", None)
         if item is None:
-            raise ValueError(
+            raise UsageError(
                 f"Step {step} ({held}) is in Tunix layout. Restoring it as MaxText items needs "
                 "the abstract target: args=Composite(items=PyTreeRestore(item=<abstract items>))."
             )
-        target = Target.from_items(_with_shardings(item, getattr(args, "restore_args", None)))
-        mode: OptimizerMode = "convert" if target.opt_state is not None else "drop"
-        plan = self._plan(held, target, mode)
-        flat = _norm(
-            flatten(assemble(plan, read_sources(held, plan, target.abstract)), is_leaf=_is_array)
+        restore_args = getattr(args, "restore_args", None)
+        partial = bool(getattr(args, "partial_restore", False))
+        transforms = getattr(args, "transforms", None)
+        # A model-only step has no optimizer state: the caller's (fresh) one is kept.
+        out = restore_request(
+            held,
+            item,
+            restore_args,
+            partial_restore=partial,
+            transforms=transforms,
+            keep_missing=True,
         )
-        for p, x in flat.items():  # leaves made on the host (e.g. a step from the directory name)
-            sharding = getattr(target.abstract.get(p), "sharding", None)
-            if sharding is not None and not isinstance(x, jax.Array):
-                flat[p] = jax.device_put(x, sharding)
-        if self._migrate == "on_save":
+        target, skipped = request_target(item, restore_args)
+        whole = bool(target.nnx_aux) and not (skipped or partial or transforms is not None)
+        if self._migrate == "on_save" and whole:
             with self._lock:
                 self._pending[step] = target
         logger.info(
             "Restored step %d from the Tunix-layout directory %s as MaxText items.", step, held
         )
-        missing = sorted(keystr(p) for p in set(target.abstract) - set(flat))
-        if missing:  # e.g. opt_state of a model-only step: left as given, like partial_restore
-            logger.warning("Step %d (%s) does not hold %s; left as in `item`.", step, held, missing)
-        return jax.tree_util.tree_map_with_path(lambda p, x: flat.get(_key(p), x), item)
-
-    def _plan(self, held: epath.Path, target: Target, mode: OptimizerMode) -> Plan:
-        # plan_step takes a moved step's number from TUNIX_STEP_KEY, not its new name.
-        return plan_step(held, target, optimizer=mode)
+        return out
 
     def _restore_as_stored(self, step: int, held: epath.Path) -> ocp.args.Composite:
         names = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if (held / n).is_dir()]
@@ -351,7 +342,7 @@ class CheckpointManager(ocp.CheckpointManager):
             others or "nothing else",
         )
         return ocp.args.Composite(
-            **{n: ocp.PyTreeCheckpointHandler().restore(_absolute(held / n)) for n in names}
+            **{n: ocp.PyTreeCheckpointHandler().restore(absolute(held / n)) for n in names}
         )
 
     # -- other overrides ---------------------------------------------------------------
@@ -388,51 +379,18 @@ class CheckpointManager(ocp.CheckpointManager):
         return ocp.multihost.is_primary_host(self._multiprocessing_options.primary_host)
 
 
-def _tunix_step(step_dir: epath.Path, meta: dict[str, Any]) -> int:
-    return int((meta.get("custom_metadata") or {}).get(TUNIX_STEP_KEY, step_dir.name))
+def _record_tunix_step(meta: dict[str, Any], tunix_step: int) -> dict[str, Any]:
+    custom = dict(meta.get("custom_metadata") or {})
+    custom[TUNIX_STEP_KEY] = tunix_step
+    return {**meta, "custom_metadata": custom}
 
 
 def _tunix_step_of(step_dir: epath.Path) -> int | None:
     if detect_layout(step_dir) is not Layout.TUNIX:
         return None
-    return _tunix_step(step_dir, read_step_metadata(step_dir))
+    return tunix_step_number(step_dir)
 
 
 def _commit_time(meta: dict[str, Any]) -> datetime.datetime:
     ns = meta.get("commit_timestamp_nsecs") or 0
     return datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.UTC)
-
-
-def _key(path: Any) -> Path:
-    return tuple(norm_key(k) for k in path)
-
-
-def _norm(flat: FlatTree) -> FlatTree:
-    return {_key(p): v for p, v in flat.items()}
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) or hasattr(x, "dtype")
-
-
-def _with_shardings(item: Any, restore_args: Any) -> Any:
-    """``item`` as ShapeDtypeStructs carrying the sharding each leaf should restore with.
-
-    A leaf's ``restore_args`` entry decides when given (MaxText passes
-    ``ArrayRestoreArgs(sharding=...)``; one without a sharding restores as numpy);
-    otherwise the ``item`` leaf's own sharding, if any.
-    """
-    args = {} if restore_args is None else _norm(flatten(restore_args, is_leaf=_is_restore_arg))
-
-    def leaf(path: Any, x: Any) -> jax.ShapeDtypeStruct:
-        ra = args.get(_key(path))
-        sharding = getattr(ra if ra is not None else x, "sharding", None)
-        if not isinstance(sharding, jax.sharding.Sharding):
-            sharding = None
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree_util.tree_map_with_path(leaf, item)
-
-
-def _is_restore_arg(x: Any) -> bool:
-    return isinstance(x, ocp.RestoreArgs)

@@ -1,9 +1,11 @@
-"""A conversion plan: every source leaf mapped to its destination, from metadata alone.
+"""Planning: metadata plus a `Target` in, a `Plan` (one `Move` per written leaf) out.
 
 `make_plan` is pure: it takes the specs of the two Tunix items and a `Target`
 and returns a `Plan` (or raises `LayoutMismatchError` naming every offending
-path). The plan is the dry-run report, and the same object drives the engine,
-the handler and the manager, so the layout is computed exactly once.
+path). `plan_step` reads the specs of a step directory (metadata only) and, for a
+scan change, transforms the plan (`rescan`). `narrow` keeps what a restore asks
+for. The plan is the dry-run report, and the same object drives the writer, the
+restore, and `verify`, so the layout is computed exactly once.
 """
 
 from __future__ import annotations
@@ -14,63 +16,25 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 import numpy as np
+from etils import epath
 
+from . import rescan
 from . import rules as R
-from ._tree import Path, keystr
 from .errors import LayoutMismatchError
-from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
-from .spec import LeafSpec
+from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
+from .moves import Drop, Move, Op, Plan
+from .paths import Path, keystr
+from .spec import LeafSpec, read_specs
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
+__all__ = ["Drop", "Move", "Op", "OptimizerMode", "Plan", "make_plan", "narrow", "plan_step"]
+
 OptimizerMode = Literal["convert", "drop"]
+ScanChange = Literal["unroll", "stack"]
+DIRECTORY_STEP = "directory name"
 _DROP_HINT = (
     "Pass optimizer='drop' (CLI: --optimizer drop) to convert params, nnx_aux and step only."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Move:
-    """One destination leaf: read ``item/src``, write it at ``dst`` (a full items path)."""
-
-    item: str
-    src: Path
-    dst: Path
-    dest: Dest
-    spec: LeafSpec
-    cast: np.dtype | None = None  # stored dtype to cast to (step: uint32 -> int32)
-    note: str = ""  # e.g. "synthesized from ..." for a leaf copied to a second place
-
-
-@dataclasses.dataclass(frozen=True)
-class Drop:
-    item: str
-    src: Path
-    spec: LeafSpec
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    moves: tuple[Move, ...]
-    drops: tuple[Drop, ...]
-    rules: tuple[str, ...]
-    step: int | None
-    step_source: str
-    notes: tuple[str, ...] = ()
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        """Leaves and bytes per destination, the core of every report."""
-        out = {d.value: {"leaves": 0, "bytes": 0} for d in Dest}
-        for m in self.moves:
-            out[m.dest.value]["leaves"] += 1
-            out[m.dest.value]["bytes"] += m.spec.nbytes
-        for d in self.drops:
-            out[Dest.DROPPED.value]["leaves"] += 1
-            out[Dest.DROPPED.value]["bytes"] += d.spec.nbytes
-        return out
-
-    def moves_from(self, item: str) -> list[Move]:
-        return [m for m in self.moves if m.item == item]
 
 
 def make_plan(
@@ -143,14 +107,14 @@ def make_plan(
         )
 
     # -- optimizer_state -> opt_state / step -------------------------------------------
-    step_source = "directory name"
+    step_source = DIRECTORY_STEP
     if optimizer is not None:
         ocur = {p: p for p in optimizer}
         ocur, _ = R.apply(R.unwrap_value, ocur)
         step_src = next((src for p, src in ocur.items() if p == STEP_PATH), None)
         if step_src is not None:
             spec = optimizer[step_src]
-            want = np.dtype(target.abstract.get(STEP_PATH, np.zeros((), np.int32)).dtype)
+            want = _step_dtype(target)
             moves.append(Move(TUNIX_OPT_ITEM, step_src, STEP_PATH, Dest.STEP, spec, cast=want))
             step_source = f"{TUNIX_OPT_ITEM}/{keystr(step_src)}"
             del ocur[STEP_PATH]
@@ -168,16 +132,27 @@ def make_plan(
             moves += o_moves
             drops += o_drops
             applied += o_rules
-    if step_source == "directory name":
+    if step_source == DIRECTORY_STEP:
         if step is None:
             raise LayoutMismatchError(
                 "No optimizer step in the checkpoint and no step number given.",
                 hint="Pass step=<n> (the step directory's number).",
             )
         notes.append(f"step {step} taken from the step directory (no optimizer_state/step)")
+        moves.append(_step_constant(step, target))
         if target.opt_state is not None and optimizer is None:
             notes.append("the step has no optimizer_state: no opt_state is written")
     return Plan(tuple(moves), tuple(drops), tuple(applied), step, step_source, tuple(notes))
+
+
+def _step_dtype(target: Target) -> np.dtype:
+    return np.dtype(target.abstract.get(STEP_PATH, np.zeros((), np.int32)).dtype)
+
+
+def _step_constant(step: int, target: Target) -> Move:
+    spec = LeafSpec((), _step_dtype(target))
+    note = "from the step directory's number"
+    return Move("", (), STEP_PATH, Dest.STEP, spec, op=Op.CONSTANT, value=step, note=note)
 
 
 def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
@@ -332,3 +307,68 @@ def _synthesize_counts(
     if not all(specs[src].same_layout(want[p]) for p in missing):
         return []
     return [(p, src) for p in missing]
+
+
+# -- a step directory ----------------------------------------------------------------------
+def plan_step(
+    step_dir: epath.PathLike,
+    target: Target,
+    *,
+    optimizer: OptimizerMode = "convert",
+    ignore: Iterable[str] = (),
+    unnamed: Literal["error", "skip"] = "error",
+    read_optimizer: bool = True,
+    scan: ScanChange | None = None,
+) -> Plan:
+    """Plans the conversion of one Tunix-layout step from Orbax metadata alone.
+
+    ``scan="unroll"``/``"stack"`` writes the other scan form: ``target`` is given in
+    the output's form; the step is planned against its counterpart in the source's
+    form and the plan is then transformed (`rescan`), each leaf re-sliced on the
+    layer axis the model gives it. ``read_optimizer=False`` never opens
+    ``optimizer_state`` (a params-only restore); ``step`` then comes from the step
+    number, or 0 if the directory has none.
+    """
+    step_dir = epath.Path(step_dir)
+    items = tunix_items(step_dir)
+    params = read_specs(items[TUNIX_PARAMS_ITEM])
+    read_opt = read_optimizer and TUNIX_OPT_ITEM in items
+    opt = read_specs(items[TUNIX_OPT_ITEM]) if read_opt else None
+    step = tunix_step_number(step_dir)
+    if step is None and not read_optimizer:
+        step = 0
+
+    def plan_against(t: Target, **kw) -> Plan:
+        return make_plan(params, opt, t, optimizer_mode=optimizer, step=step, ignore=ignore, **kw)
+
+    if scan is None:
+        return plan_against(target, unnamed=unnamed)
+    if scan == "unroll":
+        stacked = rescan.stacked_form(target)
+        # A scanned model holds RNG state its unscanned twin lacks (decoder/rngs, the
+        # per-layer copies of shared streams): skip it here, refuse anything else.
+        return rescan.unroll_plan(plan_against(stacked, unnamed="skip"), stacked, target)
+    if scan == "stack":
+        unrolled = rescan.unrolled_form(target)
+        # Unscanned models store a shared RNG stream once; the other layers' copies
+        # are initialised fresh, and the plan's notes say which.
+        base = plan_against(unrolled, unnamed=unnamed, allow_missing=rescan.is_rng)
+        return rescan.stack_plan(base, unrolled, target)
+    raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
+
+
+def narrow(plan: Plan, wanted: Iterable[Path]) -> Plan:
+    """The part of ``plan`` that writes ``wanted`` destination paths (a partial restore).
+
+    Moves to other destinations become drops ("not requested"); ``step`` is kept
+    only if requested.
+    """
+    wanted = set(wanted)
+    moves = tuple(m for m in plan.moves if m.dst in wanted)
+    unread = tuple(
+        Drop(m.item, m.src, m.spec, "not requested")
+        for m in plan.moves
+        if m.dst not in wanted and m.sources
+    )
+    step = plan.step if STEP_PATH in wanted else None
+    return dataclasses.replace(plan, moves=moves, drops=plan.drops + unread, step=step)

@@ -1,124 +1,189 @@
-"""``convert --unroll`` / ``--stack``: convert a step into the *other* scan form.
+"""A scan change as a transformation of a `Plan`: ``convert --unroll`` / ``--stack``.
 
-The target is given in the output's form. The step is planned against the
-target's counterpart in the source's form (`scan.stack_target` /
-`scan.unroll_target`), and every planned array is then re-sliced on the layer
-axis the model gives it (`scan.scan_axes`), one destination array at a time, so
-memory stays near the largest stacked array. Re-slicing changes the bytes, so
-these arrays are decoded and re-encoded (zstd, one chunk each).
+The step is planned against the target's counterpart in the source's scan form
+(`stacked_form` / `unrolled_form`); `unroll_plan` / `stack_plan` then turn each
+move of a scanned block into per-layer ``slice`` moves, or each family of
+per-layer moves into one ``stack`` move, on the layer axis the model gives it
+(`scan.scan_axes`), never a rank rule. RNG state one form has and the other
+lacks is dropped with a reason (unroll) or initialised fresh (stack).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Mapping
 
-import numpy as np
-from etils import epath
-
-from . import kvcopy, scan
-from ._tree import Path, keystr
-from .engine import commit, new_tmp_dir, read_leaves, source_items
+from . import scan
 from .errors import LayoutMismatchError
-from .layout import TUNIX_PARAMS_ITEM
-from .plan import Drop, Move, OptimizerMode, Plan
-from .spec import LeafSpec
-from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, Dest, Target
+from .moves import Drop, Move, Op, Plan
+from .paths import Path, keystr
+from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
-Direction = Literal["unroll", "stack"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One output array: ``sources`` (one move, or one per layer) joined or sliced."""
-
-    dst: Path
-    moves: tuple[Move | None, ...]
-    axis: int | None  # layer axis of the stacked side
-    index: int | None  # unroll: the layer taken
-    spec_shape: tuple[int, ...]
-    fresh: LeafSpec | None = None  # a whole leaf the source lacks: initialised fresh
+_UNSCANNED_RNG = "RNG state the unscanned target does not hold"
 
 
-def _full_target_paths(t: Target) -> set[Path]:
+def is_rng(path: Path) -> bool:
+    """RNG state: ``.../rngs/<stream>/{count,key}`` (a model path, no ``value`` level)."""
+    return len(path) >= 3 and path[-3] == "rngs" and path[-1] in ("count", "key")
+
+
+def stacked_form(target: Target) -> Target:
+    """The scanned counterpart of an unscanned output target (what an unroll reads)."""
+    return scan.stack_target(target)
+
+
+def unrolled_form(target: Target) -> Target:
+    """The unscanned counterpart of a scanned output target (what a stack reads)."""
+    return scan.unroll_target(target)
+
+
+def with_scan_axes(target: Target, axes: Mapping[str, int]) -> Target:
+    """``target`` with each Param's layer axis taken from ``axes`` (stacked model path -> axis).
+
+    A replay (`verify`) has only the written items; this restores the axes the
+    conversion took from the model, which the plan records.
+    """
+    out = {}
+    for p in target.params:
+        stacked = keystr(tuple(_stacked_key(k) for k in p))
+        if stacked in axes:
+            out[p] = int(axes[stacked])
+    return dataclasses.replace(target, param_scan_axes=out)
+
+
+def _stacked_key(k: str | int) -> str | int:
+    hit = _layer_of(k)
+    return hit[0] if hit else k
+
+
+def _layer_of(key: str | int) -> tuple[str, int] | None:
+    s = str(key)
+    for g in scan.SCAN_GROUPS:
+        if s.startswith(g + "_") and s[len(g) + 1 :].isdigit():
+            return g, int(s[len(g) + 1 :])
+    return None
+
+
+def _full_paths(t: Target) -> set[Path]:
     out = {PARAMS_ROOT + p for p in t.params} | {AUX_ROOT + p for p in t.nnx_aux}
     return out | {OPT_ROOT + p for p in (t.opt_state or {})}
 
 
-def _is_rng(path: Path) -> bool:
-    return len(path) >= 3 and path[-3] == "rngs" and path[-1] in ("count", "key")
+def _recorded_axes(axes: Mapping[Path, int | None]) -> tuple[tuple[str, int], ...]:
+    return tuple(
+        sorted(
+            (keystr(p[2:]), a) for p, a in axes.items() if p[:2] == PARAMS_ROOT and a is not None
+        )
+    )
 
 
-def _renamed(path: Path, group: str, i: int) -> Path:
+def _unrolled(path: Path, group: str, i: int) -> Path:
     return tuple(f"{group}_{i}" if k == group else k for k in path)
 
 
-def plan_unroll(plan: Plan, stacked: Target, out: Target) -> tuple[list[Piece], list[Drop]]:
-    """Per-layer output arrays of a plan made against the scanned ``stacked`` target."""
+def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
+    """Per-layer ``slice`` moves for a plan made against the scanned ``stacked`` target.
+
+    ``plan`` was made with ``unnamed="skip"``: model leaves the scanned target
+    lacks must be RNG state (anything else is a wrong model and is refused).
+    """
+    bad = [
+        d
+        for d in plan.drops
+        if d.reason == "not requested by the target"
+        and not is_rng(tuple(k for k in d.src if k != "value"))
+    ]
+    if bad:
+        raise LayoutMismatchError(
+            "model_params does not match the target model:",
+            [f"{keystr(d.src)}: not in the target model ({d.spec})" for d in bad],
+        )
+    drops = [
+        dataclasses.replace(d, reason=_UNSCANNED_RNG)
+        if d.reason == "not requested by the target"
+        else d
+        for d in plan.drops
+    ]
     axes = scan.scan_axes(stacked)
-    want = _full_target_paths(out)
-    pieces, drops, problems = [], [], []
+    # What the output must hold: the model, and the optimizer if one is converted.
+    converts_opt = any(m.dest is Dest.OPT_STATE for m in plan.moves)
+    want = {p for p in _full_paths(out) if converts_opt or p[:1] != OPT_ROOT}
+    moves: list[Move] = []
+    problems = []
     for m in plan.moves:
         a = axes.get(m.dst)
         if a is None:
-            pieces.append(Piece(m.dst, (m,), None, None, m.spec.shape))
+            moves.append(m)
             continue
+        assert m.op is Op.COPY, m
         group = next(k for k in m.dst if k in scan.SCAN_GROUPS)
-        n = m.spec.shape[a]
-        shape = m.spec.shape[:a] + m.spec.shape[a + 1 :]
-        for i in range(n):
-            dst = _renamed(m.dst, group, i)
+        for i in range(m.spec.shape[a]):
+            dst = _unrolled(m.dst, group, i)
             if dst in want or (m.dst[:1] == OPT_ROOT and out.opt_state is None):
-                pieces.append(Piece(dst, (m,), a, i, shape))
-            elif m.dst[:2] == AUX_ROOT and _is_rng(m.dst):
-                reason = "RNG state the unscanned target does not hold (a shared stream)"
-                drops.append(Drop(m.item, m.src + (f"[layer {i}]",), m.spec, reason))
+                moves.append(dataclasses.replace(m, dst=dst, op=Op.SLICE, axis=a, index=i))
+            elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
+                drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), m.spec, _UNSCANNED_RNG))
             else:
                 problems.append(f"{keystr(dst)}: not in the unscanned target")
-    missing = want - {p.dst for p in pieces} - ({("step",)} if plan.step is not None else set())
+    missing = want - {m.dst for m in moves} - {STEP_PATH}
     problems += [
         f"{keystr(p)}: expected by the target, not produced" for p in sorted(missing, key=keystr)
     ]
     if problems:
         raise LayoutMismatchError("The unrolled step does not match the target:", problems)
-    return pieces, drops
+    return dataclasses.replace(
+        plan,
+        moves=tuple(moves),
+        drops=tuple(drops),
+        rules=(*plan.rules, "unroll"),
+        scan="unroll",
+        scan_axes=_recorded_axes(axes),
+    )
 
 
-def plan_stack(plan: Plan, unrolled: Target, out: Target) -> list[Piece]:
-    """Stacked output arrays of a plan made against the unscanned ``unrolled`` target."""
+def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
+    """One ``stack`` move per family of per-layer moves of a plan made against ``unrolled``."""
     axes = scan.scan_axes(out)
-    members: dict[Path, dict[int, Move]] = defaultdict(dict)
-    singles = []
+    families: dict[Path, dict[int, Move]] = defaultdict(dict)
+    moves: list[Move] = []
     for m in plan.moves:
         hit = next(((i, k) for i, k in enumerate(m.dst) if _layer_of(k)), None)
         if hit is None:
-            singles.append(Piece(m.dst, (m,), None, None, m.spec.shape))
+            moves.append(m)
             continue
         pos, key = hit
-        group, i = _layer_of(key)
-        members[m.dst[:pos] + (group,) + m.dst[pos + 1 :]][i] = m
-    pieces = list(singles)
-    problems = []
-    produced = set(members) | {p.dst for p in singles}
+        group, i = _layer_of(key)  # type: ignore[misc]
+        families[m.dst[:pos] + (group,) + m.dst[pos + 1 :]][i] = m
+    produced = set(families) | {m.dst for m in moves}
     for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had
-        if AUX_ROOT + p not in produced and _is_rng(p):
-            pieces.append(Piece(AUX_ROOT + p, (), None, None, spec.shape, fresh=spec))
-    for dst, layers in members.items():
+        if AUX_ROOT + p not in produced and is_rng(p):
+            note = "initialised fresh (not in the unscanned checkpoint)"
+            moves.append(Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, note=note))
+    problems = []
+    for dst, layers in families.items():
         a = axes.get(dst)
-        spec = _spec_at(out, dst)
-        n = spec.shape[a] if spec is not None and a is not None else max(layers) + 1
+        want = _spec_at(out, dst)
+        n = want.shape[a] if want is not None and a is not None else max(layers) + 1
         gaps = [i for i in range(n) if i not in layers]
-        if a is None or (gaps and not (dst[:2] == AUX_ROOT and _is_rng(dst))):
+        if a is None or (gaps and not (dst[:2] == AUX_ROOT and is_rng(dst))):
             problems.append(f"{keystr(dst)}: layers {sorted(layers)} do not stack (axis {a})")
             continue
-        first = next(iter(layers.values())).spec.shape
-        shape = first[:a] + (n,) + first[a:]
-        pieces.append(Piece(dst, tuple(layers.get(i) for i in range(n)), a, None, shape))
+        first = layers[min(layers)]
+        note = f"layers {gaps} initialised fresh" if gaps else ""
+        srcs = tuple(layers[i].src if i in layers else None for i in range(n))
+        moves.append(
+            dataclasses.replace(first, dst=dst, op=Op.STACK, axis=a, layers=srcs, note=note)
+        )
     if problems:
         raise LayoutMismatchError("The step does not stack onto the target:", problems)
-    return pieces
+    return dataclasses.replace(
+        plan,
+        moves=tuple(moves),
+        rules=(*plan.rules, "stack"),
+        scan="stack",
+        scan_axes=_recorded_axes(axes),
+    )
 
 
 def _spec_at(t: Target, path: Path):
@@ -130,177 +195,3 @@ def _spec_at(t: Target, path: Path):
         if path[: len(root)] == root:
             return section.get(path[len(root) :])
     return None
-
-
-def _fresh_like(x: np.ndarray, path: Path, i: int, key_impl: str | None) -> np.ndarray:
-    """Fresh RNG state for a layer the unscanned checkpoint did not store."""
-    if path[-1] == "count" or not key_impl:
-        return np.zeros_like(x)
-    import zlib
-
-    import jax
-
-    key = jax.random.fold_in(jax.random.key(zlib.crc32(keystr(path).encode()), impl=key_impl), i)
-    return np.asarray(jax.random.key_data(key)).reshape(x.shape).astype(x.dtype)
-
-
-def _layer_of(key) -> tuple[str, int] | None:
-    s = str(key)
-    for g in scan.SCAN_GROUPS:
-        if s.startswith(g + "_") and s[len(g) + 1 :].isdigit():
-            return g, int(s[len(g) + 1 :])
-    return None
-
-
-def write_pieces(
-    step_dir: epath.Path,
-    dest: epath.Path,
-    plan: Plan,
-    pieces: list[Piece],
-    *,
-    provenance: dict,
-    cast: dict[Path, np.dtype],
-) -> int:
-    """Reads, re-slices and writes each piece, one at a time; commits ``dest/items``."""
-    ctx = kvcopy.ts_context()
-    srcs = {n: kvcopy.SourceItem.open(d, ctx) for n, d in source_items(step_dir).items()}
-    use_zarr3 = srcs[TUNIX_PARAMS_ITEM].use_zarr3
-    tmp = new_tmp_dir(dest)
-    try:
-        parent = kvcopy.open_ocdbt(tmp, ctx, merge=True).spec().to_json()
-        meta_moves = []
-        for piece in pieces:
-            if piece.fresh is not None:
-                meta_moves.append(_write_fresh(piece, parent, ctx, use_zarr3, srcs))
-                continue
-            # One stacked array, or the L per-layer arrays of one leaf (None: a layer
-            # of a shared RNG stream the checkpoint does not store).
-            arrays = [
-                None if m is None else read_leaves(srcs[m.item].dir, {m.src})[m.src]
-                for m in piece.moves
-            ]
-            present = next(x for x in arrays if x is not None)
-            m = next(m for m in piece.moves if m is not None)
-            arrays = [
-                np.asarray(x)
-                if x is not None
-                else _fresh_like(np.asarray(present), piece.dst, i, m.spec.key_impl)
-                for i, x in enumerate(arrays)
-            ]
-            if piece.index is not None:
-                data = np.take(np.asarray(arrays[0]), piece.index, axis=piece.axis)
-            elif piece.axis is not None:
-                data = np.stack([np.asarray(x) for x in arrays], axis=piece.axis)
-            else:
-                data = np.asarray(arrays[0])
-            if m.dst in cast:
-                data = data.astype(cast[m.dst])
-            kvcopy.write_array(
-                parent,
-                kvcopy.param_name(piece.dst),
-                np.array(data, order="C"),
-                use_zarr3=use_zarr3,
-                context=ctx,
-            )
-            spec = dataclasses.replace(m.spec, shape=tuple(data.shape), dtype=data.dtype)
-            meta_moves.append(dataclasses.replace(m, dst=piece.dst, spec=spec))
-            del arrays, data
-        kvcopy.write_metadata(
-            tmp,
-            meta_moves,
-            srcs,
-            use_zarr3=use_zarr3,
-            gaps=kvcopy.list_gaps(m.dst for m in meta_moves),
-        )
-        written = sum(f.stat().length for f in _files(tmp))
-        commit(dest, tmp, provenance | {"bytes_written": written})
-    except BaseException:
-        tmp.rmtree(missing_ok=True)
-        raise
-    return written
-
-
-_FRESH = "_fresh"
-
-
-def _write_fresh(piece: Piece, parent: dict, ctx, use_zarr3: bool, srcs: dict) -> Move:
-    spec = piece.fresh
-    like = np.zeros(spec.shape, spec.dtype)
-    data = _fresh_like(like, piece.dst, 0, spec.key_impl) if spec.key_impl else like
-    name = kvcopy.param_name(piece.dst)
-    kvcopy.write_array(parent, name, data, use_zarr3=use_zarr3, context=ctx)
-    fresh = srcs.setdefault(_FRESH, _FreshSource())
-    fresh.value_meta[name] = {
-        "value_type": "jax.Array",
-        "skip_deserialize": False,
-        "write_shape": list(spec.shape),
-    }
-    fresh.shardings[name] = kvcopy._SINGLE_DEVICE
-    fresh.array_meta[name] = {
-        "write_shape": list(spec.shape),
-        "chunk_shape": list(spec.shape),
-        "ext_metadata": {"random_key_impl": spec.key_impl} if spec.key_impl else None,
-    }
-    return Move(_FRESH, piece.dst, piece.dst, Dest.NNX_AUX, spec, note="initialised fresh")
-
-
-@dataclasses.dataclass
-class _FreshSource:
-    value_meta: dict = dataclasses.field(default_factory=dict)
-    shardings: dict = dataclasses.field(default_factory=dict)
-    array_meta: dict = dataclasses.field(default_factory=dict)
-
-
-def _files(d: epath.Path) -> Iterable[epath.Path]:
-    for c in d.iterdir():
-        yield from _files(c) if c.is_dir() else (c,)
-
-
-def plan_rescan(
-    step_dir: epath.Path,
-    target: Target,
-    direction: Direction,
-    *,
-    optimizer: OptimizerMode,
-    ignore: Iterable[str],
-) -> tuple[Plan, list[Piece]]:
-    """Plans a scan-form change; the returned plan lists what is dropped and why."""
-    from .convert import plan_step
-
-    if direction == "unroll":
-        source_form = scan.stack_target(target)
-        # A scanned model holds RNG state its unscanned twin lacks (decoder/rngs, the
-        # per-layer copies of shared streams): skip it here, refuse anything else.
-        plan = plan_step(step_dir, source_form, optimizer=optimizer, ignore=ignore, unnamed="skip")
-        unknown = [d for d in plan.drops if d.reason == "not requested by the target"]
-        bad = [d for d in unknown if not _is_rng(tuple(k for k in d.src if k != "value"))]
-        if bad:
-            raise LayoutMismatchError(
-                "model_params does not match the target model:",
-                [f"{keystr(d.src)}: not in the target model ({d.spec})" for d in bad],
-            )
-        plan = dataclasses.replace(
-            plan,
-            drops=tuple(
-                dataclasses.replace(d, reason="RNG state the unscanned target does not hold")
-                if d in unknown
-                else d
-                for d in plan.drops
-            ),
-        )
-        pieces, drops = plan_unroll(plan, source_form, target)
-    else:
-        source_form = scan.unroll_target(target)
-        # Unscanned models store a shared RNG stream once; the other layers' copies
-        # are initialised fresh, and the plan's notes say which.
-        plan = plan_step(
-            step_dir,
-            source_form,
-            optimizer=optimizer,
-            ignore=ignore,
-            allow_missing=_is_rng,
-        )
-        pieces, drops = plan_stack(plan, source_form, target), []
-    return dataclasses.replace(
-        plan, drops=plan.drops + tuple(drops), rules=(*plan.rules, direction)
-    ), pieces

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._tree import FlatTree, Path, flatten, keystr, unflatten
 from .errors import LayoutMismatchError
+from .paths import FlatTree, Path, flatten, keystr, unflatten
 from .spec import LeafSpec, spec_of
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, Target
 

@@ -12,8 +12,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ._tree import FlatTree, Path, flatten, norm_key
 from .errors import CheckpointReadError
+from .orbax_files import absolute, key_impls
+from .paths import FlatTree, Path, flatten, norm_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +73,6 @@ def _impl_name(impl: Any) -> str:
     return getattr(impl, "name", None) or str(impl)
 
 
-def key_impls(item_dir: epath.Path) -> dict[str, str]:
-    """``param_name -> random_key_impl`` from ``array_metadatas/process_*`` (JSON only)."""
-    out: dict[str, str] = {}
-    folder = item_dir / "array_metadatas"
-    if not folder.exists():
-        return out
-    for f in sorted(folder.iterdir()):
-        try:
-            entries = json.loads(f.read_text())["array_metadatas"]
-            for entry in entries:
-                meta = entry.get("array_metadata", {})
-                impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
-                if impl:
-                    out[str(meta["param_name"])] = str(impl)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointReadError(f"{f}: invalid array metadata ({e!r}).") from e
-    return out
-
-
 def _is_meta_leaf(x: Any) -> bool:
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or type(x).__name__.endswith("Metadata")
 
@@ -111,12 +93,12 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
         raise CheckpointReadError(
             f"{item_dir}/_METADATA: not an Orbax PyTree metadata file (no tree_metadata object)."
         )
-    if _is_ocdbt(item_dir) and not (item_dir / "manifest.ocdbt").exists():
+    if meta.get("use_ocdbt", True) and not (item_dir / "manifest.ocdbt").exists():
         raise CheckpointReadError(
             f"{item_dir}/manifest.ocdbt: missing; the item's OCDBT database cannot be opened."
         )
     try:
-        tree = ocp.PyTreeCheckpointHandler().metadata(_absolute(item_dir)).tree
+        tree = ocp.PyTreeCheckpointHandler().metadata(absolute(item_dir)).tree
     except Exception as e:  # Orbax raises many types for a damaged item
         raise CheckpointReadError(f"{item_dir}: cannot read Orbax metadata: {e}") from e
     impls = key_impls(item_dir)
@@ -127,15 +109,3 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
         dtype = np.dtype(getattr(leaf, "dtype", None) or np.int64)
         out[path] = LeafSpec(shape, dtype, impls.get(".".join(str(k) for k in path)))
     return out
-
-
-def _is_ocdbt(item_dir: epath.Path) -> bool:
-    try:
-        return bool(json.loads((item_dir / "_METADATA").read_text()).get("use_ocdbt", True))
-    except (ValueError, AttributeError):
-        return True
-
-
-def _absolute(p: epath.Path) -> epath.Path:
-    # Orbax's OCDBT reader refuses relative paths ("Checkpoint path should be absolute").
-    return p if str(p).startswith(("gs://", "s3://", "/")) else epath.Path(p).resolve()

@@ -16,9 +16,9 @@ from typing import Any
 import jax
 from etils import epath
 
-from ._tree import FlatTree, Path, flatten, keystr, norm_key
 from .errors import LayoutMismatchError
 from .layout import MAXTEXT_ITEM
+from .paths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 from .spec import LeafSpec, read_specs, spec_of
 
 PARAMS_ROOT: Path = ("params", "params")
@@ -151,6 +151,12 @@ class Target:
         return cls(params, aux, opt if has_opt else None, abstract=dict(abstract))
 
     # -- queries ----------------------------------------------------------------------
+    def items(self) -> Any:
+        """The abstract MaxText items tree (``{"params": {"params": ...}, "nnx_aux": ...,
+        "opt_state": ..., "step": ...}``) this target was built from, with its shardings:
+        what to pass as ``item`` to a restore."""
+        return unflatten(self.abstract)
+
     def without_optimizer(self) -> Target:
         return dataclasses.replace(self, opt_state=None)
 

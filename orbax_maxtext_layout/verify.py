@@ -1,18 +1,24 @@
-"""Check that a converted step's ``items`` holds every source leaf, bit for bit."""
+"""Check a converted step: every leaf of ``items`` equals its op applied to the legacy items.
+
+The plan is replayed from the provenance the conversion recorded (optimizer
+mode, drops, scan change and its layer axes) against the written ``items`` as
+target, so a scan change verifies exactly like a plain conversion.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import tensorstore as ts
 from etils import epath
 
-from . import kvcopy
-from ._tree import keystr
+from . import tskv
 from .errors import LayoutMismatchError
-from .layout import MAXTEXT_ITEM, read_provenance
-from .plan import Plan
+from .layout import MAXTEXT_ITEM, read_provenance, tunix_items
+from .moves import Op, Plan, apply_op
+from .orbax_files import param_name
+from .paths import keystr
+from .plan import plan_step
+from .rescan import with_scan_axes
 from .spec import read_specs
 from .target import Target
 
@@ -25,25 +31,33 @@ class VerifyResult:
     problems: list[str] = dataclasses.field(default_factory=list)
 
 
-def _replan(step_dir: epath.Path) -> Plan:
-    # The converted items are themselves the target; what was dropped on purpose
-    # is in the provenance record and is ignored by exact path.
-    from .convert import plan_step
+def replay_plan(step_dir: epath.PathLike) -> Plan:
+    """The plan a converted step was written from, rebuilt from its provenance and metadata.
 
+    The converted items are themselves the target; what was dropped on purpose is
+    in the provenance record and is ignored by exact path.
+    """
+    step_dir = epath.Path(step_dir)
     prov = read_provenance(step_dir) or {}
     dropped = [d["path"].split("/", 1)[1] for d in prov.get("dropped", [])]
     target = Target.from_checkpoint(step_dir / MAXTEXT_ITEM)
+    scan = prov.get("scan")
+    if scan:
+        target = with_scan_axes(target, dict(prov.get("scan_axes") or {}))
     ignore = [p.removesuffix("/value") for p in dropped] + dropped
-    return plan_step(step_dir, target, optimizer=prov.get("optimizer", "convert"), ignore=ignore)
+    return plan_step(
+        step_dir, target, optimizer=prov.get("optimizer", "convert"), ignore=ignore, scan=scan
+    )
 
 
 def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResult:
     """Compares ``items`` with the legacy items it was converted from.
 
     ``quick`` compares metadata (tree, shapes, dtypes, key impls) and checks that
-    every leaf has stored data, without reading values. Otherwise every leaf's
-    stored bytes are compared, falling back to decoded values where the bytes were
-    re-encoded (a dtype cast or a zarr format change).
+    every leaf has stored data, without reading values. Otherwise every leaf is
+    compared with its op applied to its sources: stored bytes where the op copied
+    them, decoded values where it changed them (a cast, a layer slice or stack,
+    fresh state, a zarr format change). Never raises: a failure is a result.
     """
     step_dir = epath.Path(step_dir)
     try:
@@ -56,64 +70,47 @@ def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResul
 
 def _verify(step_dir: epath.Path, quick: bool) -> VerifyResult:
     res = VerifyResult(str(step_dir), ok=True)
-    plan = _replan(step_dir)
+    plan = replay_plan(step_dir)
     got = read_specs(step_dir / MAXTEXT_ITEM)
     for m in plan.moves:
-        want = m.spec if m.cast is None else dataclasses.replace(m.spec, dtype=np.dtype(m.cast))
-        if got.get(m.dst) != want:
-            res.problems.append(f"{keystr(m.dst)}: items has {got.get(m.dst)}, source {want}")
+        if got.get(m.dst) != m.out_spec:
+            res.problems.append(f"{keystr(m.dst)}: items has {got.get(m.dst)}, plan {m.out_spec}")
+    extra = sorted(set(got) - {m.dst for m in plan.moves}, key=keystr)
+    res.problems += [f"{keystr(p)}: in items, but written by no move of the plan" for p in extra]
     res.checked = len(plan.moves)
     if not res.problems:
-        res.problems += _keys_present(step_dir, plan) if quick else _compare_values(step_dir, plan)
+        res.problems += _compare(step_dir, plan, quick)
     res.ok = not res.problems
     return res
 
 
-def _keys_present(step_dir: epath.Path, plan: Plan) -> list[str]:
-    dst = kvcopy.SourceItem.open(step_dir / MAXTEXT_ITEM, kvcopy.ts_context())
-    return [
-        f"{keystr(m.dst)}: no stored data in items"
-        for m in plan.moves
-        if not kvcopy._keys(dst.kv, kvcopy.param_name(m.dst))
-    ]
-
-
-def _compare_values(step_dir: epath.Path, plan: Plan) -> list[str]:
-    ctx = kvcopy.ts_context()
-    from .engine import source_items
-
-    srcs = {n: kvcopy.SourceItem.open(d, ctx) for n, d in source_items(step_dir).items()}
-    dst = kvcopy.SourceItem.open(step_dir / MAXTEXT_ITEM, ctx)
+def _compare(step_dir: epath.Path, plan: Plan, quick: bool) -> list[str]:
+    ctx = tskv.ts_context()
+    srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in tunix_items(step_dir).items()}
+    dst = tskv.SourceItem.open(step_dir / MAXTEXT_ITEM, ctx)
     problems = []
     for m in plan.moves:
-        src = srcs[m.item]
-        same_codec = src.use_zarr3 == dst.use_zarr3 and m.cast is None
-        if same_codec and _raw_equal(src, m.src, dst, m.dst):
+        if quick:
+            if not tskv.keys(dst.kv, param_name(m.dst)):
+                problems.append(f"{keystr(m.dst)}: no stored data in items")
             continue
-        a = _decoded(src, m.src, ctx)
-        b = _decoded(dst, m.dst, ctx)
-        if m.cast is not None:
-            a = a.astype(m.cast)
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            problems.append(f"{keystr(m.dst)}: value differs from {m.item}/{keystr(m.src)}")
+        if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3:
+            if _raw_equal(srcs[m.item], m.src, dst, m.dst):
+                continue
+        want = apply_op(m, lambda item, p: tskv.read_array(srcs[item], p, ctx))
+        have = tskv.read_array(dst, m.dst, ctx)
+        if want.dtype != have.dtype or want.shape != have.shape or want.tobytes() != have.tobytes():
+            problems.append(f"{keystr(m.dst)}: value differs from {m.describe()}")
     return problems
 
 
-def _raw_equal(src: kvcopy.SourceItem, sp, dst: kvcopy.SourceItem, dp) -> bool:
-    sn, dn = kvcopy.param_name(sp), kvcopy.param_name(dp)
-    skeys = kvcopy._keys(src.kv, sn)
-    dkeys = kvcopy._keys(dst.kv, dn)
+def _raw_equal(src: tskv.SourceItem, sp, dst: tskv.SourceItem, dp) -> bool:
+    sn, dn = param_name(sp), param_name(dp)
+    skeys = tskv.keys(src.kv, sn)
+    dkeys = tskv.keys(dst.kv, dn)
     if [k[len(sn) :] for k in skeys] != [k[len(dn) :] for k in dkeys]:
         return False
     return all(
         src.kv.read(a).result().value == dst.kv.read(b).result().value
         for a, b in zip(skeys, dkeys, strict=True)
-    )
-
-
-def _decoded(item: kvcopy.SourceItem, path, ctx) -> np.ndarray:
-    driver = "zarr3" if item.use_zarr3 else "zarr"
-    kv = kvcopy.sub_kv(item.kv.spec().to_json(), kvcopy.param_name(path))
-    return np.asarray(
-        ts.open({"driver": driver, "kvstore": kv}, open=True, context=ctx).result().read().result()
     )

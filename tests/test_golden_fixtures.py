@@ -155,7 +155,7 @@ def _renamed(target: Target, old: str, new: str) -> Target:
         tuple(new if k == old else k for k in p): s.abstract()
         for p, s in read_specs(MAXTEXT_NATIVE / "items").items()
     }
-    from orbax_maxtext_layout._tree import unflatten
+    from orbax_maxtext_layout.paths import unflatten
 
     return Target.from_items(unflatten(items))
 
@@ -176,7 +176,7 @@ def test_wrong_model_names_are_all_listed(tmp_path, maxtext_target):
 def test_wrong_size_same_names_lists_every_shape(tmp_path):
     step = copy_fixture(RL_ACTOR_STEPS["tunix017_rl"], tmp_path)
     before = tree_digest(step)
-    from orbax_maxtext_layout._tree import unflatten
+    from orbax_maxtext_layout.paths import unflatten
 
     items = {}
     for p, s in read_specs(MAXTEXT_NATIVE / "items").items():

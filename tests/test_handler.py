@@ -25,14 +25,14 @@ from orbax_maxtext_layout import (
     Target,
     convert_step,
 )
-from orbax_maxtext_layout._tree import flatten, keystr, norm_key, unflatten
 from orbax_maxtext_layout.handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
     MaxTextLayoutSave,
     load_params_from_path,
-    plan_request,
 )
+from orbax_maxtext_layout.paths import flatten, keystr, norm_key, unflatten
+from orbax_maxtext_layout.restore import plan_request
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]  # tunix017/rl_run/checkpoints/actor/2
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
@@ -287,7 +287,7 @@ sys.path.insert(0, sys.argv[1])
 from conftest import MAXTEXT_NATIVE, copy_fixture
 from pathlib import Path
 from orbax_maxtext_layout import Target
-from orbax_maxtext_layout._tree import flatten, unflatten
+from orbax_maxtext_layout.paths import flatten, unflatten
 from orbax_maxtext_layout.handler import load_params_from_path
 
 assert len(jax.devices()) == 4

@@ -20,8 +20,8 @@ from conftest import MAXTEXT_NATIVE, copy_fixture, tree_digest
 from etils import epath
 
 from orbax_maxtext_layout import Layout, Target, convert_step, detect_layout, restore_as_items
-from orbax_maxtext_layout._tree import flatten, keystr, norm_key, unflatten
 from orbax_maxtext_layout.manager import TUNIX_STEP_KEY, CheckpointManager
+from orbax_maxtext_layout.paths import flatten, keystr, norm_key, unflatten
 
 RL = "tunix017/rl_run/checkpoints/actor/2"  # Tunix directory 2 = MaxText step 1
 LOGGER = "orbax_maxtext_layout.manager"

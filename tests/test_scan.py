@@ -19,7 +19,7 @@ from conftest import FIXTURES, MAXTEXT_NATIVE
 from flax import nnx
 
 from orbax_maxtext_layout import LayoutMismatchError, Target
-from orbax_maxtext_layout._tree import flatten
+from orbax_maxtext_layout.paths import flatten
 from orbax_maxtext_layout.plan import make_plan
 from orbax_maxtext_layout.scan import (
     scan_axes,

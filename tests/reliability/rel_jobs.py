@@ -46,8 +46,8 @@ def manager_cycle(directory: str, template: str, remove_legacy: bool = True) -> 
     import orbax.checkpoint as ocp
     import synth
 
-    from orbax_maxtext_layout._tree import unflatten
     from orbax_maxtext_layout.manager import CheckpointManager
+    from orbax_maxtext_layout.paths import unflatten
 
     abstract = unflatten(dict(synth.target_for(Path(template)).abstract))
     mngr = CheckpointManager(

@@ -37,9 +37,9 @@ from orbax_maxtext_layout import (
     make_plan,
     to_maxtext_items,
 )
-from orbax_maxtext_layout._tree import flatten, keystr, unflatten
 from orbax_maxtext_layout.layout import read_step_metadata
-from orbax_maxtext_layout.spec import key_impls
+from orbax_maxtext_layout.orbax_files import key_impls
+from orbax_maxtext_layout.paths import flatten, keystr, unflatten
 
 # Hypothesis caches (constants, unicode data) go to a temporary directory, not into the
 # repository's .hypothesis/ (this suite writes only under tests/reliability). No other test
@@ -172,6 +172,8 @@ def conservation_problems(plan, params: dict, opt: dict | None) -> list[str]:
     dsts = collections.Counter(repr(m.dst) for m in plan.moves)
     problems += [f"two leaves written to {d}" for d, n in dsts.items() if n > 1]
     for m in plan.moves:
+        if not m.sources:  # a constant (step from the directory): no source leaf to conserve
+            continue
         src = (params if m.item == "model_params" else opt)[m.src]
         if m.spec != src:
             problems.append(f"{keystr(m.src)}: spec changed {src} -> {m.spec}")
@@ -291,6 +293,8 @@ def test_to_maxtext_items_moves_values_bit_for_bit(case, data):
     flat = flatten(out, is_leaf=lambda x: hasattr(x, "dtype"))
     flat = {tuple(k for k in p): v for p, v in flat.items()}
     for m in plan.moves:
+        if not m.sources:  # the step constant (the directory number), not a source leaf
+            continue
         value = (src_a if m.item == "model_params" else opt_a)[m.src]
         got = np.asarray(flat[m.dst])
         if m.cast is not None:

@@ -1,4 +1,4 @@
-"""Flat-path views of nested trees (dicts, lists, tuples).
+"""Tree paths: flat-path views of nested trees (dicts, lists, tuples).
 
 Every module here works on *flat trees*: ``{path: leaf}`` where a path is a
 tuple of keys, ``str`` for a mapping key and ``int`` for a sequence index. The

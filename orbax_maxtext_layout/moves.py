@@ -1,0 +1,192 @@
+"""What a conversion writes: one `Move` per destination leaf, each with one named op.
+
+A `Plan` is a list of moves plus the source leaves deliberately left behind
+(`Drop`, each with its reason). Like a Hugging Face weight conversion, every
+destination leaf is described by a small named operation on its source leaves:
+
+======== =====================================================================
+op       destination leaf
+======== =====================================================================
+copy     the source leaf, stored bytes unchanged (PRNG keys keep their impl)
+cast     the source leaf cast to ``cast`` (``step``: uint32 -> int32)
+constant ``value``, no source (``step`` from the step directory's number)
+slice    layer ``index`` of a stacked source, taken on ``axis`` (unroll)
+stack    the sources (one per layer) joined on ``axis`` (stack); a ``None``
+         layer is RNG state the source never had, initialised fresh
+fresh    no source: RNG state initialised fresh (count 0, a derived key)
+======== =====================================================================
+
+The same plan drives the dry-run report, the writer, the in-memory restore and
+`verify`, which checks every written leaf against `apply_op` of its sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from .paths import Path, keystr
+from .spec import LeafSpec
+from .target import Dest
+
+
+class Op(enum.Enum):
+    COPY = "copy"
+    CAST = "cast"
+    CONSTANT = "constant"
+    SLICE = "slice"
+    STACK = "stack"
+    FRESH = "fresh"
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One destination leaf ``dst`` (a full items path) and how it is made.
+
+    ``item``/``src`` name the source leaf (for ``stack``: the first present layer,
+    all layers in ``layers``); ``spec`` is the stored form of that source leaf (for
+    ``constant``/``fresh``: of the leaf written). `out_spec` is what is written.
+    """
+
+    item: str
+    src: Path
+    dst: Path
+    dest: Dest
+    spec: LeafSpec
+    cast: np.dtype | None = None  # stored dtype to cast to (step: uint32 -> int32)
+    note: str = ""  # e.g. "synthesized from ..." for a leaf copied to a second place
+    op: Op = Op.COPY
+    axis: int | None = None  # slice / stack: the layer axis of the stacked side
+    index: int | None = None  # slice: the layer taken
+    layers: tuple[Path | None, ...] = ()  # stack: source path of each layer
+    value: int | None = None  # constant
+
+    def __post_init__(self) -> None:
+        if self.cast is not None and self.op is Op.COPY:
+            object.__setattr__(self, "op", Op.CAST)
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """The source leaves read (all in ``item``)."""
+        if self.op is Op.STACK:
+            return tuple(p for p in self.layers if p is not None)
+        if self.op in (Op.CONSTANT, Op.FRESH):
+            return ()
+        return (self.src,)
+
+    @property
+    def out_spec(self) -> LeafSpec:
+        """The stored form of the leaf written."""
+        s = self.spec
+        if self.op is Op.CAST:
+            return dataclasses.replace(s, dtype=np.dtype(self.cast))
+        if self.op is Op.SLICE:
+            assert self.axis is not None
+            return dataclasses.replace(s, shape=s.shape[: self.axis] + s.shape[self.axis + 1 :])
+        if self.op is Op.STACK:
+            assert self.axis is not None
+            n = (len(self.layers),)
+            return dataclasses.replace(s, shape=s.shape[: self.axis] + n + s.shape[self.axis :])
+        return s
+
+    def describe(self) -> str:
+        """One line for reports: ``dst <- op(sources)``."""
+        src = ", ".join(f"{self.item}/{keystr(p)}" for p in self.sources[:2])
+        more = f", ... ({len(self.sources)} layers)" if len(self.sources) > 2 else ""
+        extra = {
+            Op.CAST: f" to {np.dtype(self.cast).name if self.cast is not None else ''}",
+            Op.CONSTANT: f" {self.value}",
+            Op.SLICE: f" layer {self.index} on axis {self.axis}",
+            Op.STACK: f" on axis {self.axis}",
+        }.get(self.op, "")
+        return f"{keystr(self.dst)} <- {self.op.value}({src}{more}){extra}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    item: str
+    src: Path
+    spec: LeafSpec
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every destination leaf (`moves`) and every source leaf left behind (`drops`).
+
+    ``rules`` are the tree rules applied, ``step``/``step_source`` where ``step``
+    comes from, ``scan`` the scan change (``"unroll"``/``"stack"``) if any, with
+    ``scan_axes`` (stacked model path -> layer axis of the Params, what a replay needs).
+    """
+
+    moves: tuple[Move, ...]
+    drops: tuple[Drop, ...]
+    rules: tuple[str, ...]
+    step: int | None
+    step_source: str
+    notes: tuple[str, ...] = ()
+    scan: str | None = None
+    scan_axes: tuple[tuple[str, int], ...] = ()
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Leaves and bytes written per destination (and dropped): the core of every report."""
+        out = {d.value: {"leaves": 0, "bytes": 0} for d in Dest}
+        for m in self.moves:
+            out[m.dest.value]["leaves"] += 1
+            out[m.dest.value]["bytes"] += m.out_spec.nbytes
+        for d in self.drops:
+            out[Dest.DROPPED.value]["leaves"] += 1
+            out[Dest.DROPPED.value]["bytes"] += d.spec.nbytes
+        return out
+
+    def moves_from(self, item: str) -> list[Move]:
+        return [m for m in self.moves if m.item == item and m.sources]
+
+    def source_bytes(self) -> int:
+        """Bytes of source leaves the plan reads (the progress total of a conversion)."""
+        seen = {(m.item, p): m.spec.nbytes for m in self.moves for p in m.sources}
+        return sum(seen.values())
+
+
+# -- what each op computes ----------------------------------------------------------------
+Reader = Callable[[str, Path], np.ndarray]
+
+
+def fresh_rng(spec: LeafSpec, path: Path, layer: int = 0) -> np.ndarray:
+    """Fresh RNG state in stored form: a count is 0; a key is derived from its path.
+
+    Deterministic (seeded by the path's CRC and the layer), so a replay (`verify`)
+    produces the same bits.
+    """
+    if path[-1] == "count" or not spec.key_impl:
+        return np.zeros(spec.shape, spec.dtype)
+    import jax
+
+    seed = zlib.crc32(keystr(path).encode())
+    key = jax.random.fold_in(jax.random.key(seed, impl=spec.key_impl), layer)
+    return np.asarray(jax.random.key_data(key)).reshape(spec.shape).astype(spec.dtype)
+
+
+def apply_op(m: Move, read: Reader) -> np.ndarray:
+    """The destination leaf of ``m`` in stored form (keys as raw data), from ``read``."""
+    if m.op is Op.COPY:
+        return np.asarray(read(m.item, m.src))
+    if m.op is Op.CAST:
+        return np.asarray(read(m.item, m.src)).astype(m.cast)
+    if m.op is Op.CONSTANT:
+        return np.asarray(m.value, dtype=m.spec.dtype).reshape(m.spec.shape)
+    if m.op is Op.FRESH:
+        return fresh_rng(m.spec, m.dst)
+    if m.op is Op.SLICE:
+        return np.take(np.asarray(read(m.item, m.src)), m.index, axis=m.axis)
+    assert m.op is Op.STACK
+    one = m.spec
+    arrays = [
+        np.asarray(read(m.item, p)) if p is not None else fresh_rng(one, m.dst, i)
+        for i, p in enumerate(m.layers)
+    ]
+    return np.stack(arrays, axis=m.axis)

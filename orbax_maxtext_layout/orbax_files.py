@@ -1,0 +1,205 @@
+"""The one reader and writer of an Orbax PyTree item's JSON files.
+
+An item directory holds ``_METADATA`` (the tree, value metadata, format flags),
+``_sharding`` (base64url param name -> sharding JSON) and
+``array_metadatas/process_<i>`` (per-array write/chunk shapes and ext-metadata such
+as ``random_key_impl``, which is all that marks a stored PRNG key). Everything in
+this package that reads or writes those files goes through here.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from etils import epath
+
+from .errors import CheckpointReadError
+from .paths import Path
+
+METADATA_FILE = "_METADATA"
+SHARDING_FILE = "_sharding"
+ARRAY_METADATA_DIR = "array_metadatas"
+ARRAY_METADATA_FILE = f"{ARRAY_METADATA_DIR}/process_0"
+SINGLE_DEVICE_SHARDING = json.dumps(
+    {"sharding_type": "SingleDeviceSharding", "device_str": "cpu:0"}
+)
+
+
+def absolute(p: epath.PathLike) -> epath.Path:
+    """``p`` made absolute (Orbax's OCDBT reader refuses relative paths); URLs unchanged."""
+    p = epath.Path(p)
+    return p if "://" in str(p) or str(p).startswith("/") else p.resolve()
+
+
+def param_name(path: Path) -> str:
+    """Orbax's name for a leaf: keys joined by dots (also its KvStore key prefix)."""
+    return ".".join(str(k) for k in path)
+
+
+def read_json(f: epath.Path, what: str) -> Any:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointReadError(f"{f}: missing or invalid {what} ({e}).") from e
+
+
+def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
+    """``param_name -> array_metadata`` from every ``array_metadatas/process_*`` file."""
+    out: dict[str, dict] = {}
+    folder = epath.Path(item_dir) / ARRAY_METADATA_DIR
+    if not folder.exists():
+        return out
+    for f in sorted(folder.iterdir()):
+        try:
+            for entry in json.loads(f.read_text())["array_metadatas"]:
+                meta = entry["array_metadata"]
+                out[str(meta["param_name"])] = dict(meta)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointReadError(f"{f}: invalid array metadata ({e!r}).") from e
+    return out
+
+
+def key_impls(item_dir: epath.Path) -> dict[str, str]:
+    """``param_name -> random_key_impl`` of the item's stored PRNG keys (JSON only)."""
+    out = {}
+    for name, meta in read_array_metadatas(item_dir).items():
+        impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+        if impl:
+            out[name] = str(impl)
+    return out
+
+
+@dataclasses.dataclass
+class ItemFiles:
+    """An item's JSON files, parsed: what a copied leaf carries over to its new name."""
+
+    dir: epath.Path
+    meta: dict
+    value_meta: dict[str, dict]  # param name -> value_metadata
+    shardings: dict[str, str]  # param name -> sharding JSON
+    array_meta: dict[str, dict]  # param name -> array_metadata
+
+    @property
+    def use_zarr3(self) -> bool:
+        return bool(self.meta.get("use_zarr3", False))
+
+    @property
+    def use_ocdbt(self) -> bool:
+        return bool(self.meta.get("use_ocdbt", True))
+
+    @classmethod
+    def read(cls, item_dir: epath.PathLike) -> ItemFiles:
+        item_dir = epath.Path(item_dir)
+        meta = read_json(item_dir / METADATA_FILE, "Orbax metadata")
+        try:
+            value_meta = {
+                ".".join(str(k["key"]) for k in entry["key_metadata"]): entry["value_metadata"]
+                for entry in meta["tree_metadata"].values()
+            }
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointReadError(
+                f"{item_dir}/{METADATA_FILE}: invalid tree metadata ({e!r})."
+            ) from e
+        shardings = {}
+        if (item_dir / SHARDING_FILE).exists():
+            raw = read_json(item_dir / SHARDING_FILE, "sharding file")
+            try:
+                shardings = {base64.urlsafe_b64decode(k).decode(): v for k, v in raw.items()}
+            except (ValueError, TypeError, AttributeError) as e:
+                raise CheckpointReadError(f"{item_dir}/{SHARDING_FILE}: invalid ({e!r}).") from e
+        return cls(item_dir, meta, value_meta, shardings, read_array_metadatas(item_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafFiles:
+    """What the JSON files say of one written leaf."""
+
+    value_meta: dict
+    sharding: str | None
+    array_meta: dict
+
+
+def leaf_files(
+    src: ItemFiles | None, src_name: str | None, shape: list[int], key_impl: str | None
+) -> LeafFiles:
+    """A written leaf's entries: its source's, or fresh ones for a leaf with no source.
+
+    A leaf whose shape changed (a layer slice or stack) is one chunk of its new
+    shape, with no sharding to carry over (the source's has another rank).
+    """
+    vm: dict = {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": shape}
+    am: dict = {"write_shape": shape, "chunk_shape": shape, "ext_metadata": None}
+    sharding: str | None = SINGLE_DEVICE_SHARDING
+    if src is not None and src_name is not None:
+        vm = dict(src.value_meta.get(src_name) or vm)
+        am = dict(src.array_meta.get(src_name) or am)
+        sharding = src.shardings.get(src_name)
+    if list(am.get("write_shape") or shape) != shape:
+        am.update(write_shape=shape, chunk_shape=shape)
+        vm["write_shape"] = shape
+        sharding = SINGLE_DEVICE_SHARDING
+    if key_impl:
+        am["ext_metadata"] = {**(am.get("ext_metadata") or {}), "random_key_impl": key_impl}
+    return LeafFiles(vm, sharding, am)
+
+
+def _key_meta(path: Path) -> list[dict]:
+    # key_type 1 = sequence index, 2 = mapping key (Orbax's KeyType enum).
+    return [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in path]
+
+
+def write_metadata(
+    item_dir: epath.Path,
+    leaves: Mapping[Path, LeafFiles],
+    *,
+    use_zarr3: bool,
+    gaps: Iterable[Path] = (),
+) -> None:
+    """Writes ``array_metadatas``, ``_sharding`` and, last, ``_METADATA`` for a new item.
+
+    ``_METADATA`` goes last: stock Orbax trusts it, so an item must not have it
+    before the files it relies on (keys would restore as raw uint32). ``gaps`` are
+    ``None`` entries of lists (EmptyState slots of a Linen chain).
+    """
+    tree: dict[str, Any] = {}
+    shardings: dict[str, str] = {}
+    arrays = []
+    for path, leaf in leaves.items():
+        name = param_name(path)
+        tree[str(tuple(str(k) for k in path))] = {
+            "key_metadata": _key_meta(path),
+            "value_metadata": leaf.value_meta,
+        }
+        if leaf.sharding is not None:
+            shardings[base64.urlsafe_b64encode(name.encode()).decode()] = leaf.sharding
+        arrays.append({"array_metadata": {**leaf.array_meta, "param_name": name}})
+    for g in gaps:
+        tree[str(tuple(str(k) for k in g))] = {
+            "key_metadata": _key_meta(g),
+            "value_metadata": {"value_type": "None", "skip_deserialize": True},
+        }
+    meta = {
+        "tree_metadata": tree,
+        "use_ocdbt": True,
+        "use_zarr3": use_zarr3,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
+    (item_dir / ARRAY_METADATA_DIR).mkdir(exist_ok=True)
+    (item_dir / ARRAY_METADATA_FILE).write_text(json.dumps({"array_metadatas": arrays}))
+    (item_dir / SHARDING_FILE).write_text(json.dumps(shardings))
+    (item_dir / METADATA_FILE).write_text(json.dumps(meta))
+
+
+def list_gaps(paths: Iterable[Path]) -> list[Path]:
+    """``None`` slots of the lists implied by int keys (e.g. a chain's EmptyState members)."""
+    seen: dict[Path, set[int]] = {}
+    for p in paths:
+        for i, k in enumerate(p):
+            if isinstance(k, int):
+                seen.setdefault(p[:i], set()).add(k)
+    return [prefix + (i,) for prefix, idx in seen.items() for i in range(max(idx)) if i not in idx]

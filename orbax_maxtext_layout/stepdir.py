@@ -1,0 +1,169 @@
+"""A step directory as a unit of work: temporary item, atomic commit, step metadata, removal.
+
+Everything that changes a step directory's entries lives here (the lock is in
+`lock`): the Orbax-style temporary directory for a new ``items``, the single
+commit point, the step's ``_CHECKPOINT_METADATA`` replaced atomically, and the
+legacy items removed only once the new ``items`` verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from .layout import (
+    MAXTEXT_ITEM,
+    PROVENANCE_KEY,
+    STEP_METADATA,
+    TUNIX_OPT_ITEM,
+    TUNIX_PARAMS_ITEM,
+    read_step_metadata,
+)
+from .verify import verify_step
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # the marker Orbax and `find_steps` skip
+REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being deleted
+
+
+def new_tmp_dir(step_dir: epath.Path) -> epath.Path:
+    """An Orbax-style temporary directory for ``items`` (ignored by readers and `find_steps`)."""
+    tmp = step_dir / f"{MAXTEXT_ITEM}{TMP_SUFFIX}{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=False)
+    return tmp
+
+
+def commit(step_dir: epath.Path, tmp: epath.Path, provenance: dict) -> None:
+    """The single commit point: provenance into step metadata, then rename ``tmp`` to ``items``.
+
+    ``commit_success.txt`` is written first (object-store readers rely on it). A crash
+    before the rename leaves only an ignored temporary directory; the metadata is
+    rolled back if the rename itself fails.
+    """
+    (tmp / "commit_success.txt").write_text(f"Checkpoint successfully committed at {time.time()}.")
+    old_meta = read_step_metadata(step_dir)
+    _write_step_metadata(step_dir, old_meta, provenance)
+    try:
+        tmp.rename(step_dir / MAXTEXT_ITEM)
+    except BaseException:
+        _restore_step_metadata(step_dir, old_meta)
+        raise
+
+
+def _write_step_metadata(step_dir: epath.Path, old: dict, provenance: dict) -> None:
+    meta = dict(old) or {"item_handlers": {}, "metrics": {}, "performance_metrics": {}}
+    handlers = dict(meta.get("item_handlers") or {})
+    handlers[MAXTEXT_ITEM] = ocp.PyTreeCheckpointHandler.typestr()
+    meta["item_handlers"] = handlers
+    custom = dict(meta.get("custom_metadata") or {})
+    custom[PROVENANCE_KEY] = provenance
+    meta["custom_metadata"] = custom
+    _replace_json(step_dir / STEP_METADATA, meta)
+
+
+def update_step_metadata(step_dir: epath.Path, change: Callable[[dict], dict]) -> None:
+    """Replaces the step's ``_CHECKPOINT_METADATA`` with ``change(current)``, atomically."""
+    _replace_json(step_dir / STEP_METADATA, change(read_step_metadata(step_dir)))
+
+
+def _restore_step_metadata(step_dir: epath.Path, old: dict) -> None:
+    if old:
+        _replace_json(step_dir / STEP_METADATA, old)
+    else:
+        (step_dir / STEP_METADATA).unlink(missing_ok=True)
+
+
+def _replace_json(path: epath.Path, data: dict) -> None:
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path) if _is_local(path) else tmp.rename(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing behind
+        raise
+
+
+def _is_local(path: epath.Path) -> bool:
+    return "://" not in str(path)
+
+
+def disk_usage(path: epath.Path, *, new_only: bool = False) -> int:
+    """Bytes under ``path``; ``new_only`` skips files hard-linked from elsewhere."""
+    if not _is_local(path):  # walks with iterdir: epath forbids recursive globs on GCS
+        return sum(
+            disk_usage(c) if c.is_dir() else c.stat().length for c in epath.Path(path).iterdir()
+        )
+    total = 0
+    for root, _, files in os.walk(str(path)):
+        for f in files:
+            st = os.stat(os.path.join(root, f))
+            total += st.st_size if not new_only or st.st_nlink == 1 else 0
+    return total
+
+
+def seed_destination(step_dir: epath.Path, dest: epath.Path) -> None:
+    """A separate destination step starts with the source's step metadata."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (STEP_METADATA, "commit_success.txt"):
+        if (step_dir / name).exists() and not (dest / name).exists():
+            (step_dir / name).copy(dest / name)
+
+
+def clean_stale_tmp(step_dir: epath.Path) -> None:
+    """Removes what a dead run left (call under the step lock): an items temporary
+    directory, or the temporary file of a step-metadata replace."""
+    for child in step_dir.iterdir():
+        if child.name.startswith(MAXTEXT_ITEM + TMP_SUFFIX):
+            child.rmtree()
+        elif child.name.startswith(f".{STEP_METADATA}.") and child.name.endswith(".tmp"):
+            child.unlink()
+
+
+def remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
+    """Deletes the legacy items of a converted step, only once ``items`` verifies.
+
+    After an in-place conversion ``items`` holds hard links to the very same data
+    files, so the check is metadata plus stored-data presence; after a copy every
+    value is compared. A verified item is first renamed aside (atomic), then
+    deleted, so a kill mid-deletion never leaves a half-deleted legacy item that
+    reads as a checkpoint; a rerun finishes the deletion. A symlinked legacy item
+    loses only its link: nothing outside the step is ever deleted.
+    """
+    notes = _finish_removal(step_dir)
+    present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
+    if not present:
+        return notes
+    result = verify_step(step_dir, quick=linked)
+    if not result.ok:
+        return [*notes, f"legacy items kept: verification failed: {result.problems[:3]}"]
+    for name in present:
+        item = step_dir / name
+        if os.path.islink(str(item)):
+            os.unlink(str(item))  # the link only; its target is outside this step
+        else:
+            item.rename(step_dir / f"{name}{REMOVING}")
+    _finish_removal(step_dir)
+    return [*notes, f"removed legacy {', '.join(present)} after verifying items"]
+
+
+def _exists(p: epath.Path) -> bool:
+    return p.exists() or os.path.islink(str(p))
+
+
+def _finish_removal(step_dir: epath.Path) -> list[str]:
+    done = []
+    for child in step_dir.iterdir():
+        if child.name.endswith(REMOVING):
+            child.rmtree()
+            done.append(child.name.removesuffix(REMOVING))
+    return [f"finished removing verified legacy {', '.join(done)}"] if done else []
+
+
+def provenance_of(meta: dict[str, Any]) -> dict[str, Any] | None:
+    return (meta.get("custom_metadata") or {}).get(PROVENANCE_KEY)

@@ -1,0 +1,304 @@
+"""Tensorstore primitives: OCDBT databases, raw chunk keys, decoded array reads and writes.
+
+A layout change renames arrays; it does not change their bytes. So wherever the
+source and destination codecs agree, stored chunks are grafted (OCDBT) or copied
+under their new keys; only an op that changes values (a cast, a layer slice or
+stack, fresh state) decodes and re-encodes one array at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
+
+from .errors import CheckpointReadError
+from .moves import Move
+from .orbax_files import ItemFiles, param_name
+from .paths import Path
+
+# Source databases are cloned under the new item with this prefix, like Orbax's
+# own per-process sub-databases (which it also grafts into the root database).
+CHILD_PREFIX = "ocdbt.src_"
+
+
+def ts_context() -> ts.Context:
+    """Orbax's OCDBT context (the graft needs the shared resources it names), without caches.
+
+    Every byte is read once and written once, so a cache only costs memory: Orbax's
+    100 MB OCDBT cache would sit on top of the memory budget.
+    """
+    spec = ocp.serialization.ts_utils.get_ts_context(use_ocdbt=True).spec.to_json()
+    for name in list(spec):
+        if name.startswith("cache_pool"):
+            spec[name] = {"total_bytes_limit": 0}
+    return ts.Context(spec)
+
+
+def open_ocdbt(item_dir: epath.Path, context: ts.Context, *, merge: bool = False) -> ts.KvStore:
+    """Opens an item's OCDBT database with Orbax's own spec (``merge`` for a graft target).
+
+    Private Orbax API (no public equivalent in 0.12.8): the MERGE write mode is what
+    lets a root database reference grafted sub-databases, exactly as Orbax merges
+    per-process databases. Pinned by tests/test_orbax_private_api.py.
+    """
+    tu = _orbax_ts_utils()
+
+    opts = tu.OcdbtKvStoreWriteOptions(mode=tu.OcdbtWriteMode.MERGE) if merge else None
+    spec = tu.build_kvstore_tspec(str(_abs(item_dir)), use_ocdbt=True, ocdbt_write_options=opts)
+    return ts.KvStore.open(spec, context=context).result()
+
+
+def _orbax_ts_utils() -> Any:
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    return tensorstore_utils
+
+
+def _abs(p: epath.Path) -> str:
+    s = str(p)
+    return s if "://" in s else os.path.abspath(s)
+
+
+def graft(moves: Sequence[Move], children: Mapping[str, ts.KvStore], parent: ts.KvStore) -> None:
+    """Adds each moved array of a cloned child database to ``parent`` under its new name.
+
+    One atomic transaction; only B-tree nodes are written (the values stay in the
+    child's data files, which the parent references by relative path).
+    """
+    if not moves:
+        return
+    txn = ts.Transaction(atomic=True)
+    target = parent.with_transaction(txn)
+    futures = [
+        (children[m.item] / f"{param_name(m.src)}/").experimental_copy_range_to(
+            target / f"{param_name(m.dst)}/"
+        )
+        for m in moves
+    ]
+    for f in futures:
+        f.result()
+    txn.commit_async().result()
+
+
+@dataclasses.dataclass
+class SourceItem:
+    """An Orbax item opened at the KvStore level, with its JSON files parsed."""
+
+    files: ItemFiles
+    kv: ts.KvStore
+
+    @property
+    def dir(self) -> epath.Path:
+        return self.files.dir
+
+    @property
+    def use_zarr3(self) -> bool:
+        return self.files.use_zarr3
+
+    @property
+    def is_ocdbt(self) -> bool:
+        return self.files.use_ocdbt
+
+    @classmethod
+    def open(cls, item_dir: epath.Path, context: ts.Context) -> SourceItem:
+        files = ItemFiles.read(item_dir)
+        if files.use_ocdbt:
+            kv = open_ocdbt(files.dir, context)
+        else:  # Pathways style: one zarr directory per array
+            kv = ts.KvStore.open(_url(files.dir) + "/", context=context).result()
+        return cls(files, kv)
+
+
+def _url(path: epath.Path) -> str:
+    s = str(path)
+    return s if "://" in s else f"file://{os.path.abspath(s)}"
+
+
+def keys(kv: ts.KvStore, name: str) -> list[bytes]:
+    """The stored keys of array ``name`` (its zarr metadata and chunks)."""
+    prefix = name.encode() + b"/"
+    rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=prefix[:-1] + b"0")
+    return list(kv.list(rng).result())
+
+
+def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> None:
+    """Every source array a move reads must have all its chunks stored; else nothing is written.
+
+    Orbax stores every chunk (``store_array_data_equal_to_fill_value``), so a
+    missing one means a truncated or damaged source. Copying it would silently
+    turn the missing values into the fill value (zeros) in the converted step.
+    """
+    problems = []
+    for m in moves:
+        src = sources[m.item]
+        for path in m.sources:
+            name = param_name(path)
+            chunk = (src.files.array_meta.get(name) or {}).get("chunk_shape") or list(m.spec.shape)
+            want = math.prod(-(-d // max(c, 1)) for d, c in zip(m.spec.shape, chunk, strict=False))
+            stored = keys(src.kv, name)
+            meta_keys = [k for k in stored if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
+            if not meta_keys or len(stored) - len(meta_keys) < want:
+                problems.append(f"{name}: {len(stored) - len(meta_keys)} of {want} chunks stored")
+    if problems:
+        item = next(m.item for m in moves if m.sources)
+        raise CheckpointReadError(
+            f"{sources[item].dir.parent}: source arrays are incomplete (truncated or "
+            "damaged files); nothing was written:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def read_array(src: SourceItem, path: Path, context: ts.Context) -> np.ndarray:
+    """Decodes one stored array (stored form: PRNG keys as their raw data)."""
+    driver = "zarr3" if src.use_zarr3 else "zarr"
+    spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(path))}
+    # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
+    spec["fill_missing_data_reads"] = False
+    try:
+        return np.asarray(ts.open(spec, open=True, context=context).result().read().result())
+    except ValueError as e:
+        raise CheckpointReadError(f"{src.dir}: cannot read {param_name(path)}: {e}") from e
+
+
+def _release_large_buffers() -> None:
+    """Make glibc return large freed buffers to the OS at once.
+
+    glibc raises its mmap threshold after freeing a large block (up to 32 MiB), so
+    later chunk-sized buffers come from the heap and stay resident: copying many
+    multi-MiB chunks then grows RSS far past the budget. A fixed 1 MiB threshold
+    keeps every chunk buffer in its own mapping. No-op off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    global _TUNED
+    if _TUNED:
+        return
+    _TUNED = True
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+_TUNED = False
+
+
+def copy_chunks(
+    moves: Sequence[Move],
+    sources: Mapping[str, SourceItem],
+    dst: ts.KvStore,
+    *,
+    budget: int,
+) -> int:
+    """Copies the stored keys of each moved array under its new name; returns bytes written.
+
+    Reads are batched so that at most ``budget`` bytes of stored values are read
+    ahead; an array larger than that is copied alone. While a value is in flight
+    it exists as the bytes read and as tensorstore's write buffer, so the peak is
+    about ``budget`` plus two to three times the largest stored array.
+    """
+    if not moves:
+        return 0
+    _release_large_buffers()
+    written = 0
+    batch: list[tuple[Move, list[bytes]]] = []
+    held = 0
+    for m in moves:
+        stored = keys(sources[m.item].kv, param_name(m.src))
+        if not stored:
+            raise CheckpointReadError(
+                f"{sources[m.item].dir}: no stored data for {param_name(m.src)} "
+                "(truncated or damaged item)."
+            )
+        if batch and held + m.spec.nbytes > budget:
+            written += _flush(batch, sources, dst)
+            batch, held = [], 0
+        batch.append((m, stored))
+        held += m.spec.nbytes
+    if batch:
+        written += _flush(batch, sources, dst)
+    return written
+
+
+def _flush(batch: list[tuple[Move, list[bytes]]], sources: Mapping[str, SourceItem], dst) -> int:
+    # All reads are issued before any is awaited, so tensorstore overlaps the I/O;
+    # writes go out as each read lands, and the batch is awaited as a whole. The
+    # OCDBT driver coalesces concurrent writes into few commits.
+    reads = [(m, key, sources[m.item].kv.read(key)) for m, stored in batch for key in stored]
+    writes = []
+    written = 0
+    for m, key, fut in reads:
+        r = fut.result()
+        if r.state != "value":
+            raise CheckpointReadError(f"{sources[m.item].dir}: key {key!r} vanished while copying.")
+        new_key = param_name(m.dst).encode() + key[len(param_name(m.src)) :]
+        writes.append(dst.write(new_key, r.value))
+        written += len(r.value)
+    for w in writes:
+        w.result()
+    return written
+
+
+def sub_kv(spec: dict, name: str) -> dict:
+    """The KvStore spec of array ``name`` inside ``spec`` (paths are prefixes: append)."""
+    return {**spec, "path": spec.get("path", "") + name + "/"}
+
+
+def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
+    """Clones an item directory: hard links (``link``) or a streaming file copy.
+
+    Hard links are safe because OCDBT never modifies a data file once written and
+    the clone is only ever read; they fall back to copies across file systems.
+    Object stores (``gs://``) get an object-by-object copy through epath.
+    """
+    if "://" in str(src):
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            if child.is_dir():
+                clone_tree(child, dst / child.name, link=False)
+            else:
+                child.copy(dst / child.name)
+        return
+    for root, _, files in os.walk(str(src)):
+        rel = os.path.relpath(root, str(src))
+        os.makedirs(os.path.join(str(dst), rel), exist_ok=True)
+        for f in files:
+            a, b = os.path.join(root, f), os.path.join(str(dst), rel, f)
+            if link:
+                try:
+                    os.link(a, b)
+                    continue
+                except OSError:
+                    pass
+            shutil.copyfile(a, b)
+
+
+def write_array(dst_spec: dict, name: str, data: np.ndarray, *, use_zarr3: bool, context) -> None:
+    """Writes one decoded array as a zarr array (one chunk, zstd) under ``name``."""
+    shape = list(data.shape)
+    if use_zarr3:
+        meta = {
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shape}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+        }
+    else:
+        meta = {"chunks": shape, "compressor": {"id": "zstd", "level": 1}}
+    spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": sub_kv(dst_spec, name)}
+    spec["metadata"] = {**meta, "shape": shape}
+    # As Orbax does: a chunk equal to the fill value (a zero count) is stored too, so a
+    # missing chunk always means damage.
+    spec["store_data_equal_to_fill_value"] = True
+    store = ts.open(spec, create=True, dtype=ts.dtype(data.dtype.name), context=context).result()
+    store.write(data).result()
