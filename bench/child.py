@@ -57,7 +57,27 @@ def main() -> None:
 
         target = synth.target_for(step)  # metadata only, outside the timed region
         t = time.perf_counter()
-        if mode in ("restore_tunix", "restore_stock"):
+        if mode in ("restore_tunix_v1", "restore_stock_v1"):
+            # The same through Orbax's v1 training.Checkpointer (what MaxText 0.2.5 uses),
+            # under MaxText's partial_load context.
+            from orbax.checkpoint.experimental import v1 as ocp1
+
+            abstract = _abstract_items(target)
+            src = step if mode == "restore_tunix_v1" else out
+            if mode == "restore_tunix_v1":
+                from orbax_maxtext_layout.training import Checkpointer as cls
+            else:
+                cls = ocp1.training.Checkpointer
+            ctx = ocp1.Context()
+            ctx.pytree.loading.partial_load = True
+            t = time.perf_counter()
+            with cls(src.parent, context=ctx) as ckptr:
+                restored = ckptr.load_checkpointables(ckptr.latest.step, {"items": abstract})
+                import jax
+
+                jax.block_until_ready(restored)
+            written = 0
+        elif mode in ("restore_tunix", "restore_stock"):
             # Transparent restore of the Tunix step through our manager, against a
             # stock manager restoring the same state from its converted copy.
             from orbax_maxtext_layout import CheckpointManager

@@ -7,6 +7,7 @@ from .errors import (
     LayoutMismatchError,
     OrbaxMaxTextLayoutError,
     ReadOnlyStepError,
+    StepExistsError,
     StepLocked,
     UsageError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "Plan",
     "ReadOnlyStepError",
     "StackReport",
+    "StepExistsError",
     "StepInfo",
     "StepLocked",
     "StepReport",

@@ -22,7 +22,14 @@ from etils import epath
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_step, converted_provenance
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
-from .layout import Layout, StepInfo, find_steps
+from .layout import (
+    Layout,
+    StepInfo,
+    find_step_roots,
+    find_steps,
+    maxtext_number,
+    tunix_step_number,
+)
 from .plan import Plan, plan_step
 from .spec import read_specs
 from .target import Target
@@ -106,6 +113,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     wanted = _parse_steps(args.steps)
     root = epath.Path(args.root)
+    if (hint := _no_steps_hint(root)) is not None:
+        return hint
     steps = [s for s in find_steps(root) if wanted is None or s.step in wanted]
     show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
     plans = {s.path: _plan(s, target, args) for s in steps} if show else {}
@@ -122,8 +131,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 in_place=args.in_place,
                 remove_legacy=args.remove_legacy,
-                out=_dest(root, info.path, args.out),
+                out=_dest(root, info, args.out, renumber=not args.keep_step_numbers),
                 rescan=args.rescan,
+                renumber=not args.keep_step_numbers,
                 plan=plans.get(info.path),
             )
         except (OrbaxMaxTextLayoutError, OSError) as e:
@@ -160,12 +170,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dest(root: epath.Path, step: epath.Path, out: str | None) -> epath.Path | None:
-    """``<out>/<step relative to root>`` (``<out>`` itself when ROOT is a step)."""
+def _dest(
+    root: epath.Path, info: StepInfo, out: str | None, *, renumber: bool
+) -> epath.Path | None:
+    """``<out>/<step relative to root>`` (``<out>`` itself when ROOT is a step); with
+    ``renumber``, a Tunix step's directory takes MaxText's number."""
     if out is None:
         return None
-    rel = os.path.relpath(str(step), str(root))
-    return epath.Path(out) if rel == "." else epath.Path(out) / rel
+    rel = os.path.relpath(str(info.path), str(root))
+    dest = epath.Path(out) if rel == "." else epath.Path(out) / rel
+    tunix_step = tunix_step_number(info.path) if info.layout is Layout.TUNIX else None
+    if renumber and rel != "." and tunix_step is not None and tunix_step >= 1:
+        dest = dest.parent / str(maxtext_number(tunix_step))
+    return dest
+
+
+def _no_steps_hint(root: epath.Path) -> int | None:
+    """Exit code 1 with a hint when ROOT holds no steps but a directory below it does."""
+    if find_steps(root):
+        return None
+    below = find_step_roots(root)
+    if not below:
+        return None
+    print(
+        f"error: no steps found in {root}; steps were found in "
+        + ", ".join(str(d) for d in below)
+        + ". Point the command at that directory.",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _plan(info: StepInfo, target: Target, args: argparse.Namespace) -> Plan | None:
@@ -181,6 +214,8 @@ def _plan(info: StepInfo, target: Target, args: argparse.Namespace) -> Plan | No
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if (hint := _no_steps_hint(epath.Path(args.root))) is not None:
+        return hint
     results = []
     for info in find_steps(epath.Path(args.root)):
         if info.layout is Layout.MAXTEXT and (info.path / "model_params").is_dir():
@@ -198,6 +233,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if (hint := _no_steps_hint(epath.Path(args.path))) is not None:
+        return hint
     target = _load_target(args)
     out = []
     for info in find_steps(epath.Path(args.path)):
@@ -311,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write converted steps under DIR (same relative paths); the source is only "
         "read, so it may be read-only",
+    )
+    c.add_argument(
+        "--keep-step-numbers",
+        action="store_true",
+        help="keep Tunix's directory numbers (N: the state after N updates) instead of "
+        "MaxText's (N-1), e.g. for consumers that read Tunix's numbering",
     )
     c.add_argument(
         "--in-place",

@@ -21,6 +21,7 @@ from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
     ReadOnlyStepError,
+    StepExistsError,
     StepLocked,
     UsageError,
 )
@@ -29,10 +30,13 @@ from .layout import (
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
+    maxtext_number,
     read_provenance,
     tunix_items,
+    tunix_step_number,
+    with_tunix_step,
 )
-from .lock import break_stale_lock, step_lock
+from .lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
 from .orbax_files import ItemFiles
 from .paths import flatten, keystr, norm_key
 from .plan import OptimizerMode, Plan, make_plan, plan_step
@@ -120,6 +124,7 @@ def convert_step(
     out: epath.PathLike | None = None,
     rescan: Literal["unroll", "stack"] | None = None,
     plan: Plan | None = None,
+    renumber: bool = False,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
@@ -139,6 +144,15 @@ def convert_step(
     on its own layer axis, one array at a time. ``plan`` is this step's plan if the
     caller already made it (`plan_step` with the same options), so it is not made twice.
 
+    ``renumber=True`` gives the converted step MaxText's number (the CLI's default):
+    Tunix directory ``N`` holds the state after ``N`` updates, which MaxText keeps in
+    directory ``N - 1`` (it saves after the update), so the step directory is first
+    renamed to ``N - 1`` (its update count recorded as `TUNIX_STEP_KEY`; a directory
+    ``N - 1`` that exists is refused with `StepExistsError`, nothing moved), then
+    converted there; ``items/step`` stays ``N``. Tunix directory ``0`` (the state
+    before any update) has no MaxText number and is skipped with a note. With
+    ``out``, ``out`` is the destination step directory as given.
+
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
       CheckpointReadError: the step is not a readable Tunix-layout step.
@@ -152,6 +166,8 @@ def convert_step(
             f"{step_dir}: in_place/remove_legacy modify the source step; they cannot be "
             f"combined with a separate destination ({dest})."
         )
+    if not step_dir.exists():  # listed, then renumbered or removed by another converter
+        return StepReport(str(step_dir), "skipped", "gone", notes=["no longer exists"])
     layout = detect_layout(step_dir)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
@@ -179,18 +195,67 @@ def convert_step(
         raise UsageError(
             f"{step_dir}: in_place cannot change the scan form: every array is re-sliced."
         )
+    if renumber and (tunix_step_number(step_dir) or 0) < 1 and step_dir.name.isdigit():
+        return StepReport(str(step_dir), "skipped", layout.value, notes=[_TUNIX_ZERO])
+    moved: list[str] = []
+    numbering: dict[str, Any] = {}
+    if renumber:
+        tunix_step = tunix_step_number(step_dir)
+        if tunix_step is None:
+            raise CheckpointReadError(
+                f"{step_dir}: not a numbered step directory; convert it with renumber=False "
+                "(--keep-step-numbers)."
+            )
+        numbering = {"numbering": "maxtext", "tunix_directory": step_dir.name}
+        home = step_dir.parent / str(maxtext_number(tunix_step))
+        if out is None and home != step_dir:
+            # Renumbering renames directories of the same run: one at a time, with the
+            # plan made under the same lock, so a concurrent converter never plans a
+            # directory that is being moved.
+            try:
+                with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
+                    if detect_layout(step_dir) is not Layout.TUNIX:  # moved or converted meanwhile
+                        return StepReport(
+                            str(step_dir), "skipped", "gone", notes=["renumbered meanwhile"]
+                        )
+                    plan = plan or plan_step(
+                        step_dir, target, optimizer=optimizer, ignore=ignore, scan=rescan
+                    )
+                    if dry_run and home.exists():
+                        raise StepExistsError(
+                            f"{step_dir}: cannot renumber it to {home}: it exists."
+                        )
+                    if not dry_run:
+                        stepdir.move_step(step_dir, home, tunix_step)
+            except StepLocked as e:
+                return StepReport(str(step_dir), "locked", layout.value, notes=[str(e)])
+            moved.append(
+                f"Tunix directory {step_dir.name} {'would move' if dry_run else 'moved'} to "
+                f"{home.name} (MaxText's number for the state after {tunix_step} updates)"
+            )
+            if not dry_run:
+                step_dir = dest = epath.Path(home)
+    # Planned before anything is written: a step that does not fit the target stays as it is.
     if plan is None:
         plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore, scan=rescan)
     if dry_run:
-        return StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
+        report = StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
+        report.notes = moved + report.notes
+        return report
     if out is not None:
         stepdir.seed_destination(step_dir, dest)
+        if renumber:
+            tunix_step = tunix_step_number(step_dir) or 0
+            stepdir.update_step_metadata(dest, lambda m: with_tunix_step(m, tunix_step))
     try:
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
             stepdir.clean_stale_tmp(dest)
-            report = _write(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
+            report = _write(
+                step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place, numbering
+            )
+            report.notes = moved + report.notes
             if in_place or remove_legacy:
                 report.notes += stepdir.remove_legacy(step_dir, linked=in_place)
             return report
@@ -198,9 +263,16 @@ def convert_step(
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
 
 
-def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
+_TUNIX_ZERO = (
+    "Tunix directory 0 holds the state before any update; MaxText numbers a directory by the "
+    "updates done minus one, so it has no directory for it. Not converted; use "
+    "--keep-step-numbers (renumber=False) to convert it as directory 0."
+)
+
+
+def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra) -> StepReport:
     try:
-        return _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place)
+        return _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra)
     except (LayoutMismatchError, CheckpointReadError):
         raise
     except ValueError as e:  # tensorstore reports I/O failures as ValueError
@@ -211,13 +283,13 @@ def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepRepor
         ) from e
 
 
-def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place) -> StepReport:
+def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra) -> StepReport:
     report = StepReport.from_plan(dest, plan, "converted", optimizer)
     if use_zarr3 is not None and use_zarr3 != ItemFiles.read(src / TUNIX_PARAMS_ITEM).use_zarr3:
         report.notes.append(f"re-encoded as {'zarr3' if use_zarr3 else 'zarr2'}")
     sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
     sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
-    prov = provenance(plan, optimizer) | ({"source": str(src)} if src != dest else {})
+    prov = provenance(plan, optimizer) | extra | ({"source": str(src)} if src != dest else {})
     report.bytes_written = write_items(
         dest, plan, sources, provenance=prov, budget=budget, in_place=in_place, use_zarr3=use_zarr3
     )

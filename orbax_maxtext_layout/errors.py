@@ -43,3 +43,7 @@ class StepLocked(OrbaxMaxTextLayoutError, RuntimeError):
 
 class ReadOnlyStepError(OrbaxMaxTextLayoutError, OSError):
     """The step directory cannot be written; convert to a separate destination instead."""
+
+
+class StepExistsError(OrbaxMaxTextLayoutError, FileExistsError):
+    """A step would be written to (or renumbered into) a directory that holds another step."""

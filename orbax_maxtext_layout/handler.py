@@ -174,23 +174,33 @@ def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
 
 # -- load_params_from_path ----------------------------------------------------------------
 def load_params_from_path(
-    path: epath.PathLike,
-    abstract_params: Any,
-    *,
-    handler: ocp.PyTreeCheckpointHandler | None = None,
+    load_parameters_from_path: epath.PathLike,
+    abstract_unboxed_params: Any,
+    checkpoint_storage_concurrent_gb: int = 96,
     use_ocdbt: bool = True,
     use_zarr3: bool = True,
-    concurrent_gb: int = 96,
+    enable_single_replica_ckpt_restoring: bool = False,
+    *,
+    handler: ocp.PyTreeCheckpointHandler | None = None,
 ) -> Any:
     """Drop-in for MaxText's ``load_params_from_path`` that reads either layout.
 
+    The signature is MaxText 0.2.5's (``maxtext.common.checkpointing``), positional
+    and keyword alike, plus ``handler``.
+
     Args:
-      path: a MaxText ``<step>/items``, a Tunix ``<step>/model_params`` (also an RL
-        ``actor/<step>/model_params``), or a step directory of either layout.
-      abstract_params: MaxText's abstract params collection (``{"params": {...}}``,
-        what ``items/params`` holds; a dict without the single ``params`` key is
-        taken as its contents), or an NNX ``nnx.State`` of Params. Leaves carry
-        the shardings to restore with (as for MaxText: none -> host arrays).
+      load_parameters_from_path: a MaxText ``<step>/items``, a Tunix
+        ``<step>/model_params`` (also an RL ``actor/<step>/model_params``), or a
+        step directory of either layout.
+      abstract_unboxed_params: MaxText's abstract params collection
+        (``{"params": {...}}``, what ``items/params`` holds; a dict without the single
+        ``params`` key is taken as its contents), or an NNX ``nnx.State`` of Params.
+        Leaves carry the shardings to restore with (as for MaxText: none -> host
+        arrays).
+      checkpoint_storage_concurrent_gb, use_ocdbt, use_zarr3: as MaxText's; they
+        configure the default handler.
+      enable_single_replica_ckpt_restoring: accepted for MaxText's call; every host
+        reads its own shards (no load-and-broadcast).
       handler: the handler to use; by default a `MaxTextLayoutHandler` built
         like MaxText's (the concurrency, OCDBT and zarr3 arguments apply only then).
 
@@ -201,15 +211,16 @@ def load_params_from_path(
       LayoutMismatchError: naming every requested weight that is missing or has
         another shape (metadata only; nothing is returned on a mismatch).
     """
-    collection, rewrap = _as_collection(abstract_params)
-    directory, layout = _resolve(epath.Path(path))
+    del enable_single_replica_ckpt_restoring  # a plain sharded restore on every host
+    collection, rewrap = _as_collection(abstract_unboxed_params)
+    directory, layout = _resolve(epath.Path(load_parameters_from_path))
     if layout is Layout.MAXTEXT:
         _check_items(directory, collection)  # stock Orbax would not name the paths
     own = handler is None
     if handler is None:
         handler = MaxTextLayoutHandler(
-            restore_concurrent_gb=concurrent_gb,
-            save_concurrent_gb=concurrent_gb,
+            restore_concurrent_gb=checkpoint_storage_concurrent_gb,
+            save_concurrent_gb=checkpoint_storage_concurrent_gb,
             use_ocdbt=use_ocdbt,
             use_zarr3=use_zarr3,
         )

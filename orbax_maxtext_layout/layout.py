@@ -114,6 +114,35 @@ def tunix_step_number(step_dir: epath.PathLike, meta: dict[str, Any] | None = No
     return int(step_dir.name) if _STEP_NAME.match(step_dir.name) else None
 
 
+def with_tunix_step(meta: dict[str, Any], tunix_step: int) -> dict[str, Any]:
+    """Step metadata ``meta`` recording `TUNIX_STEP_KEY` (for a step moved to MaxText's number)."""
+    custom = dict(meta.get("custom_metadata") or {})
+    custom[TUNIX_STEP_KEY] = tunix_step
+    return {**meta, "custom_metadata": custom}
+
+
+def maxtext_number(tunix_step: int) -> int:
+    """The MaxText directory number of the state after ``tunix_step`` updates.
+
+    MaxText saves after the update: its directory ``N`` holds ``items/step == N + 1``.
+    """
+    return tunix_step - 1
+
+
+def find_step_roots(root: epath.PathLike, *, depth: int = 3) -> list[epath.Path]:
+    """The shallowest directories below ``root`` (not ``root`` itself) that hold steps.
+
+    For a hint when ``root`` holds none: a run directory keeps them in ``checkpoints/``.
+    """
+    level = [epath.Path(root)]
+    for _ in range(depth):
+        level = [c for d in level if d.is_dir() for c in sorted(d.iterdir()) if c.is_dir()]
+        found = [d for d in level if _TMP_MARKER not in d.name and find_steps(d)]
+        if found:
+            return found
+    return []
+
+
 def step_dir_of(path: epath.PathLike) -> epath.Path:
     """The step directory for a step, ``items``, ``model_params`` or ``optimizer_state`` path."""
     path = epath.Path(path)

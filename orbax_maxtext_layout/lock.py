@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 from etils import epath
@@ -14,6 +15,8 @@ from etils import epath
 from .errors import ReadOnlyStepError, StepLocked
 
 LOCK_NAME = ".orbax-maxtext-layout.lock"
+# Held on a directory of steps while one of them is renumbered (a short critical section).
+RENUMBER_LOCK_NAME = ".orbax-maxtext-layout.renumber.lock"
 
 
 def _alive(pid: int) -> bool:
@@ -25,30 +28,36 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def step_lock(step_dir: epath.Path) -> Iterator[None]:
+def step_lock(step_dir: epath.Path, *, name: str = LOCK_NAME, wait: float = 0.0) -> Iterator[None]:
     """Holds ``<step>/.orbax-maxtext-layout.lock`` (O_EXCL create, owner pid and host inside).
 
     A lock left by a dead process on this host (a SIGKILLed converter) is broken;
-    a live owner's lock raises `StepLocked`, and the caller skips the step.
+    a live owner's lock raises `StepLocked`, and the caller skips the step, unless
+    ``wait`` seconds (for a short critical section such as a renumbering) are given
+    to wait for it. ``name`` is the lock file's name.
     """
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     if "://" in str(step_dir):
-        yield from _object_store_lock(epath.Path(step_dir) / LOCK_NAME, me)
+        yield from _object_store_lock(epath.Path(step_dir) / name, me)
         return
-    path = os.path.join(str(step_dir), LOCK_NAME)
-    for _ in range(2):  # a second try after breaking a stale lock
+    path = os.path.join(str(step_dir), name)
+    deadline = time.monotonic() + wait
+    tries = 0
+    while True:
         if _create(path, me, step_dir):
             break
         owner = _owner(path)
-        if _stale(owner):
+        if _stale(owner) and tries < 1:
+            tries += 1
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # stale: its owner died mid-conversion
+            continue
+        if time.monotonic() < deadline:
+            time.sleep(0.02)
             continue
         raise StepLocked(
             f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
         )
-    else:
-        raise StepLocked(f"{step_dir}: lock contended")
     try:
         yield
     finally:
@@ -125,3 +134,15 @@ def break_stale_lock(step_dir: epath.Path) -> bool:
             os.unlink(path)
         return True
     return False
+
+
+def release_moved_lock(step_dir: epath.Path) -> None:
+    """Removes this process's lock that moved with a renamed step directory.
+
+    A step is renumbered by renaming its directory while holding its lock; the lock
+    file moves along, and `step_lock` then finds nothing to remove at the old path.
+    """
+    path = os.path.join(str(step_dir), LOCK_NAME)
+    if "://" not in str(step_dir) and _owner(path).get("pid") == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

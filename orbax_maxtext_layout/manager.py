@@ -27,8 +27,10 @@ warning says so), and a save at its directory raises `StepAlreadyExistsError`.
 
 Migration (``migrate="on_save"``)
 ----------------------------------
-Every legacy step this manager restored as items is moved to its own number at the next
-save and, once that save has committed (synchronous: before `save` returns;
+Every legacy step this manager restored as items against the whole model (a request
+naming ``nnx_aux`` and every model leaf, with ``partial_restore`` or without, and no
+placeholders or transforms) is moved to its own number at the next save and, once that
+save has committed (synchronous: before `save` returns;
 asynchronous: in Orbax's save-finalize thread, so `wait_until_finished`, `close` and the
 next save wait for it), rewritten in place with `convert_step` against the Target of the
 restore (the optimizer is always converted; the canonical rules apply when the restore
@@ -62,8 +64,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo, StepAlreadyExistsError
 
+from . import stepdir
 from .convert import convert_step
-from .errors import CheckpointReadError, UsageError
+from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
     TUNIX_OPT_ITEM,
@@ -72,12 +75,16 @@ from .layout import (
     Layout,
     detect_layout,
     find_steps,
+    read_provenance,
     read_step_metadata,
     tunix_step_number,
+    with_tunix_step,
 )
+from .lock import step_lock
 from .orbax_files import absolute
+from .plan import plan_step
 from .restore import request_target, restore_request
-from .stepdir import update_step_metadata
+from .stepdir import REMOVING, update_step_metadata
 from .target import Target
 
 __all__ = ["TUNIX_STEP_KEY", "CheckpointManager"]
@@ -113,6 +120,27 @@ class CheckpointManager(ocp.CheckpointManager):
         self._protected: frozenset[int] = frozenset()  # never removed by retention
         self._pending: dict[int, Target] = {}  # restored legacy steps awaiting migration
         super().__init__(*args, **kwargs)  # lists the steps via _load_checkpoint_infos
+        if remove_legacy and self._is_primary():
+            self._finish_removals()
+
+    def _finish_removals(self) -> None:
+        """Finishes legacy removals a killed run left: migrated steps (with this
+        library's provenance) that still hold legacy items, or a half-deleted one."""
+        for info in find_steps(self.directory, roles=False):
+            if info.layout is not Layout.MAXTEXT or read_provenance(info.path) is None:
+                continue
+            names = {c.name for c in info.path.iterdir()}
+            if not names & {TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM} and not any(
+                n.endswith(REMOVING) for n in names
+            ):
+                continue
+            try:
+                linked = bool((read_provenance(info.path) or {}).get("in_place"))
+                with step_lock(info.path):
+                    notes = stepdir.remove_legacy(info.path, linked=linked)
+                logger.info("Step %s: %s", info.path, "; ".join(notes))
+            except Exception as e:  # a failed removal leaves the step readable as it is
+                logger.error("Step %s: legacy removal not finished: %s", info.path, e)
 
     # -- listing -----------------------------------------------------------------------
     def _load_checkpoint_infos(self, skip_metadata_read: bool = False) -> list[CheckpointInfo]:
@@ -197,7 +225,7 @@ class CheckpointManager(ocp.CheckpointManager):
                     f"Cannot move Tunix step {held} to {home}: that directory is taken."
                 )
             if self._is_primary() and held.exists():
-                update_step_metadata(held, lambda meta: _record_tunix_step(meta, p + 1))
+                update_step_metadata(held, lambda meta: with_tunix_step(meta, p + 1))
                 held.rename(home)
                 logger.info("Moved Tunix step %s to %s (MaxText step %d).", held, home, p)
         self._legacy[p] = home
@@ -306,9 +334,31 @@ class CheckpointManager(ocp.CheckpointManager):
                 f"Step {step} ({held}) is in Tunix layout. Restoring it as MaxText items needs "
                 "the abstract target: args=Composite(items=PyTreeRestore(item=<abstract items>))."
             )
-        restore_args = getattr(args, "restore_args", None)
-        partial = bool(getattr(args, "partial_restore", False))
-        transforms = getattr(args, "transforms", None)
+        return self._restore_legacy_items(
+            step,
+            held,
+            item,
+            getattr(args, "restore_args", None),
+            partial=bool(getattr(args, "partial_restore", False)),
+            transforms=getattr(args, "transforms", None),
+        )
+
+    def _restore_legacy_items(
+        self,
+        step: int,
+        held: epath.Path,
+        item: Any,
+        restore_args: Any = None,
+        *,
+        partial: bool = False,
+        transforms: Any = None,
+    ) -> Any:
+        """Legacy step ``step`` (in ``held``) as the MaxText items ``item`` asks for.
+
+        The one restore path of both this manager and `training.Checkpointer`: reads
+        with `restore_request` and, when the request describes the whole model,
+        queues the step for migration after the next committed save.
+        """
         # A model-only step has no optimizer state: the caller's (fresh) one is kept.
         out = restore_request(
             held,
@@ -319,8 +369,7 @@ class CheckpointManager(ocp.CheckpointManager):
             keep_missing=True,
         )
         target, skipped = request_target(item, restore_args)
-        whole = bool(target.nnx_aux) and not (skipped or partial or transforms is not None)
-        if self._migrate == "on_save" and whole:
+        if self._migrate == "on_save" and _covers_step(held, target, skipped, partial, transforms):
             with self._lock:
                 self._pending[step] = target
         logger.info(
@@ -347,12 +396,18 @@ class CheckpointManager(ocp.CheckpointManager):
 
     # -- other overrides ---------------------------------------------------------------
     def delete(self, step: int) -> None:
-        with self._lock:
-            if step in self._legacy:  # the stock deleter finds steps by directory name
-                self._place(step)
-                del self._legacy[step]
-                self._pending.pop(step, None)
+        self._release(step)
         super().delete(step)
+
+    def _release(self, step: int, *, forget: bool = True) -> None:
+        """Moves legacy step ``step`` to its own number (where the stock deleter looks for
+        it) and, with ``forget``, stops tracking it (it is about to be deleted)."""
+        with self._lock:
+            if step in self._legacy:
+                self._place(step)
+                if forget:
+                    del self._legacy[step]
+                    self._pending.pop(step, None)
 
     def close(self) -> None:
         super().close()  # waits for saves and the migrations they trigger
@@ -379,10 +434,20 @@ class CheckpointManager(ocp.CheckpointManager):
         return ocp.multihost.is_primary_host(self._multiprocessing_options.primary_host)
 
 
-def _record_tunix_step(meta: dict[str, Any], tunix_step: int) -> dict[str, Any]:
-    custom = dict(meta.get("custom_metadata") or {})
-    custom[TUNIX_STEP_KEY] = tunix_step
-    return {**meta, "custom_metadata": custom}
+def _covers_step(
+    held: epath.Path, target: Target, skipped: set, partial: bool, transforms: Any
+) -> bool:
+    """Whether a restore request describes the whole model, so that the step can be
+    migrated (converted in full) against it."""
+    if not target.nnx_aux or skipped or transforms is not None:
+        return False
+    if not partial:
+        return True  # restore_request already required every model leaf to fit
+    try:  # a partial request (v1's partial_load) may still name every leaf
+        plan_step(held, target)
+    except LayoutMismatchError:
+        return False
+    return True
 
 
 def _tunix_step_of(step_dir: epath.Path) -> int | None:

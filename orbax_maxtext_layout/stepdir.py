@@ -18,14 +18,20 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from .errors import StepExistsError
 from .layout import (
     MAXTEXT_ITEM,
     PROVENANCE_KEY,
     STEP_METADATA,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
+    Layout,
+    detect_layout,
     read_step_metadata,
+    tunix_step_number,
+    with_tunix_step,
 )
+from .lock import release_moved_lock, step_lock
 from .verify import verify_step
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # the marker Orbax and `find_steps` skip
@@ -93,6 +99,27 @@ def _is_local(path: epath.Path) -> bool:
     return "://" not in str(path)
 
 
+def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
+    """Renumbers a legacy Tunix step: records its update count, then renames it (atomic).
+
+    The recorded count keeps the step's meaning wherever it lives (`tunix_step_number`).
+    Refused if ``dst`` exists: nothing is moved or overwritten.
+    """
+    if dst.exists():
+        what = "a step of the same run in MaxText's numbering?"
+        if detect_layout(dst) is Layout.TUNIX and tunix_step_number(dst) == 0:
+            what = "Tunix's initial state (0 updates), which has no MaxText number"
+        raise StepExistsError(
+            f"{src}: cannot renumber it to {dst.name}: {dst} already exists ({what}). Nothing "
+            "was moved. Move that directory out of the run, or convert with "
+            "--keep-step-numbers (renumber=False)."
+        )
+    with step_lock(src):
+        update_step_metadata(src, lambda meta: with_tunix_step(meta, tunix_step))
+        src.rename(dst)
+        release_moved_lock(dst)
+
+
 def disk_usage(path: epath.Path, *, new_only: bool = False) -> int:
     """Bytes under ``path``; ``new_only`` skips files hard-linked from elsewhere."""
     if not _is_local(path):  # walks with iterdir: epath forbids recursive globs on GCS
@@ -138,6 +165,7 @@ def remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
     notes = _finish_removal(step_dir)
     present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
     if not present:
+        _forget_item_handlers(step_dir)  # also after a run killed right after the removal
         return notes
     result = verify_step(step_dir, quick=linked)
     if not result.ok:
@@ -149,7 +177,21 @@ def remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
         else:
             item.rename(step_dir / f"{name}{REMOVING}")
     _finish_removal(step_dir)
+    _forget_item_handlers(step_dir)
     return [*notes, f"removed legacy {', '.join(present)} after verifying items"]
+
+
+def _forget_item_handlers(step_dir: epath.Path) -> None:
+    """Drops the step metadata's handler entries of items no longer on disk, so that
+    readers that resolve handlers from it (a no-args restore) see what is there."""
+
+    meta = read_step_metadata(step_dir)
+    handlers = meta.get("item_handlers")
+    if not isinstance(handlers, dict):
+        return
+    kept = {k: v for k, v in handlers.items() if _exists(step_dir / k)}
+    if kept != handlers:
+        _replace_json(step_dir / STEP_METADATA, {**meta, "item_handlers": kept})
 
 
 def _exists(p: epath.Path) -> bool:

@@ -156,6 +156,57 @@ def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> 
         )
 
 
+def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
+    """Data files an item's OCDBT database references that cannot hold those values.
+
+    Walks the B-tree of the latest version (`tensorstore.ocdbt.dump`: B-tree nodes
+    only, no value is read) and checks that every indirect value lies inside an
+    existing regular file (``offset + length <= size``). Returns ``{file relative to
+    item_dir: what is wrong}``; a B-tree node that cannot be read is reported too.
+    Damage inside a value (a flipped bit) is not visible here: `verify` decodes.
+    """
+    item_dir = epath.Path(item_dir)
+    base = ts.KvStore.open(_url(item_dir) + "/").result()
+    bad: dict[str, str] = {}
+    sizes: dict[str, int | None] = {}
+
+    def size(rel: str) -> int | None:
+        if rel not in sizes:
+            f = item_dir / rel
+            sizes[rel] = f.stat().length if f.exists() and not f.is_dir() else None
+        return sizes[rel]
+
+    def refs(location: str) -> tuple[str, int, int]:
+        # "<kind>:<base path>:<relative path>:<offset>:<length>"
+        _, prefix, rel, offset, length = location.split(":")
+        return prefix + rel, int(offset), int(length)
+
+    try:
+        manifest = ts.ocdbt.dump(base).result()
+    except ValueError as e:
+        return {"manifest.ocdbt": f"cannot be read ({e})"}
+    versions = manifest.get("versions") or []
+    todo = [versions[-1]["root"]["location"]] if versions else []
+    while todo:
+        location = todo.pop()
+        try:
+            node = ts.ocdbt.dump(base, location).result()
+        except ValueError as e:
+            bad.setdefault(refs(location)[0], f"B-tree node unreadable ({e})")
+            continue
+        for entry in node.get("entries", []):
+            ref = entry.get("indirect_value")
+            if ref:
+                rel, offset, length = refs(ref)
+                have = size(rel)
+                if have is None:
+                    bad.setdefault(rel, "missing, or not a file")
+                elif offset + length > have:
+                    bad.setdefault(rel, f"{have} bytes, a value ends at {offset + length}")
+            todo += [v for v in entry.values() if isinstance(v, str) and v.startswith("btreenode:")]
+    return bad
+
+
 def read_array(src: SourceItem, path: Path, context: ts.Context) -> np.ndarray:
     """Decodes one stored array (stored form: PRNG keys as their raw data)."""
     driver = "zarr3" if src.use_zarr3 else "zarr"

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from etils import epath
 
 from . import orbax_files, stepdir, tskv
+from .errors import CheckpointReadError
 from .layout import TUNIX_PARAMS_ITEM
 from .moves import Move, Op, Plan, apply_op
 
@@ -60,7 +61,8 @@ def write_items(
             children[name] = tskv.open_ocdbt(child_dir, ctx)
         parent = tskv.open_ocdbt(tmp, ctx, merge=bool(graft))
         tskv.graft([m for m in raw if m.item in graft], children, parent)
-        tskv.copy_chunks([m for m in raw if m.item not in graft], sources, parent, budget=budget)
+        chunked = [m for m in raw if m.item not in graft]
+        tskv.copy_chunks(chunked, sources, parent, budget=budget)
         copied = {id(m) for m in raw}
         decoded = [m for m in plan.moves if id(m) not in copied]
         dst_json = parent.spec().to_json()
@@ -80,12 +82,38 @@ def write_items(
             use_zarr3=zarr3,
             gaps=orbax_files.list_gaps(m.dst for m in plan.moves),
         )
+        _check_data(tmp, sources, chunked, ctx)
         written = stepdir.disk_usage(tmp, new_only=True)
         stepdir.commit(step_dir, tmp, provenance | {"bytes_written": written, "in_place": in_place})
     except BaseException:
         tmp.rmtree(missing_ok=True)
         raise
     return written
+
+
+def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
+    """Refuses damaged source data before the commit (`CheckpointReadError`, naming it).
+
+    Grafted values stay in the (cloned) source data files: every value the new item
+    references must lie inside an existing file of the right size. Chunks copied from a
+    non-OCDBT source were read whole: each copied array is decoded once.
+    """
+    problems = []
+    for rel, what in tskv.damaged_value_files(tmp).items():
+        head, _, rest = rel.partition("/")
+        name = head.removeprefix(tskv.CHILD_PREFIX)
+        where = sources[name].dir / rest if head.startswith(tskv.CHILD_PREFIX) else tmp / rel
+        problems.append(f"{where}: {what}")
+    for m in chunked:  # one array at a time
+        try:
+            tskv.read_array(sources[m.item], m.src, ctx)
+        except CheckpointReadError as e:
+            problems.append(str(e))
+    if problems:
+        raise CheckpointReadError(
+            "damaged source data (truncated, missing or unreadable files); nothing was "
+            "written:\n  - " + "\n  - ".join(problems)
+        )
 
 
 def _leaf_files(m: Move, sources: Mapping[str, tskv.SourceItem]) -> orbax_files.LeafFiles:

@@ -55,7 +55,8 @@ def _run_root(tmp_path: Path) -> Path:
 def test_convert_then_skip_then_verify(tmp_path):
     root = _run_root(tmp_path)
     tmp_before = tree_digest(root / "actor" / "5.orbax-checkpoint-tmp-1")
-    out = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json")
+    keep = "--keep-step-numbers"
+    out = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json", keep)
     reports = json.loads(out.stdout)
     assert [(Path(r["step_dir"]).relative_to(root).as_posix(), r["status"]) for r in reports] == [
         ("actor/2", "converted"),
@@ -67,7 +68,7 @@ def test_convert_then_skip_then_verify(tmp_path):
     assert tree_digest(root / "actor" / "5.orbax-checkpoint-tmp-1") == tmp_before
 
     again = json.loads(
-        cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json").stdout
+        cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--json", keep).stdout
     )
     assert {r["status"] for r in again} == {"skipped"}
 
@@ -100,8 +101,9 @@ def test_dry_run_writes_nothing_and_reads_no_array_bytes(tmp_path):
 
 
 def test_inspect_shows_layout_groups_and_mismatches(tmp_path):
-    out = cli("inspect", str(FIXTURES / "tunix017"), "--json")
-    assert json.loads(out.stdout) == []  # a folder of runs is not a run root
+    # A folder of runs is not a run root: no steps, and the error names where they are.
+    out = cli("inspect", str(FIXTURES / "tunix017"), "--json", check_rc=1)
+    assert out.stdout == "" and str(FIXTURES / "tunix017" / "rl_run" / "checkpoints") in out.stderr
     out = cli("inspect", str(RL.parent.parent), "--target-from", str(MAXTEXT_NATIVE), "--json")
     (entry,) = json.loads(out.stdout)
     assert entry["layout"] == "tunix" and entry["role"] == "actor"
@@ -117,7 +119,8 @@ def test_exit_codes_and_failure_summary(tmp_path):
     shutil.copytree(SFT, root / "7")  # its optimizer has no match: this step fails
     for p in (root / "7").rglob("*"):
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    res = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), check_rc=1)
+    keep = "--keep-step-numbers"
+    res = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), keep, check_rc=1)
     assert "1 step(s) failed" in res.stderr and str(root / "7") in res.stderr
     assert "LayoutMismatchError" in res.stderr
     assert detect_layout(root / "7") is Layout.TUNIX  # the failing step is untouched
@@ -135,6 +138,7 @@ def test_exit_codes_and_failure_summary(tmp_path):
         "drop",
         "--steps",
         "7",
+        keep,
     )
     assert detect_layout(root / "7") is Layout.MAXTEXT
 
@@ -238,14 +242,22 @@ def test_out_writes_a_separate_destination_and_leaves_the_source_alone(tmp_path)
     root = _run_root(tmp_path)
     before = tree_digest(root)
     out = tmp_path / "converted"
-    cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), "-q")
+    keep = "--keep-step-numbers"
+    cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), "-q", keep)
     assert tree_digest(root) == before
     for rel in ("actor/2", "actor/3", "critic/4"):
         assert detect_layout(out / rel) is Layout.MAXTEXT
         meta = json.loads((out / rel / "_CHECKPOINT_METADATA").read_text())
         assert meta["custom_metadata"]["orbax_maxtext_layout"]["source"] == str(root / rel)
     again = cli(
-        "convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), "--json"
+        "convert",
+        str(root),
+        "--target-from",
+        str(MAXTEXT_NATIVE),
+        "--out",
+        str(out),
+        "--json",
+        keep,
     )
     assert {r["status"] for r in json.loads(again.stdout)} == {"skipped"}
     res = cli(

@@ -129,6 +129,7 @@ def test_cli_verify_and_remove_legacy_after_stack(tmp_path):
     step = copy_fixture(DPO, tmp_path / "run")
     root = tmp_path / "run" / "tunix017" / "dpo_run" / "checkpoints"
     common = ["--target-from", str(MAXTEXT_NATIVE), "--stack", "--optimizer", "drop"]
+    common.append("--keep-step-numbers")
     cli("convert", str(root), *common)
     res = cli("verify", str(root))
     assert f"{step}: ok" in res.stdout, res.stdout

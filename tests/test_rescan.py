@@ -149,6 +149,7 @@ def test_cli_unroll_on_the_shipped_example(tmp_path):
         "unscanned:target",
         "--unroll",
         "--json",
+        "--keep-step-numbers",
         env={"PYTHONPATH": str(tmp_path)},
     )
     (report,) = json.loads(res.stdout)

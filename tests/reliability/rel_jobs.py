@@ -110,6 +110,19 @@ def _restores(step: Path) -> dict:
     return out
 
 
+def keep_step_numbers(argv: list[str]) -> list[str]:
+    """``convert`` argv with Tunix's step numbers kept.
+
+    The suite checks each step where it was (kills, faults, concurrency, damaged
+    inputs); renumbering into MaxText's numbers is the CLI default, tested on its own
+    (tests/test_numbering.py, tests/test_cli.py's concurrent converters).
+    """
+    argv = [str(a) for a in argv]
+    if argv[:1] == ["convert"] and "--keep-step-numbers" not in argv:
+        argv.append("--keep-step-numbers")
+    return argv
+
+
 def _cli(argv: list[str]) -> dict:
     import contextlib
     import io
@@ -120,7 +133,7 @@ def _cli(argv: list[str]) -> dict:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = main(argv)
+            rc = main(keep_step_numbers(argv))
             uncaught = None
         except SystemExit as e:
             rc, uncaught = e.code, None

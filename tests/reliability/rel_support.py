@@ -328,7 +328,9 @@ class Zygote:
         fsize_limit: int | None = None,
         **kw: Any,
     ) -> Result:
-        job: dict = {"kind": "cli", "argv": [str(a) for a in argv]}
+        from rel_jobs import keep_step_numbers
+
+        job: dict = {"kind": "cli", "argv": keep_step_numbers(list(argv))}
         if kill_on_call:
             job["kill_on_call"] = kill_on_call
         if fsize_limit:
@@ -380,8 +382,10 @@ MUTATIONS = ["mkdir", "rename", "replace", "link", "unlink", "remove", "rmdir", 
 
 def cli_process(*argv: Any, env: dict | None = None, timeout: int = 300) -> Result:
     """The command line as users run it, in a fresh interpreter (exit codes, tracebacks)."""
+    from rel_jobs import keep_step_numbers
+
     res = subprocess.run(
-        [sys.executable, "-m", "orbax_maxtext_layout", *map(str, argv)],
+        [sys.executable, "-m", "orbax_maxtext_layout", *keep_step_numbers(list(argv))],
         capture_output=True,
         text=True,
         env={**os.environ, **child_env(), **(env or {})},

@@ -44,7 +44,15 @@ def target(base):
 
 
 def _argv(root: Path, *extra: str) -> list:
-    return ["convert", root, "--target", "synth:target_from_env", "--json", *extra]
+    return [
+        "convert",
+        root,
+        "--target",
+        "synth:target_from_env",
+        "--json",
+        "--keep-step-numbers",
+        *extra,
+    ]
 
 
 def _statuses(outputs: list[str]) -> dict[str, list[str]]:

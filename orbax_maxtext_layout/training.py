@@ -1,0 +1,259 @@
+"""`Checkpointer`: Orbax's v1 training Checkpointer, reading Tunix-layout steps as MaxText ones.
+
+MaxText 0.2.5 checkpoints through ``ocp.training.Checkpointer`` (``from orbax.checkpoint
+import v1 as ocp``): `create_orbax_checkpoint_manager` builds one, and
+`load_state_if_possible` requires one and calls ``latest``, ``checkpoints`` and
+``load_checkpointables(step, {"items": <abstract items>})`` under a context with
+``partial_load=True``. This subclass is a drop-in for it (same constructor, plus
+``migrate`` and ``remove_legacy``) with the semantics of the v0 `CheckpointManager` of
+this package, which it reuses: the v1 Checkpointer keeps a v0 ``CheckpointManager``
+inside and lists, saves, deletes and waits through it, and here that inner manager *is*
+`orbax_maxtext_layout.CheckpointManager`, built with the options the stock v1
+constructor builds. So:
+
+- a Tunix-layout step (``<dir>/<N>/model_params``, no ``items/``) is listed as MaxText
+  step ``N - 1`` in ``checkpoints``, ``latest`` and ``should_save`` (Tunix directory
+  ``0`` is not listed), and its ``CheckpointMetadata.path``, ``metadata`` and
+  ``checkpointables_metadata`` name the directory it is in;
+- ``load_checkpointables(step, {"items": abstract})``, ``load(step, abstract,
+  checkpointable_name="items")`` and ``load_pytree`` read it as MaxText items, converted
+  against ``abstract`` and placed with its leaves' shardings (`restore.restore_request`);
+  the context's ``partial_load`` makes it a partial restore (a params-only request reads
+  only the weights). Other requested checkpointables (e.g. ``iter``) load the stock v1
+  way if the step holds them, else come back as ``None`` with a warning, as in the v0
+  manager. ``load`` of a checkpointable the step lacks raises ``KeyError``, as stock v1
+  does; without an abstract tree the step loads as stored, with a warning;
+- the first save at directory ``N`` moves the legacy step to ``N - 1`` first, and once
+  that save has committed (in Orbax's save-finalize thread: v1 saves are always
+  asynchronous underneath, so ``save_checkpointables_async`` returns before the
+  migration runs) a restored step is rewritten into MaxText's layout;
+- MaxText-layout steps, saves, deletes, ``wait``, ``close`` and ``reload`` are stock.
+
+Orbax private names used (each pinned by tests/test_training.py, which fails when Orbax
+changes it): the v1 Checkpointer's ``_manager`` (the inner v0 manager, replaced by ours;
+every v1 operation goes through it, and ``checkpoints`` reads its ``_checkpoints``), the
+v0 manager's ``_options`` (the exact options the v1 constructor derived from its
+arguments and context), the v1 Checkpointer's ``_context`` with the private module
+function ``context.get_context`` (the context v1 runs its own loads in, for
+``partial_load``), and its ``_step_name_format`` (wrapped, so a legacy step's paths name
+the directory it is in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Literal
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.experimental import v1 as ocp1
+
+# Private: the function v1's own loads use to pick the active context (see above).
+from orbax.checkpoint.experimental.v1._src.context import context as context_lib
+
+from .errors import UsageError
+from .layout import MAXTEXT_ITEM
+from .manager import CheckpointManager
+
+__all__ = ["Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+# v1's default checkpointable name for load/save ("state" in Orbax 0.12.8).
+STATE_CHECKPOINTABLE_KEY = (
+    inspect.signature(ocp1.training.Checkpointer.load).parameters["checkpointable_name"].default
+)
+
+
+class Checkpointer(ocp1.training.Checkpointer):
+    """``ocp.training.Checkpointer`` that also reads Tunix-layout steps (see the module
+    docstring).
+
+    Args:
+      directory, context, save_decision_policy, preservation_policy, step_name_format,
+        custom_metadata, cleanup_tmp_directories, lightweight_initialize, logger,
+        **kwargs: exactly ``ocp.training.Checkpointer``'s.
+      migrate: "on_save" rewrites each restored legacy step into MaxText's layout after
+        the next committed save; "off" never rewrites (moves still happen).
+      remove_legacy: delete a migrated step's ``model_params``/``optimizer_state`` once
+        its new ``items`` has been verified against them.
+    """
+
+    def __init__(
+        self,
+        directory: epath.PathLike,
+        *,
+        context: ocp1.Context | None = None,
+        save_decision_policy: Any = None,
+        preservation_policy: Any = None,
+        step_name_format: Any = None,
+        custom_metadata: Any = None,
+        cleanup_tmp_directories: bool = False,
+        lightweight_initialize: bool = False,
+        logger: Any = None,
+        migrate: Literal["on_save", "off"] = "on_save",
+        remove_legacy: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if migrate not in ("on_save", "off"):
+            raise UsageError(f"migrate must be 'on_save' or 'off', not {migrate!r}")
+        logger = logger or ocp.logging.StandardLogger()  # one logger for v1 and v0, as stock
+        # The stock constructor derives the v0 manager's options from its arguments and
+        # context; let it, with everything that touches the directory beyond creating it
+        # (tmp cleanup, step metadata reads, root metadata) left to our manager below.
+        super().__init__(
+            directory,
+            context=context,
+            save_decision_policy=save_decision_policy,
+            preservation_policy=preservation_policy,
+            step_name_format=step_name_format,
+            custom_metadata=None,
+            cleanup_tmp_directories=False,
+            lightweight_initialize=True,
+            logger=logger,
+            **kwargs,
+        )
+        stock = self._manager
+        options = dataclasses.replace(
+            stock._options,
+            cleanup_tmp_directories=cleanup_tmp_directories,
+            lightweight_initialize=lightweight_initialize,
+        )
+        stock.close()
+        self._manager = CheckpointManager(
+            directory,
+            options=options,
+            metadata=custom_metadata,
+            logger=logger,
+            migrate=migrate,
+            remove_legacy=remove_legacy,
+        )
+        self._step_name_format = _WhereTheStepIs(self._step_name_format, self._manager)
+
+    # -- loading -----------------------------------------------------------------------
+    def load_checkpointables(
+        self,
+        step: int | ocp1.training.CheckpointMetadata | None = None,
+        abstract_checkpointables: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Stock v1 ``load_checkpointables``; a Tunix-layout step's ``items`` come back as
+        MaxText items, converted against (and placed like) the abstract tree given."""
+        number = self._number(step)
+        held = None if number is None else self._manager._legacy_dir(number, None)
+        if held is None:
+            return super().load_checkpointables(step, abstract_checkpointables)
+        assert number is not None
+        context = context_lib.get_context(self._context)
+        with context:
+            if abstract_checkpointables is None:
+                logger.warning(
+                    "Step %d (%s) is in Tunix layout and load_checkpointables() got no "
+                    "abstract tree, so it cannot be split into MaxText items (only the model "
+                    "tells weights from RNG state): loading it as stored. Pass "
+                    "{'items': <abstract items>} for MaxText items (and migration).",
+                    number,
+                    held,
+                )
+                return ocp1.load_checkpointables(held)
+            out: dict[str, Any] = {}
+            stock: dict[str, Any] = {}
+            for name, abstract in abstract_checkpointables.items():
+                if name == MAXTEXT_ITEM:
+                    out[name] = self._load_items(number, held, abstract, context)
+                elif (held / name).exists():
+                    stock[name] = abstract
+                else:
+                    logger.warning(
+                        "Step %d (%s) has no %r checkpointable; returning None for it.",
+                        number,
+                        held,
+                        name,
+                    )
+                    out[name] = None
+            if stock:
+                out.update(ocp1.load_checkpointables(held, stock))
+        return {name: out[name] for name in abstract_checkpointables}
+
+    def load(
+        self,
+        step: int | ocp1.training.CheckpointMetadata | None = None,
+        abstract_state: Any = None,
+        *,
+        checkpointable_name: str = STATE_CHECKPOINTABLE_KEY,
+    ) -> Any:
+        """Stock v1 ``load``; MaxText's items of any step load with
+        ``checkpointable_name="items"``."""
+        number = self._number(step)
+        held = None if number is None else self._manager._legacy_dir(number, None)
+        if (
+            held is not None
+            and checkpointable_name != MAXTEXT_ITEM
+            and not (held / checkpointable_name).exists()
+        ):
+            raise KeyError(
+                f"Step {number} ({held}) is in Tunix layout and has no {checkpointable_name!r} "
+                f"checkpointable. MaxText's state loads with checkpointable_name="
+                f"{MAXTEXT_ITEM!r} and an abstract items tree."
+            )
+        return super().load(step, abstract_state, checkpointable_name=checkpointable_name)
+
+    def _load_items(self, step: int, held: epath.Path, abstract: Any, context: Any) -> Any:
+        if abstract is None:
+            raise UsageError(
+                f"Step {step} ({held}) is in Tunix layout. Loading it as MaxText items needs "
+                f"the abstract target: load_checkpointables(step, {{{MAXTEXT_ITEM!r}: "
+                "<abstract items>})."
+            )
+        partial = bool(context.pytree_options.loading.partial_load)
+        return self._manager._restore_legacy_items(step, held, abstract, partial=partial)
+
+    def _number(self, step: int | ocp1.training.CheckpointMetadata | None) -> int | None:
+        if step is None:
+            latest = self.latest
+            return None if latest is None else latest.step
+        return step.step if isinstance(step, ocp1.training.CheckpointMetadata) else int(step)
+
+    # -- deleting ----------------------------------------------------------------------
+    def delete_async(
+        self,
+        step: int | ocp1.training.CheckpointMetadata,
+        *,
+        checkpointable_name: str | None = None,
+        missing_ok: bool = False,
+    ) -> ocp1.AsyncResponse[bool]:
+        # v1 deletes ``<dir>/<step>`` through the v0 deleter, which finds steps by their
+        # own number: a legacy step is moved there first (as the v0 manager's delete does).
+        number = step.step if isinstance(step, ocp1.training.CheckpointMetadata) else step
+        if isinstance(number, int) and self._manager._legacy_dir(number, None) is not None:
+            self._manager.wait_until_finished()
+            self._manager._release(number, forget=checkpointable_name is None)
+            if jax.process_count() > 1:  # the primary moved it; every process checks the path
+                ocp.multihost.sync_global_processes(f"orbax_maxtext_layout_delete_{number}")
+        return super().delete_async(
+            step, checkpointable_name=checkpointable_name, missing_ok=missing_ok
+        )
+
+
+class _WhereTheStepIs:
+    """v1's step name format, naming the directory a listed legacy step is in now.
+
+    v1 builds a step's path as ``directory / build_name(step)`` for ``checkpoints``,
+    ``metadata``, ``checkpointables_metadata`` and deletes; a legacy step presented as
+    ``N - 1`` lives in ``N`` until a save moves it.
+    """
+
+    def __init__(self, inner: Any, manager: CheckpointManager) -> None:
+        self._inner = inner
+        self._manager = manager
+
+    def build_name(self, step: int) -> str:
+        with self._manager._lock:
+            if step in self._manager._legacy:
+                return self._manager._where(step).name
+        return self._inner.build_name(step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -1,0 +1,203 @@
+"""`convert` gives converted steps MaxText's numbers: Tunix directory N (the state after N
+updates) becomes directory N - 1, which is where MaxText keeps that state."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from conftest import FIXTURES, MAXTEXT_NATIVE, copy_fixture, restore_flat, tree_digest
+from orbax.checkpoint.experimental import v1 as ocp1
+from test_cli import cli
+
+import orbax_maxtext_layout as oml
+from orbax_maxtext_layout import stepdir
+
+MODEL_ONLY = FIXTURES / "tunix_snapshot_v1/sft_model_only/checkpoints/1"  # step from the name
+RL = FIXTURES / "tunix017/rl_run/checkpoints/actor/2"
+
+
+def _run(tmp_path, numbers, src=MODEL_ONLY):
+    root = tmp_path / "run" / "checkpoints"
+    for n in numbers:
+        shutil.copytree(src, root / str(n))
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return root
+
+
+def _convert(root, *extra, check_rc=0):
+    args = ["convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--optimizer", "drop"]
+    return cli(*args, *extra, "--json", check_rc=check_rc)
+
+
+def test_tunix_steps_take_maxtext_numbers_and_keep_their_step(tmp_path):
+    root = _run(tmp_path, [1, 2, 3])
+    reports = json.loads(_convert(root).stdout)
+    assert [(r["status"], r["step_dir"]) for r in reports] == [
+        ("converted", str(root / str(n))) for n in (0, 1, 2)
+    ]
+    assert all("moved to" in r["notes"][0] for r in reports)
+    assert sorted(p.name for p in root.iterdir()) == ["0", "1", "2"]
+    for n in (0, 1, 2):
+        assert oml.detect_layout(root / str(n)) is oml.Layout.MAXTEXT
+        assert int(restore_flat(root / str(n) / "items")[("step",)]) == n + 1
+        prov = oml.converted_provenance(root / str(n))
+        assert prov["numbering"] == "maxtext" and prov["tunix_directory"] == str(n + 1)
+        assert oml.tunix_step_number(root / str(n)) == n + 1
+        assert oml.verify_step(root / str(n)).ok
+    # What a stock manager (MaxText's resume) sees: steps 0..2, resuming at items/step 3.
+    with ocp.CheckpointManager(root, item_names=("items",)) as mngr:
+        assert mngr.all_steps() == [0, 1, 2] and mngr.latest_step() == 2
+    # A rerun finds everything converted.
+    assert {r["status"] for r in json.loads(_convert(root).stdout)} == {"skipped"}
+
+
+def test_keep_step_numbers_keeps_tunix_numbers(tmp_path):
+    root = _run(tmp_path, [1, 2])
+    reports = json.loads(_convert(root, "--keep-step-numbers").stdout)
+    assert [r["step_dir"] for r in reports] == [str(root / "1"), str(root / "2")]
+    assert int(restore_flat(root / "2" / "items")[("step",)]) == 2
+    assert "numbering" not in oml.converted_provenance(root / "2")
+
+
+def test_tunix_directory_zero_is_skipped_with_a_reason(tmp_path):
+    root = _run(tmp_path, [0, 2])
+    before = tree_digest(root / "0")
+    reports = json.loads(_convert(root).stdout)
+    assert [r["status"] for r in reports] == ["skipped", "converted"]
+    assert "before any update" in reports[0]["notes"][0]
+    assert "--keep-step-numbers" in reports[0]["notes"][0]
+    assert tree_digest(root / "0") == before  # untouched
+    assert oml.detect_layout(root / "1") is oml.Layout.MAXTEXT
+    # Tunix 1 would become 0, where Tunix 0 still is: refused, naming why; nothing lost.
+    root = _run(tmp_path / "b", [0, 1])
+    before = tree_digest(root)
+    res = _convert(root, check_rc=1)
+    assert "initial state" in res.stderr and "--keep-step-numbers" in res.stderr
+    assert tree_digest(root) == before
+
+
+def test_a_collision_with_a_maxtext_step_is_refused_and_nothing_moves(tmp_path):
+    root = _run(tmp_path, [2])
+    shutil.copytree(MAXTEXT_NATIVE, root / "1")  # a MaxText step already at 1
+    before = tree_digest(root)
+    res = _convert(root, check_rc=1)
+    assert "StepExistsError" in res.stderr and str(root / "1") in res.stderr
+    assert "--keep-step-numbers" in res.stderr
+    assert tree_digest(root) == before
+    # With Tunix's numbering the same run converts.
+    _convert(root, "--keep-step-numbers")
+    assert oml.detect_layout(root / "2") is oml.Layout.MAXTEXT
+
+
+def test_dry_run_says_where_a_step_would_go_and_moves_nothing(tmp_path):
+    root = _run(tmp_path, [3])
+    before = tree_digest(root)
+    (report,) = json.loads(_convert(root, "--dry-run").stdout)
+    assert report["status"] == "dry-run" and "would move to 2" in report["notes"][0]
+    assert tree_digest(root) == before
+
+
+def test_out_writes_maxtext_numbers_and_leaves_the_source(tmp_path):
+    root = _run(tmp_path, [2], src=RL)
+    before = tree_digest(root)
+    out = tmp_path / "out"
+    (report,) = json.loads(_convert(root, "--out", str(out)).stdout)
+    assert report["step_dir"] == str(out / "1") and report["status"] == "converted"
+    assert tree_digest(root) == before
+    assert oml.tunix_step_number(out / "1") == 2
+    assert int(restore_flat(out / "1" / "items")[("step",)]) == 2  # the optimizer's step
+
+
+def test_a_step_moved_but_not_converted_is_converted_by_the_rerun(tmp_path):
+    """The state a kill between the renumbering and the conversion leaves."""
+    root = _run(tmp_path, [4])
+    stepdir.move_step(root / "4", root / "3", 4)
+    assert oml.detect_layout(root / "3") is oml.Layout.TUNIX
+    assert not [p.name for p in (root / "3").iterdir() if p.name.endswith(".lock")]
+    (report,) = json.loads(_convert(root).stdout)
+    assert report["status"] == "converted" and report["step_dir"] == str(root / "3")
+    assert int(restore_flat(root / "3" / "items")[("step",)]) == 4
+
+
+def test_a_run_directory_names_where_its_steps_are(tmp_path):
+    root = _run(tmp_path, [1])
+    run = root.parent
+    for cmd in (["convert", str(run), "--target-from", str(MAXTEXT_NATIVE)], ["inspect", str(run)]):
+        res = cli(*cmd, check_rc=1)
+        assert f"no steps found in {run}" in res.stderr and str(root) in res.stderr
+    res = cli("verify", str(run), check_rc=1)
+    assert str(root) in res.stderr
+    # An empty directory is still just "no steps found".
+    (tmp_path / "empty").mkdir()
+    res = cli("convert", str(tmp_path / "empty"), "--target-from", str(MAXTEXT_NATIVE))
+    assert "no steps found" in res.stdout
+
+
+def test_the_api_keeps_numbers_unless_asked(tmp_path):
+    step = copy_fixture("tunix_snapshot_v1/sft_model_only/checkpoints/1", tmp_path)
+    target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
+    report = oml.convert_step(step, target, optimizer="drop")
+    assert report.step_dir == str(step)
+    other = copy_fixture("tunix_snapshot_v1/sft_model_only/checkpoints/1", tmp_path / "b")
+    shutil.move(other, other.parent / "5")
+    report = oml.convert_step(other.parent / "5", target, optimizer="drop", renumber=True)
+    assert report.step_dir == str(other.parent / "4")
+    got = restore_flat(other.parent / "4" / "items")
+    assert got[("step",)].dtype == np.int32 and int(got[("step",)]) == 5
+
+
+def _sharded_abstract(step):
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+        oml.Target.from_checkpoint(step).items(),
+    )
+
+
+def _v1_context():
+    ctx = ocp1.Context()
+    ctx.pytree.loading.partial_load = True  # as MaxText's build_context sets it
+    return ctx
+
+
+def test_a_converted_run_reads_with_stock_v1_and_v0_like_a_native_maxtext_step(tmp_path):
+    """MaxText 0.2.5's own model: its Tunix SFT step, converted by the CLI, next to the
+    pre-training step MaxText's loop wrote for the same update count."""
+    fixture = FIXTURES / "maxtext025"
+    native_root = fixture / "pretrain_run" / "checkpoints"
+    root = tmp_path / "sft" / "checkpoints"
+    shutil.copytree(fixture / "sft_run" / "checkpoints", root)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    cli("convert", str(root), "--target-from", str(native_root / "1"), "--remove-legacy")
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["1"]
+    abstract = _sharded_abstract(native_root / "1")
+    loaded = {}
+    for name, r in (("native", native_root), ("converted", root)):
+        with ocp1.training.Checkpointer(r, context=_v1_context()) as ckptr:
+            assert ckptr.latest.step == 1
+            loaded[name] = ckptr.load_checkpointables(1, {"items": abstract})["items"]
+            params_only = ckptr.load_checkpointables(1, {"items": {"params": abstract["params"]}})
+            assert set(params_only["items"]) == {"params"}
+    got, want = loaded["converted"], loaded["native"]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.sharding == b.sharding
+    assert int(got["step"]) == int(want["step"]) == 2  # both: the state after 2 updates
+    meta = json.loads((root / "1" / "_CHECKPOINT_METADATA").read_text())
+    assert set(meta["item_handlers"]) == {"items"}  # the legacy entries went with them
+    with ocp.CheckpointManager(root, item_names=("items",)) as mngr:  # stock v0
+        v0 = mngr.restore(1, args=ocp.args.Composite(items=ocp.args.PyTreeRestore(item=abstract)))
+    for a, b in zip(jax.tree.leaves(v0["items"]), jax.tree.leaves(got), strict=True):
+        assert np.array_equal(_raw(a), _raw(b))
+
+
+def _raw(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
