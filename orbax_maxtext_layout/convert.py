@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from . import stepdir
+from . import objstore, stepdir
 from ._version import __version__
 from .errors import (
     CheckpointReadError,
@@ -34,7 +34,6 @@ from .layout import (
     read_provenance,
     tunix_items,
     tunix_step_number,
-    with_tunix_step,
 )
 from .lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
 from .orbax_files import ItemFiles
@@ -243,10 +242,7 @@ def convert_step(
         report.notes = moved + report.notes
         return report
     if out is not None:
-        stepdir.seed_destination(step_dir, dest)
-        if renumber:
-            tunix_step = tunix_step_number(step_dir) or 0
-            stepdir.update_step_metadata(dest, lambda m: with_tunix_step(m, tunix_step))
+        return _convert_to(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, numbering)
     try:
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
@@ -261,6 +257,39 @@ def convert_step(
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
+
+
+def _convert_to(src, dest, plan, optimizer, use_zarr3, budget, numbering) -> StepReport:
+    """Converts into a separate destination step, which appears only once complete."""
+    if dest.exists() and not objstore.is_remote(dest) and any(dest.iterdir()):
+        raise StepExistsError(
+            f"{dest}: exists and is not a converted step; nothing was written. Remove it or "
+            "choose another destination."
+        )
+    if not objstore.is_remote(dest):
+        return _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering)
+    try:  # in place on an object store: one converter at a time
+        with step_lock(dest):
+            if detect_layout(dest) is Layout.MAXTEXT:
+                return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
+            return _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering)
+    except StepLocked as e:
+        return StepReport(str(dest), "locked", Layout.TUNIX.value, notes=[str(e)])
+
+
+def _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering) -> StepReport:
+    work = stepdir.new_step_dir(dest)
+    try:
+        tunix_step = tunix_step_number(src) if numbering else None
+        stepdir.seed_destination(src, work, tunix_step)
+        report = _write(src, work, plan, optimizer, use_zarr3, budget, False, numbering)
+        if not stepdir.publish_step(work, dest):
+            return StepReport(str(dest), "skipped", "maxtext", notes=["converted meanwhile"])
+    except BaseException:
+        stepdir.discard_step_dir(work)
+        raise
+    report.step_dir = str(dest)
+    return report
 
 
 _TUNIX_ZERO = (

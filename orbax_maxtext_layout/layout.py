@@ -14,6 +14,7 @@ from typing import Any
 
 from etils import epath
 
+from . import objstore
 from .errors import CheckpointReadError
 
 MAXTEXT_ITEM = "items"
@@ -47,11 +48,15 @@ class StepInfo:
 def detect_layout(step_dir: epath.PathLike) -> Layout:
     """MAXTEXT if ``items/`` exists, TUNIX if ``model_params/`` exists without it, else UNKNOWN.
 
-    Reads directory names only. A step holding both (converted beside its legacy
-    items) is MAXTEXT: ``items/`` is what MaxText reads.
+    Reads directory names only (and, on an object store, whether ``items/`` has its
+    commit marker). A step holding both (converted beside its legacy items) is MAXTEXT:
+    ``items/`` is what MaxText reads.
     """
     step_dir = epath.Path(step_dir)
-    if (step_dir / MAXTEXT_ITEM).is_dir():
+    items = step_dir / MAXTEXT_ITEM
+    # On an object store items/ is written in place: it exists, incomplete, until its
+    # commit marker (its last object) does. On a disk it appears whole, by a rename.
+    if (items / objstore.COMMIT_MARKER).exists() if objstore.is_remote(items) else items.is_dir():
         return Layout.MAXTEXT
     if (step_dir / TUNIX_PARAMS_ITEM).is_dir():
         return Layout.TUNIX

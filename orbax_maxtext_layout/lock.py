@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from etils import epath
 
+from . import objstore
 from .errors import ReadOnlyStepError, StepLocked
 
 LOCK_NAME = ".orbax-maxtext-layout.lock"
@@ -113,15 +114,22 @@ def _owner(path: str) -> dict:
 
 
 def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:
-    # Object stores have no O_EXCL: best effort (check, then write). Orbax itself
-    # relies on a single writer per step there; run one converter per root on GCS.
-    if path.exists():
-        raise StepLocked(f"{path.parent}: lock file present ({path.read_text()})")
-    path.write_text(json.dumps(me))
+    # No O_EXCL on an object store: a conditional write (create only if absent) instead.
+    data = json.dumps(me).encode()
+    if not objstore.write_exclusive(path, data):
+        owner = {}
+        with contextlib.suppress(Exception):
+            owner = json.loads(path.read_text() or "{}")
+        if not _stale(owner if isinstance(owner, dict) else {}):
+            raise StepLocked(f"{path.parent}: being converted by {owner}")
+        path.unlink(missing_ok=True)  # a dead owner's lock (this host) or an empty one
+        if not objstore.write_exclusive(path, data):
+            raise StepLocked(f"{path.parent}: lock contended")
     try:
         yield
     finally:
         path.unlink(missing_ok=True)
+        objstore.refresh(path)
 
 
 def break_stale_lock(step_dir: epath.Path) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from . import objstore
 from .errors import StepExistsError
 from .layout import (
     MAXTEXT_ITEM,
@@ -31,7 +32,7 @@ from .layout import (
     tunix_step_number,
     with_tunix_step,
 )
-from .lock import release_moved_lock, step_lock
+from .lock import LOCK_NAME, release_moved_lock, step_lock
 from .verify import verify_step
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # the marker Orbax and `find_steps` skip
@@ -39,21 +40,54 @@ REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being dele
 
 
 def new_tmp_dir(step_dir: epath.Path) -> epath.Path:
-    """An Orbax-style temporary directory for ``items`` (ignored by readers and `find_steps`)."""
+    """Where a new ``items`` is written before its commit.
+
+    On a disk: an Orbax-style temporary directory (ignored by readers and `find_steps`),
+    renamed at the commit. On an object store (no rename): ``items/`` itself, written in
+    place; it counts as written only once its commit marker exists (`commit`).
+    """
+    if objstore.is_remote(step_dir):
+        items = step_dir / MAXTEXT_ITEM
+        objstore.remove_tree(items)  # an incomplete items/ of a dead run (under the lock)
+        return items
     tmp = step_dir / f"{MAXTEXT_ITEM}{TMP_SUFFIX}{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=False)
     return tmp
 
 
-def commit(step_dir: epath.Path, tmp: epath.Path, provenance: dict) -> None:
-    """The single commit point: provenance into step metadata, then rename ``tmp`` to ``items``.
+def discard(tmp: epath.Path) -> None:
+    """Removes an uncommitted ``items`` (after a failure)."""
+    if objstore.is_remote(tmp):
+        objstore.remove_tree(tmp)
+    else:
+        tmp.rmtree(missing_ok=True)
 
-    ``commit_success.txt`` is written first (object-store readers rely on it). A crash
-    before the rename leaves only an ignored temporary directory; the metadata is
-    rolled back if the rename itself fails.
+
+def _marker_text() -> str:
+    return f"Checkpoint successfully committed at {time.time()}."
+
+
+def commit(step_dir: epath.Path, tmp: epath.Path, provenance: dict) -> None:
+    """The single commit point of a new ``items``, with the provenance in step metadata.
+
+    On a disk: ``commit_success.txt`` into ``tmp``, the provenance into the step
+    metadata, then one rename of ``tmp`` to ``items`` (a crash before it leaves only an
+    ignored temporary directory; the metadata is rolled back if the rename fails). On an
+    object store: the step metadata, then ``items/commit_success.txt``, the last object:
+    until it exists the item is incomplete (`layout.detect_layout`), and stock Orbax reads
+    nothing missing (``_METADATA`` was written after the files it relies on).
     """
-    (tmp / "commit_success.txt").write_text(f"Checkpoint successfully committed at {time.time()}.")
     old_meta = read_step_metadata(step_dir)
+    if objstore.is_remote(step_dir):
+        _write_step_metadata(step_dir, old_meta, provenance)
+        try:
+            (tmp / objstore.COMMIT_MARKER).write_text(_marker_text())
+        except BaseException:
+            _restore_step_metadata(step_dir, old_meta)
+            raise
+        objstore.refresh(step_dir)
+        return
+    (tmp / objstore.COMMIT_MARKER).write_text(_marker_text())
     _write_step_metadata(step_dir, old_meta, provenance)
     try:
         tmp.rename(step_dir / MAXTEXT_ITEM)
@@ -86,17 +120,17 @@ def _restore_step_metadata(step_dir: epath.Path, old: dict) -> None:
 
 
 def _replace_json(path: epath.Path, data: dict) -> None:
+    if objstore.is_remote(path):  # one object write replaces it atomically
+        path.write_text(json.dumps(data))
+        objstore.refresh(path)
+        return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.write_text(json.dumps(data))
-        os.replace(tmp, path) if _is_local(path) else tmp.rename(path)
+        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing behind
         raise
-
-
-def _is_local(path: epath.Path) -> bool:
-    return "://" not in str(path)
 
 
 def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
@@ -122,7 +156,7 @@ def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
 
 def disk_usage(path: epath.Path, *, new_only: bool = False) -> int:
     """Bytes under ``path``; ``new_only`` skips files hard-linked from elsewhere."""
-    if not _is_local(path):  # walks with iterdir: epath forbids recursive globs on GCS
+    if objstore.is_remote(path):  # walks with iterdir: epath forbids recursive globs on GCS
         return sum(
             disk_usage(c) if c.is_dir() else c.stat().length for c in epath.Path(path).iterdir()
         )
@@ -134,17 +168,68 @@ def disk_usage(path: epath.Path, *, new_only: bool = False) -> int:
     return total
 
 
-def seed_destination(step_dir: epath.Path, dest: epath.Path) -> None:
-    """A separate destination step starts with the source's step metadata."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in (STEP_METADATA, "commit_success.txt"):
-        if (step_dir / name).exists() and not (dest / name).exists():
-            (step_dir / name).copy(dest / name)
+def new_step_dir(dest: epath.Path) -> epath.Path:
+    """Where a separate destination step is built before it appears at ``dest``.
+
+    On a disk: a temporary sibling (``<dest>.orbax-checkpoint-tmp-<hex>``, which Orbax
+    and `find_steps` ignore), renamed to ``dest`` by `publish_step`. On an object store:
+    ``dest`` itself; Orbax lists a step there only once its ``commit_success.txt``
+    exists, which `publish_step` writes last. Either way a failed conversion leaves no
+    step a stock manager would list.
+    """
+    if objstore.is_remote(dest):
+        clean_stale_tmp(dest)  # an uncommitted items/ of a dead run (call under the lock)
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = dest.parent / f"{dest.name}{TMP_SUFFIX}{uuid.uuid4().hex[:12]}"
+    work.mkdir()
+    return work
+
+
+def seed_destination(step_dir: epath.Path, dest: epath.Path, tunix_step: int | None) -> None:
+    """A separate destination step starts with the source's step metadata (recording
+    its Tunix step number when it is renumbered)."""
+    meta = read_step_metadata(step_dir)
+    if meta or tunix_step is not None:
+        if tunix_step is not None:
+            meta = with_tunix_step(meta, tunix_step)
+        _replace_json(dest / STEP_METADATA, meta)
+
+
+def publish_step(work: epath.Path, dest: epath.Path) -> bool:
+    """Makes a destination step built in ``work`` (`new_step_dir`) appear at ``dest``:
+    its ``commit_success.txt`` last, then (on a disk) one rename. False if ``dest``
+    appeared meanwhile (another converter): ``work`` is then discarded."""
+    (work / objstore.COMMIT_MARKER).write_text(_marker_text())
+    if objstore.is_remote(dest):
+        objstore.refresh(dest)
+        return True
+    try:
+        os.rename(str(work), str(dest))  # refuses a non-empty existing directory
+    except OSError:
+        if not dest.exists():
+            raise
+        work.rmtree(missing_ok=True)
+        return False
+    return True
+
+
+def discard_step_dir(work: epath.Path) -> None:
+    """Removes an unpublished destination step (after a failure)."""
+    if objstore.is_remote(work):
+        for child in work.iterdir():  # all but the lock, which its holder removes
+            if child.name != LOCK_NAME:
+                objstore.remove_tree(child) if child.is_dir() else child.unlink(missing_ok=True)
+    else:
+        work.rmtree(missing_ok=True)
 
 
 def clean_stale_tmp(step_dir: epath.Path) -> None:
     """Removes what a dead run left (call under the step lock): an items temporary
     directory, or the temporary file of a step-metadata replace."""
+    items = step_dir / MAXTEXT_ITEM
+    if objstore.is_remote(step_dir) and not (items / objstore.COMMIT_MARKER).exists():
+        objstore.remove_tree(items)  # written in place by a dead run, never committed
     for child in step_dir.iterdir():
         if child.name.startswith(MAXTEXT_ITEM + TMP_SUFFIX):
             child.rmtree()
@@ -172,7 +257,9 @@ def remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
         return [*notes, f"legacy items kept: verification failed: {result.problems[:3]}"]
     for name in present:
         item = step_dir / name
-        if os.path.islink(str(item)):
+        if objstore.is_remote(item):  # no rename: a marker says the deletion has begun
+            (step_dir / f"{name}{REMOVING}").write_text("")
+        elif os.path.islink(str(item)):
             os.unlink(str(item))  # the link only; its target is outside this step
         else:
             item.rename(step_dir / f"{name}{REMOVING}")
@@ -202,8 +289,14 @@ def _finish_removal(step_dir: epath.Path) -> list[str]:
     done = []
     for child in step_dir.iterdir():
         if child.name.endswith(REMOVING):
-            child.rmtree()
-            done.append(child.name.removesuffix(REMOVING))
+            name = child.name.removesuffix(REMOVING)
+            if objstore.is_remote(child):  # the marker of an item deleted in place
+                objstore.remove_tree(step_dir / name)
+                child.unlink()
+                objstore.refresh(step_dir)
+            else:
+                child.rmtree()
+            done.append(name)
     return [f"finished removing verified legacy {', '.join(done)}"] if done else []
 
 

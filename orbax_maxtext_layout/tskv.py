@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
+from . import objstore
 from .errors import CheckpointReadError
 from .moves import Move
 from .orbax_files import ItemFiles, param_name
@@ -130,6 +131,17 @@ def keys(kv: ts.KvStore, name: str) -> list[bytes]:
     return list(kv.list(rng).result())
 
 
+def keys_by_array(kv: ts.KvStore) -> dict[str, list[bytes]]:
+    """Every stored key of a database, grouped by array name (one listing: on an object
+    store each listing reads B-tree nodes through the client)."""
+    out: dict[str, list[bytes]] = {}
+    for key in kv.list().result():
+        name, sep, _ = key.partition(b"/")
+        if sep:
+            out.setdefault(name.decode(), []).append(key)
+    return out
+
+
 def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> None:
     """Every source array a move reads must have all its chunks stored; else nothing is written.
 
@@ -138,13 +150,14 @@ def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> 
     turn the missing values into the fill value (zeros) in the converted step.
     """
     problems = []
+    listed = {n: keys_by_array(sources[n].kv) for n in {m.item for m in moves if m.sources}}
     for m in moves:
         src = sources[m.item]
         for path in m.sources:
             name = param_name(path)
             chunk = (src.files.array_meta.get(name) or {}).get("chunk_shape") or list(m.spec.shape)
             want = math.prod(-(-d // max(c, 1)) for d, c in zip(m.spec.shape, chunk, strict=False))
-            stored = keys(src.kv, name)
+            stored = sorted(listed[m.item].get(name, []))
             meta_keys = [k for k in stored if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
             if not meta_keys or len(stored) - len(meta_keys) < want:
                 problems.append(f"{name}: {len(stored) - len(meta_keys)} of {want} chunks stored")
@@ -312,15 +325,10 @@ def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
 
     Hard links are safe because OCDBT never modifies a data file once written and
     the clone is only ever read; they fall back to copies across file systems.
-    Object stores (``gs://``) get an object-by-object copy through epath.
+    On an object store (``gs://``) every object is copied server-side.
     """
-    if "://" in str(src):
-        dst.mkdir(parents=True, exist_ok=True)
-        for child in src.iterdir():
-            if child.is_dir():
-                clone_tree(child, dst / child.name, link=False)
-            else:
-                child.copy(dst / child.name)
+    if objstore.is_remote(src):
+        objstore.copy_tree(src, dst)  # server-side copies: no data through the client
         return
     for root, _, files in os.walk(str(src)):
         rel = os.path.relpath(root, str(src))

@@ -89,9 +89,10 @@ def _compare(step_dir: epath.Path, plan: Plan, quick: bool) -> list[str]:
     srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in tunix_items(step_dir).items()}
     dst = tskv.SourceItem.open(step_dir / MAXTEXT_ITEM, ctx)
     problems = []
+    stored = tskv.keys_by_array(dst.kv) if quick else {}
     for m in plan.moves:
         if quick:
-            if not tskv.keys(dst.kv, param_name(m.dst)):
+            if not stored.get(param_name(m.dst)):
                 problems.append(f"{keystr(m.dst)}: no stored data in items")
             continue
         if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3:

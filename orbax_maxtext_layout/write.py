@@ -86,7 +86,7 @@ def write_items(
         written = stepdir.disk_usage(tmp, new_only=True)
         stepdir.commit(step_dir, tmp, provenance | {"bytes_written": written, "in_place": in_place})
     except BaseException:
-        tmp.rmtree(missing_ok=True)
+        stepdir.discard(tmp)
         raise
     return written
 
@@ -110,9 +110,10 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
         except CheckpointReadError as e:
             problems.append(str(e))
     if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointReadError(
-            "damaged source data (truncated, missing or unreadable files); nothing was "
-            "written:\n  - " + "\n  - ".join(problems)
+            f"damaged source data: {problems[0]}{more}; nothing was written. The legacy items "
+            "are untouched; restore the damaged files from a copy.\n  - " + "\n  - ".join(problems)
         )
 
 

@@ -149,19 +149,25 @@ def _synth_root(tmp_path: Path, n: int, size: int, **kw) -> Path:
     root = tmp_path / "run"
     for i in range(n):
         synth.make_step(root, 10 + i, size, seed=i, **kw)
+    # The target is built from a pristine copy: the converters renumber the run's steps.
+    shutil.copytree(root / "actor" / "10", tmp_path / "template" / "actor" / "10")
     return root
+
+
+def _template(root: Path) -> str:
+    return str(root.parent / "template" / "actor" / "10")
 
 
 def test_sigkill_mid_conversion_then_rerun_finishes(tmp_path):
     root = _synth_root(tmp_path, 6, 24 << 20)
-    env = {"OMTL_SYNTH_STEP": str(root / "actor" / "10"), "PYTHONPATH": str(ROOT / "bench")}
+    env = {"OMTL_SYNTH_STEP": _template(root), "PYTHONPATH": str(ROOT / "bench")}
     args = ["convert", str(root), "--target", "synth:target_from_env", "-q"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "orbax_maxtext_layout", *args], env={**os.environ, **env}, cwd=ROOT
     )
     deadline = time.time() + 120
     while time.time() < deadline:  # kill as soon as the first step has committed
-        if any((root / "actor" / str(s) / "items").exists() for s in range(10, 16)):
+        if any((root / "actor" / str(s) / "items").exists() for s in range(9, 16)):
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
@@ -182,7 +188,7 @@ def test_two_concurrent_converters_convert_each_step_once(tmp_path):
     root = _synth_root(tmp_path, 4, 8 << 20)
     env = {
         **os.environ,
-        "OMTL_SYNTH_STEP": str(root / "actor" / "10"),
+        "OMTL_SYNTH_STEP": _template(root),
         "PYTHONPATH": str(ROOT / "bench"),
     }
     args = [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(root)]
@@ -264,3 +270,23 @@ def test_out_writes_a_separate_destination_and_leaves_the_source_alone(tmp_path)
         "convert", str(root), "--target-from", "x", "--out", str(out), "--in-place", check_rc=2
     )
     assert "--in-place" in res.stderr
+
+
+def test_a_failed_out_leaves_no_step_a_stock_manager_lists(tmp_path):
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "run"
+    shutil.copytree(RL, root / "actor" / "2")
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    chunks = root / "actor" / "2" / "model_params" / "ocdbt.process_0" / "d"
+    biggest = max(chunks.iterdir(), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:10])  # damaged array data: refused (B3)
+    out = tmp_path / "out"
+    res = cli(
+        "convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), check_rc=1
+    )
+    assert "damaged source data" in res.stderr and str(biggest) in res.stderr
+    assert not (out / "actor").exists() or not list((out / "actor").iterdir())
+    with ocp.CheckpointManager(out / "actor", item_names=("items",)) as mngr:
+        assert mngr.all_steps() == []

@@ -93,3 +93,20 @@ def gs_prefix(gcs_emulator, request) -> GsPrefix:
     yield prefix
     invalidate_gcsfs_caches()
     gcs_emulator.delete_prefix(prefix.prefix)
+
+
+def restored_leaves(item_dir) -> dict:
+    """Stock Orbax restore of a whole item: ``{key path: (dtype, shape, stored bytes)}``
+    (a typed PRNG key as its key data)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    tree = ocp.PyTreeCheckpointHandler().restore(item_dir)
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "dtype"))[0]
+    out = {}
+    for p, x in leaves:
+        key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        data = np.asarray(jax.random.key_data(x) if key else x)
+        out[jax.tree_util.keystr(p)] = (str(x.dtype), data.shape, data.tobytes())
+    return out

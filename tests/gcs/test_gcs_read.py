@@ -7,7 +7,6 @@ fresh prefix of the emulator's bucket for each test. Writes on gs:// do not work
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -313,8 +312,6 @@ def test_cli_inspect(gcs_emulator, gs_example):
 
 # ---- writes on gs:// (issue 12) --------------------------------------------------------------
 
-WRITE_FAILURE = "_CHECKPOINT_METADATA already exists. Cannot rename"
-
 
 def _convert_kwargs(mode: str, gs_prefix) -> dict:
     return {"default": {}, "in_place": {"in_place": True}, "out": {"out": gs_prefix.path("out/2")}}[
@@ -322,41 +319,14 @@ def _convert_kwargs(mode: str, gs_prefix) -> dict:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=FileExistsError,
-    reason=(
-        "issue 12: every write on gs:// fails replacing the step's _CHECKPOINT_METADATA: "
-        "FileExistsError: gs://.../_CHECKPOINT_METADATA already exists. Cannot rename "
-        "gs://.../._CHECKPOINT_METADATA.<hex>.tmp (fsspec refuses to rename onto an "
-        "existing object)"
-    ),
-)
-@pytest.mark.parametrize("mode", ["default", "in_place", "out"])
-def test_convert_on_gs_fails_today(gs_example, gs_prefix, mode):
-    run, maxtext = gs_example
-    try:
-        report = oml.convert_step(
-            run / TUNIX_STEP,
-            oml.Target.from_checkpoint(maxtext),
-            **_convert_kwargs(mode, gs_prefix),
-        )
-    except FileExistsError as e:
-        assert WRITE_FAILURE in str(e), e  # any other FileExistsError fails the test
-        raise
-    assert report.status == "converted"
-
-
 @pytest.mark.parametrize("mode", ["default", "out"])
 def test_convert_on_gs_never_modifies_legacy_items(gs_example, gs_prefix, tmp_path, mode):
-    """Whether the write works (issue 12) or not, the source's legacy items stay bit-equal."""
+    """A conversion (without --in-place) leaves the source's legacy items bit-equal."""
     run, maxtext = gs_example
-    with contextlib.suppress(FileExistsError):  # today's failure, see the xfail above
-        oml.convert_step(
-            run / TUNIX_STEP,
-            oml.Target.from_checkpoint(maxtext),
-            **_convert_kwargs(mode, gs_prefix),
-        )
+    report = oml.convert_step(
+        run / TUNIX_STEP, oml.Target.from_checkpoint(maxtext), **_convert_kwargs(mode, gs_prefix)
+    )
+    assert report.status == "converted"
     step_rel = f"tunix_rl_run/{TUNIX_STEP}"
     names = {"model_params", "optimizer_state"}
     if mode == "out":
