@@ -68,6 +68,9 @@ STATE_CHECKPOINTABLE_KEY = (
 )
 
 
+_TAKES_LOGGER = "logger" in inspect.signature(ocp1.training.Checkpointer.__init__).parameters
+
+
 class Checkpointer(ocp1.training.Checkpointer):
     """``ocp.training.Checkpointer`` that also reads Tunix-layout steps (see the module
     docstring).
@@ -101,6 +104,8 @@ class Checkpointer(ocp1.training.Checkpointer):
         if migrate not in ("on_save", "off"):
             raise UsageError(f"migrate must be 'on_save' or 'off', not {migrate!r}")
         logger = logger or ocp.logging.StandardLogger()  # one logger for v1 and v0, as stock
+        if _TAKES_LOGGER:  # orbax-checkpoint >= 0.12.8; older v1 Checkpointers build their own
+            kwargs["logger"] = logger
         # The stock constructor derives the v0 manager's options from its arguments and
         # context; let it, with everything that touches the directory beyond creating it
         # (tmp cleanup, step metadata reads, root metadata) left to our manager below.
@@ -113,7 +118,6 @@ class Checkpointer(ocp1.training.Checkpointer):
             custom_metadata=None,
             cleanup_tmp_directories=False,
             lightweight_initialize=True,
-            logger=logger,
             **kwargs,
         )
         stock = self._manager
