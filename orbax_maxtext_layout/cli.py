@@ -121,6 +121,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     bar = _progress(sum(p.source_bytes() for p in plans.values() if p is not None), show)
     reports, failures = [], []
     for info in steps:
+        if not args.follow_symlinks and _outside(root, info.path):
+            note = (
+                f"a link to {os.path.realpath(str(info.path))}, outside {root}: converted only "
+                "with --follow-symlinks (then where it lives)"
+            )
+            reports.append(StepReport(str(info.path), "skipped", info.layout.value, notes=[note]))
+            if not args.json and not args.quiet:
+                print(f"{info.path}: skipped ({note})", flush=True)
+            continue
         try:
             report = convert_step(
                 info.path,
@@ -183,6 +192,15 @@ def _dest(
     if renumber and rel != "." and tunix_step is not None and tunix_step >= 1:
         dest = dest.parent / str(maxtext_number(tunix_step))
     return dest
+
+
+def _outside(root: epath.Path, step: epath.Path) -> bool:
+    """A step reached through a symbolic link that leads outside ROOT (local paths only)."""
+    if "://" in str(root):
+        return False
+    real_root = os.path.realpath(str(root))
+    real = os.path.realpath(str(step))
+    return real != real_root and not real.startswith(real_root + os.sep)
 
 
 def _no_steps_hint(root: epath.Path) -> int | None:
@@ -348,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write converted steps under DIR (same relative paths); the source is only "
         "read, so it may be read-only",
+    )
+    c.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="convert steps that are links leading outside ROOT, where they live "
+        "(default: report and skip them)",
     )
     c.add_argument(
         "--keep-step-numbers",

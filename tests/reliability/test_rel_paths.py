@@ -107,8 +107,8 @@ def test_symlink_loops_and_dangling_links_are_ignored(target, tmp_path):
 
 
 def test_step_symlinked_from_outside_the_root(target, tmp_path):
-    """``<root>/actor/5 -> <elsewhere>/5``: converted where it lives, or refused naming the
-    link; either way nothing else outside the root is touched."""
+    """``<root>/actor/5 -> <elsewhere>/5``: reported and skipped by default; converted where it
+    lives with --follow-symlinks. Either way nothing else outside the root is touched."""
     root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     put_step(root, "actor/2")
     outside = put_step(elsewhere, "5")
@@ -116,16 +116,19 @@ def test_step_symlinked_from_outside_the_root(target, tmp_path):
     (elsewhere / "notes.txt").write_text("keep me")
     os.symlink(outside, root / "actor" / "5")
     neighbours = S.digest(elsewhere, exclude=("5",))
+    before = S.digest(elsewhere)
     want = S.oracle(outside, target)
     res = convert(root, "--remove-legacy", "--json")
-    assert not res.traceback, res.stderr
+    assert res.rc == 0 and not res.traceback, res.stderr
+    assert reports(res)[str(root / "actor" / "5")] == "skipped"
+    assert "--follow-symlinks" in res.stdout
+    assert S.digest(elsewhere) == before  # nothing outside the root touched
+    res = convert(root, "--remove-legacy", "--follow-symlinks", "--json")
+    assert res.rc == 0 and not res.traceback, res.stderr
     assert S.digest(elsewhere, exclude=("5",)) == neighbours
     assert (root / "actor" / "5").is_symlink()
-    if res.rc == 0:
-        assert S.stock_restore(outside / "items") == want
-        assert not S.legacy_digest(outside)
-    else:
-        assert str(root / "actor" / "5") in res.stderr and not (outside / "items").exists()
+    assert S.stock_restore(outside / "items") == want
+    assert not S.legacy_digest(outside)
     S.count("bad_inputs")
 
 
