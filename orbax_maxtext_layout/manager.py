@@ -359,6 +359,7 @@ class CheckpointManager(ocp.CheckpointManager):
         with `restore_request` and, when the request describes the whole model,
         queues the step for migration after the next committed save.
         """
+        request = request_target(item, restore_args)
         # A model-only step has no optimizer state: the caller's (fresh) one is kept.
         out = restore_request(
             held,
@@ -367,8 +368,9 @@ class CheckpointManager(ocp.CheckpointManager):
             partial_restore=partial,
             transforms=transforms,
             keep_missing=True,
+            request=request,
         )
-        target, skipped = request_target(item, restore_args)
+        target, skipped = request
         if self._migrate == "on_save" and _covers_step(held, target, skipped, partial, transforms):
             with self._lock:
                 self._pending[step] = target

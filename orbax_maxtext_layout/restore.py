@@ -211,6 +211,7 @@ def restore_request(
     ignore: Iterable[str] = (),
     keep_missing: bool = False,
     restore: RestoreFn | None = None,
+    request: tuple[Target, set[Path]] | None = None,
 ) -> Any:
     """Restores a Tunix-layout step as the MaxText items ``item`` asks for.
 
@@ -223,8 +224,9 @@ def restore_request(
     never reads it and leaves ``opt_state`` out of the result. A requested leaf the
     step does not hold raises `LayoutMismatchError`, unless ``keep_missing`` (a
     manager resuming from a model-only step): it is then left as given in ``item``.
+    ``request`` is `request_target` of ``item`` if the caller already made it.
     """
-    target, skipped = request_target(item, restore_args)
+    target, skipped = request or request_target(item, restore_args)
     if optimizer == "drop":
         target = target.without_optimizer()
         target = Target(
