@@ -15,9 +15,17 @@ from orbax_maxtext_layout.maxtext import install
 from orbax_maxtext_layout.training import Checkpointer
 
 
-def test_install_patches_two_functions_once_and_logs_it(tmp_path, caplog):
-    original_create = mcp.create_orbax_checkpoint_manager
-    original_load = mcp.load_params_from_path
+@pytest.fixture
+def pristine_maxtext():
+    """install() patches MaxText for the whole process: undo it, so that the other interop
+    tests (which pin stock MaxText's own behaviour) see stock MaxText."""
+    create, load = mcp.create_orbax_checkpoint_manager, mcp.load_params_from_path
+    yield create, load
+    mcp.create_orbax_checkpoint_manager, mcp.load_params_from_path = create, load
+
+
+def test_install_patches_two_functions_once_and_logs_it(tmp_path, caplog, pristine_maxtext):
+    original_create, original_load = pristine_maxtext
     caplog.set_level(logging.INFO, "orbax_maxtext_layout.maxtext")
     install()
     create, load = mcp.create_orbax_checkpoint_manager, mcp.load_params_from_path
