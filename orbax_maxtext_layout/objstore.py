@@ -89,8 +89,3 @@ def write_exclusive(path: epath.Path, data: bytes) -> bool:
     finally:
         refresh(path)
     return True
-
-
-def exists(path: epath.Path) -> bool:
-    refresh(path)
-    return epath.Path(path).exists()

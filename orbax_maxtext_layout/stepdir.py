@@ -13,7 +13,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -298,7 +297,3 @@ def _finish_removal(step_dir: epath.Path) -> list[str]:
                 child.rmtree()
             done.append(name)
     return [f"finished removing verified legacy {', '.join(done)}"] if done else []
-
-
-def provenance_of(meta: dict[str, Any]) -> dict[str, Any] | None:
-    return (meta.get("custom_metadata") or {}).get(PROVENANCE_KEY)
