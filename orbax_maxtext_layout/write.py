@@ -78,7 +78,7 @@ def write_items(
             del data
         orbax_files.write_metadata(
             tmp,
-            {m.dst: _leaf_files(m, sources) for m in plan.moves},
+            {m.dst: _leaf_files(m, sources, id(m) not in copied) for m in plan.moves},
             use_zarr3=zarr3,
             gaps=orbax_files.list_gaps(m.dst for m in plan.moves),
         )
@@ -117,13 +117,16 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
         )
 
 
-def _leaf_files(m: Move, sources: Mapping[str, tskv.SourceItem]) -> orbax_files.LeafFiles:
+def _leaf_files(
+    m: Move, sources: Mapping[str, tskv.SourceItem], decoded: bool
+) -> orbax_files.LeafFiles:
     out = m.out_spec
     src = sources[m.item].files if m.sources else None
     name = orbax_files.param_name(m.sources[0]) if m.sources else None
     leaf = orbax_files.leaf_files(src, name, list(out.shape), out.key_impl)
-    if m.op is Op.CAST or (src is not None and m.op is not Op.COPY):
-        # Re-encoded: one chunk of the written dtype/shape.
+    if decoded and src is not None:
+        # Re-encoded by `tskv.write_array` (a cast, a scan change, a zarr format change):
+        # one chunk of the written shape, whatever the source's chunking was.
         am = {**leaf.array_meta, "write_shape": list(out.shape), "chunk_shape": list(out.shape)}
         leaf = orbax_files.LeafFiles(leaf.value_meta, leaf.sharding, am)
     return leaf
