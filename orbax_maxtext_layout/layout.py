@@ -48,19 +48,35 @@ class StepInfo:
 def detect_layout(step_dir: epath.PathLike) -> Layout:
     """MAXTEXT if ``items/`` exists, TUNIX if ``model_params/`` exists without it, else UNKNOWN.
 
-    Reads directory names only (and, on an object store, whether ``items/`` has its
-    commit marker). A step holding both (converted beside its legacy items) is MAXTEXT:
+    Reads directory names only (and, on an object store, whether the step and its
+    ``items/`` have their commit markers: see `is_committed`). A step holding both (converted beside its legacy items) is MAXTEXT:
     ``items/`` is what MaxText reads.
     """
     step_dir = epath.Path(step_dir)
     items = step_dir / MAXTEXT_ITEM
+    remote = objstore.is_remote(step_dir)
     # On an object store items/ is written in place: it exists, incomplete, until its
     # commit marker (its last object) does. On a disk it appears whole, by a rename.
-    if (items / objstore.COMMIT_MARKER).exists() if objstore.is_remote(items) else items.is_dir():
-        return Layout.MAXTEXT
-    if (step_dir / TUNIX_PARAMS_ITEM).is_dir():
-        return Layout.TUNIX
-    return Layout.UNKNOWN
+    if (items / objstore.COMMIT_MARKER).exists() if remote else items.is_dir():
+        layout = Layout.MAXTEXT
+    elif (step_dir / TUNIX_PARAMS_ITEM).is_dir():
+        layout = Layout.TUNIX
+    else:
+        return Layout.UNKNOWN
+    if remote and not is_committed(step_dir):
+        return Layout.UNKNOWN
+    return layout
+
+
+def is_committed(step_dir: epath.PathLike) -> bool:
+    """Whether a step directory is a finished step.
+
+    On an object store, as for Orbax, only once its ``commit_success.txt`` exists:
+    without it, it is a save, a move or an ``--out`` in progress (or a dead one). On a
+    disk a step directory appears whole (Orbax renames it into place).
+    """
+    step_dir = epath.Path(step_dir)
+    return not objstore.is_remote(step_dir) or (step_dir / objstore.COMMIT_MARKER).exists()
 
 
 def _steps_in(folder: epath.Path, role: str | None) -> list[StepInfo]:

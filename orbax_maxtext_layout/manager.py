@@ -49,8 +49,11 @@ naming what was not restored, and does not migrate. Another requested item (e.g.
 ``iter``) restores the stock way if the step has it; if not, it comes back as ``None``
 with a warning (the stock manager raises ``KeyError``). Note that MaxText asks for
 ``iter`` only if ``<dir>/<step>/iter`` exists, which for a Tunix step not moved yet is
-not where it lives. Moves are directory renames: atomic and cheap on local and POSIX
-file systems; object stores have no directory rename, and are untested here.
+not where it lives. Moves are directory renames, atomic and cheap on local and POSIX
+file systems. Object stores have no rename: there a move is `objstore.move_dir` (server-side
+copies; the destination's ``commit_success.txt`` makes it a step, then the source's is
+deleted first), a step directory counts only with its ``commit_success.txt`` (as for
+Orbax), and the primary process finishes or rolls back a killed move when it lists.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo, StepAlreadyExistsError
 
-from . import stepdir
+from . import objstore, stepdir
 from .convert import convert_step
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
@@ -75,12 +78,13 @@ from .layout import (
     Layout,
     detect_layout,
     find_steps,
+    is_committed,
     read_provenance,
     read_step_metadata,
     tunix_step_number,
     with_tunix_step,
 )
-from .lock import step_lock
+from .lock import LOCK_NAME, step_lock
 from .orbax_files import absolute
 from .plan import plan_step
 from .restore import request_target, restore_request
@@ -144,6 +148,9 @@ class CheckpointManager(ocp.CheckpointManager):
 
     # -- listing -----------------------------------------------------------------------
     def _load_checkpoint_infos(self, skip_metadata_read: bool = False) -> list[CheckpointInfo]:
+        if objstore.is_remote(self.directory) and self._is_primary():
+            for note in objstore.finish_moves(self.directory):  # of a killed manager
+                logger.info("%s: %s.", self.directory, note)
         with self._lock:
             self._legacy = {}  # the stock scan must read directories under their own names
         infos = super()._load_checkpoint_infos(skip_metadata_read)  # reads from worker threads
@@ -164,6 +171,11 @@ class CheckpointManager(ocp.CheckpointManager):
                     meta, p, why = {}, -1, str(e)
                 else:
                     why = "it would be step -1" if p < 0 else f"step {p} is a MaxText step"
+                if p >= 0 and self._legacy.get(p) == self._home(p) != d:
+                    # The source of a move into p's own directory, killed before its
+                    # deletion (object stores): the moved copy is the step.
+                    logger.info("%s: left by an unfinished move to %s.", d, self._home(p))
+                    continue
                 if p < 0 or p in taken:
                     logger.warning("Tunix-layout step %s is not listed: %s.", d, why)
                     self._hidden.add(n)
@@ -220,13 +232,21 @@ class CheckpointManager(ocp.CheckpointManager):
             occupant = next((q for q, d in self._legacy.items() if d == home and q != p), None)
             if occupant is not None:
                 self._place(occupant)
-            elif p in self._hidden or (home.exists() and _tunix_step_of(home) != p + 1):
+            elif p in self._hidden or (
+                home.exists() and _tunix_step_of(home) != p + 1 and is_committed(home)
+            ):  # (an uncommitted one is debris, replaced as Orbax replaces it when saving)
                 raise StepAlreadyExistsError(
                     f"Cannot move Tunix step {held} to {home}: that directory is taken."
                 )
             if self._is_primary() and held.exists():
                 update_step_metadata(held, lambda meta: with_tunix_step(meta, p + 1))
-                held.rename(home)
+                if objstore.is_remote(held):  # no rename there: ordered copies and markers
+                    objstore.finish_move(home)  # a killed move into it (after the listing)
+                    if not is_committed(home):
+                        objstore.remove_tree(home)  # what a dead client's requests left
+                    objstore.move_dir(held, home, skip=(LOCK_NAME,))
+                else:
+                    held.rename(home)
                 logger.info("Moved Tunix step %s to %s (MaxText step %d).", held, home, p)
         self._legacy[p] = home
 

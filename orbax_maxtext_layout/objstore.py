@@ -12,7 +12,12 @@ existing object. So on an object store this package:
 * copies object data with the store's server-side copy (GCS rewrite), so no array
   byte travels through the client;
 * creates a lock with a conditional write (create only if absent: GCS
-  ``ifGenerationMatch=0``).
+  ``ifGenerationMatch=0``);
+* moves a step directory (renumbering) with `move_dir`: a marker object in the
+  destination first, server-side copies, the destination's ``commit_success.txt``, then
+  the source's marker before the rest of it. A step directory is a step only with its
+  ``commit_success.txt`` (as for Orbax), so at every moment exactly one of the two
+  directories is listed, and `finish_move` completes or rolls back a killed move.
 
 gcsfs (the ``gcs`` extra) provides the client; it is imported only for ``gs://`` paths.
 """
@@ -20,11 +25,13 @@ gcsfs (the ``gcs`` extra) provides the client; it is imported only for ``gs://``
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 from etils import epath
 
 COMMIT_MARKER = "commit_success.txt"
+MOVING = ".orbax-maxtext-layout.moving"  # in a step directory being moved into (`move_dir`)
 
 
 def is_remote(path: epath.PathLike) -> bool:
@@ -89,3 +96,76 @@ def write_exclusive(path: epath.Path, data: bytes) -> bool:
     finally:
         refresh(path)
     return True
+
+
+def _key(fs: Any, path: epath.PathLike) -> str:
+    return fs._strip_protocol(str(path)).rstrip("/")
+
+
+def move_dir(src: epath.Path, dst: epath.Path, *, skip: tuple[str, ...] = ()) -> None:
+    """Moves the committed step directory ``src`` to its sibling ``dst`` (no rename here).
+
+    Order: ``dst/.orbax-maxtext-layout.moving`` (naming ``src``), server-side copies of
+    every object but ``commit_success.txt`` and ``skip`` (relative names), then
+    ``dst/commit_success.txt``: the moment ``dst`` becomes a step. Then `finish_move`
+    deletes ``src``, its ``commit_success.txt`` first, and the marker last. A kill leaves
+    either ``src`` listed and ``dst`` uncommitted, or ``dst`` listed (and ``src`` too
+    until its marker is deleted: `finish_move` resolves that twin).
+    """
+    fs = _fs(src)
+    fs.invalidate_cache()
+    s, d = _key(fs, src), _key(fs, dst)
+    files = [f for f in fs.find(s + "/") if not f.endswith("/")]
+    fs.pipe_file(f"{d}/{MOVING}", json.dumps({"from": src.name}).encode())
+    body = [f for f in files if f[len(s) + 1 :] not in (*skip, COMMIT_MARKER)]
+    fs.copy(body, [f"{d}/{f[len(s) + 1 :]}" for f in body])
+    if f"{s}/{COMMIT_MARKER}" in files:
+        fs.copy(f"{s}/{COMMIT_MARKER}", f"{d}/{COMMIT_MARKER}")
+    else:  # pragma: no cover - only committed steps are listed, hence moved
+        fs.pipe_file(f"{d}/{COMMIT_MARKER}", b"moved")
+    finish_move(dst)
+
+
+def finish_move(dst: epath.Path) -> str | None:
+    """Completes or rolls back a `move_dir` into ``dst`` that was killed; None if none was.
+
+    ``dst`` committed: the source is deleted (its ``commit_success.txt`` first). Not
+    committed: ``dst``'s partial copy is deleted and the source, still committed, stays.
+    The marker goes last, so a kill here is finished by the next call. Call it under the
+    lock that serialises moves in the directory (or on the one process that moves).
+    """
+    marker = dst / MOVING
+    if not marker.exists():
+        return None
+    src = dst.parent / json.loads(marker.read_text())["from"]
+    fs = _fs(dst)
+    if (dst / COMMIT_MARKER).exists():
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(f"{_key(fs, src)}/{COMMIT_MARKER}")
+        remove_tree(src)
+        done = f"finished moving {src.name} to {dst.name}"
+    else:
+        d = _key(fs, dst)
+        rest = [f for f in fs.find(d + "/") if not f.endswith("/") and f != f"{d}/{MOVING}"]
+        if rest:
+            fs.rm(rest)
+        done = f"rolled back an unfinished move of {src.name} to {dst.name}"
+    fs.rm_file(f"{_key(fs, dst)}/{MOVING}")
+    refresh(dst)
+    return done
+
+
+def finish_moves(folder: epath.Path) -> list[str]:
+    """`finish_move` for every step directory directly in ``folder`` (one listing)."""
+    fs = _fs(folder)
+    fs.invalidate_cache()
+    base = _key(fs, folder)
+    try:
+        found = fs.glob(f"{base}/*/{MOVING}")
+    except FileNotFoundError:
+        return []
+    return [
+        n
+        for f in found
+        if (n := finish_move(epath.Path(folder) / f[len(base) + 1 :].split("/")[0]))
+    ]

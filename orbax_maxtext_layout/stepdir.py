@@ -133,7 +133,8 @@ def _replace_json(path: epath.Path, data: dict) -> None:
 
 
 def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
-    """Renumbers a legacy Tunix step: records its update count, then renames it (atomic).
+    """Renumbers a legacy Tunix step: records its update count, then renames it (atomic;
+    on an object store, `objstore.move_dir`).
 
     The recorded count keeps the step's meaning wherever it lives (`tunix_step_number`).
     Refused if ``dst`` exists: nothing is moved or overwritten.
@@ -149,6 +150,9 @@ def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
         )
     with step_lock(src):
         update_step_metadata(src, lambda meta: with_tunix_step(meta, tunix_step))
+        if objstore.is_remote(src):  # no rename: copies, markers ordered (`objstore.move_dir`)
+            objstore.move_dir(src, dst, skip=(LOCK_NAME,))
+            return
         src.rename(dst)
         release_moved_lock(dst)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,21 @@ def gs_prefix(gcs_emulator, request) -> GsPrefix:
     yield prefix
     invalidate_gcsfs_caches()
     gcs_emulator.delete_prefix(prefix.prefix)
+
+
+@pytest.fixture
+def gs_synth(gs_prefix, tmp_path):
+    """A synthetic RL step of 48 MiB (bench/synth.py), on disk and uploaded: ``(local step,
+    gs:// step, its Target)``."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import synth
+    finally:
+        sys.path.remove(str(bench))
+    local = synth.make_step(tmp_path / "synth", 3, 48 << 20)
+    root = gs_prefix.upload(local.parent.parent, "synth")
+    return local, root / "actor" / "3", synth.target_for(local)
 
 
 def restored_leaves(item_dir) -> dict:

@@ -349,7 +349,17 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             conn.close()
             self._conn = None
 
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
+    def _counted(self):
+        with self.server.busy:
+            self.server.in_flight += 1
+        try:
+            self._forward()
+        finally:
+            with self.server.busy:
+                self.server.in_flight -= 1
+                self.server.busy.notify_all()
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _counted
 
     def finish(self):
         conn = getattr(self, "_conn", None)
@@ -382,6 +392,8 @@ class _ProxyServer(http.server.ThreadingHTTPServer):
         super().__init__((LOOPBACK, 0), _ProxyHandler)
         self._lock = threading.Lock()
         self.counts = Counts()
+        self.busy = threading.Condition()  # guards in_flight: requests being forwarded
+        self.in_flight = 0
 
     def record(self, kind: str, status: int, n_up: int) -> None:
         with self._lock:
@@ -455,6 +467,14 @@ class CountingProxy:
     def reset(self) -> Counts:
         """Zeroes the counters and returns what they held."""
         return self._server.reset()
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Waits until no request is being forwarded: what a killed client had already sent
+        reaches the store before the test looks (as it would before a much later rerun)."""
+        srv = self._server
+        with srv.busy:
+            if not srv.busy.wait_for(lambda: srv.in_flight == 0, timeout):
+                raise TimeoutError(f"{srv.in_flight} requests still in flight after {timeout} s")
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Counts]:
@@ -702,6 +722,10 @@ class GcsEmulator:
 
     def measure(self):
         return self._need_proxy().measure()
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """See `CountingProxy.wait_idle`."""
+        self._need_proxy().wait_idle(timeout)
 
     def _need_proxy(self) -> CountingProxy:
         if self.proxy is None:

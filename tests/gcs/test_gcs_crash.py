@@ -65,6 +65,7 @@ def test_sigkill_during_a_gs_conversion(gcs_emulator, gs_prefix, tmp_path, mode)
         time.sleep(rng.uniform(0.3, 1.0) * total)
         proc.kill()
         proc.wait()
+        gcs_emulator.wait_idle()  # requests the dead client had sent still land
         invalidate_gcsfs_caches()
         objstore.refresh(run)
         step = run / STEP

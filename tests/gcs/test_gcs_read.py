@@ -1,8 +1,8 @@
 """Read-only operations on gs:// (local GCS emulator), compared bit for bit with local disk.
 
 The shipped example (a Tunix RL step and MaxText's step of the same model) is uploaded to a
-fresh prefix of the emulator's bucket for each test. Writes on gs:// do not work yet (issue
-12); `test_convert_on_gs_fails_today` records the exact failure as a strict xfail.
+fresh prefix of the emulator's bucket for each test. Writes are tested in test_gcs_write.py,
+test_gcs_crash.py and test_gcs_manager.py.
 """
 
 from __future__ import annotations

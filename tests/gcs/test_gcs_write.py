@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -21,7 +20,6 @@ TUNIX_RUN = EXAMPLES / "tunix_rl_run"
 STEP = "checkpoints/actor/2"
 MAXTEXT_STEP = EXAMPLES / "maxtext_run" / "checkpoints" / "2"
 JSON_FILES = ("_METADATA", "_sharding", "array_metadatas/process_0")
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _local_copy(tmp_path) -> Path:
@@ -116,20 +114,14 @@ def test_the_lock_is_a_conditional_create(gs_prefix):
     assert lock.read_bytes() == b"a"
 
 
-@pytest.fixture
-def gs_synth(gs_prefix, tmp_path):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import synth
-    finally:
-        sys.path.remove(str(BENCH))
-    local = synth.make_step(tmp_path / "synth", 3, 48 << 20)
-    root = gs_prefix.upload(local.parent.parent, "synth")
-    return local, root / "actor" / "3", synth.target_for(local)
-
-
-@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in_place"])
-def test_no_array_bytes_through_the_client(gcs_emulator, gs_synth, in_place):
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"in_place": True}, {"renumber": True}],
+    ids=["copy", "in_place", "renumber"],
+)
+def test_no_array_bytes_through_the_client(gcs_emulator, gs_synth, mode):
+    """Also when renumbering moves the step directory (Tunix 3 -> MaxText 2): the move is
+    server-side copies too."""
     local, step, target = gs_synth
     arrays = sum(
         s.nbytes
@@ -137,8 +129,12 @@ def test_no_array_bytes_through_the_client(gcs_emulator, gs_synth, in_place):
         for s in oml.read_specs(local / item).values()
     )
     with gcs_emulator.measure() as c:
-        report = oml.convert_step(step, target, in_place=in_place)
+        report = oml.convert_step(step, target, **mode)
     assert report.status == "converted"
     assert c.by_kind.get("copy", 0) > 0  # data files copied server-side
     assert c.media_bytes <= arrays // 100, (c.media_bytes, arrays, c.by_kind)
-    assert oml.verify_step(step, quick=True).ok or in_place  # in place: legacy removed
+    if mode.get("renumber"):
+        assert report.step_dir == str(step.parent / "2") and not step.exists()
+        step = step.parent / "2"
+        assert oml.detect_layout(step) is oml.Layout.MAXTEXT
+    assert oml.verify_step(step, quick=True).ok or "in_place" in mode  # legacy removed
