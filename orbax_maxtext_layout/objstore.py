@@ -57,15 +57,24 @@ def refresh(path: epath.PathLike) -> None:
         _fs(path).invalidate_cache()
 
 
-def copy_tree(src: epath.Path, dst: epath.Path) -> None:
-    """Copies every object under ``src`` to ``dst`` with server-side copies (no data
-    through the client)."""
-    fs = _fs(src)
-    root = fs._strip_protocol(str(src)).rstrip("/") + "/"
+def _key(fs: Any, path: epath.PathLike) -> str:
+    return fs._strip_protocol(str(path)).rstrip("/")
+
+
+def _objects(fs: Any, path: epath.PathLike) -> list[str]:
+    """The names of the objects under ``path``, relative to it (a fresh listing)."""
+    root = _key(fs, path) + "/"
     fs.invalidate_cache()
-    files = [f for f in fs.find(root) if not f.endswith("/")]
-    base = str(dst).rstrip("/") + "/"
-    fs.copy(files, [base + f[len(root) :] for f in files])
+    return [f[len(root) :] for f in fs.find(root) if not f.endswith("/")]
+
+
+def copy_tree(src: epath.Path, dst: epath.Path, *, skip: tuple[str, ...] = ()) -> None:
+    """Copies every object under ``src`` (but the relative names in ``skip``) to ``dst``
+    with server-side copies (no data through the client)."""
+    fs = _fs(src)
+    s, d = _key(fs, src), _key(fs, dst)
+    names = [n for n in _objects(fs, src) if n not in skip]
+    fs.copy([f"{s}/{n}" for n in names], [f"{d}/{n}" for n in names])
     refresh(dst)
 
 
@@ -98,10 +107,6 @@ def write_exclusive(path: epath.Path, data: bytes) -> bool:
     return True
 
 
-def _key(fs: Any, path: epath.PathLike) -> str:
-    return fs._strip_protocol(str(path)).rstrip("/")
-
-
 def move_dir(src: epath.Path, dst: epath.Path, *, skip: tuple[str, ...] = ()) -> None:
     """Moves the committed step directory ``src`` to its sibling ``dst`` (no rename here).
 
@@ -113,16 +118,13 @@ def move_dir(src: epath.Path, dst: epath.Path, *, skip: tuple[str, ...] = ()) ->
     until its marker is deleted: `finish_move` resolves that twin).
     """
     fs = _fs(src)
-    fs.invalidate_cache()
     s, d = _key(fs, src), _key(fs, dst)
-    files = [f for f in fs.find(s + "/") if not f.endswith("/")]
+    fs.invalidate_cache()
+    if not fs.exists(f"{s}/{COMMIT_MARKER}"):  # a partial step must never become one
+        raise FileNotFoundError(f"{src}: no {COMMIT_MARKER}, not a committed step; not moved.")
     fs.pipe_file(f"{d}/{MOVING}", json.dumps({"from": src.name}).encode())
-    body = [f for f in files if f[len(s) + 1 :] not in (*skip, COMMIT_MARKER)]
-    fs.copy(body, [f"{d}/{f[len(s) + 1 :]}" for f in body])
-    if f"{s}/{COMMIT_MARKER}" in files:
-        fs.copy(f"{s}/{COMMIT_MARKER}", f"{d}/{COMMIT_MARKER}")
-    else:  # pragma: no cover - only committed steps are listed, hence moved
-        fs.pipe_file(f"{d}/{COMMIT_MARKER}", b"moved")
+    copy_tree(src, dst, skip=(*skip, COMMIT_MARKER, MOVING))
+    fs.copy(f"{s}/{COMMIT_MARKER}", f"{d}/{COMMIT_MARKER}")
     finish_move(dst)
 
 
@@ -145,8 +147,7 @@ def finish_move(dst: epath.Path) -> str | None:
         remove_tree(src)
         done = f"finished moving {src.name} to {dst.name}"
     else:
-        d = _key(fs, dst)
-        rest = [f for f in fs.find(d + "/") if not f.endswith("/") and f != f"{d}/{MOVING}"]
+        rest = [f"{_key(fs, dst)}/{n}" for n in _objects(fs, dst) if n != MOVING]
         if rest:
             fs.rm(rest)
         done = f"rolled back an unfinished move of {src.name} to {dst.name}"

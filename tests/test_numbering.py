@@ -73,6 +73,11 @@ def test_tunix_directory_zero_is_skipped_with_a_reason(tmp_path):
     assert "--keep-step-numbers" in reports[0]["notes"][0]
     assert tree_digest(root / "0") == before  # untouched
     assert oml.detect_layout(root / "1") is oml.Layout.MAXTEXT
+    # The plain output gives the reason too (not "already has items/").
+    args = ["convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--optimizer", "drop"]
+    out = cli(*args).stdout
+    assert f"{root / '0'}: skipped (Tunix directory 0 holds the state before any update" in out
+    assert f"{root / '1'}: skipped (already has items/)" in out
     # Tunix 1 would become 0, where Tunix 0 still is: refused, naming why; nothing lost.
     root = _run(tmp_path / "b", [0, 1])
     before = tree_digest(root)

@@ -33,12 +33,15 @@ def _missing() -> list[str]:
 
 @pytest.fixture(scope="session")
 def gcs_emulator():
-    """The running `GcsEmulator`, its environment set in ``os.environ`` for the session."""
+    """The running `GcsEmulator`, its environment set in ``os.environ`` for the session: the
+    one ``.ci/run`` started if its variables are set, else one started here."""
     missing = _missing()
     if missing:
         pytest.skip(f"gs:// tests need {' and '.join(missing)} (pip install -e '.[test,gcs]')")
-    log_level = os.environ.get("OMTL_GCS_LOG_LEVEL", "warn")
-    emu = GcsEmulator(log_level=log_level).start()
+    # .ci/run starts one (``emulator.py serve``) and exports its variables; else start one.
+    emu = GcsEmulator.attach()
+    if emu is None:
+        emu = GcsEmulator(log_level=os.environ.get("OMTL_GCS_LOG_LEVEL", "warn")).start()
     try:
         restore_env = emu.apply_env()
     except BaseException:

@@ -326,18 +326,24 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self._drop_upstream()
 
     def _control(self):
-        """``GET /_proxy/counts`` and ``POST /_proxy/reset`` (returns the counts it zeroed)."""
+        """``GET /_proxy/counts``, ``POST /_proxy/reset`` (returns the counts it zeroed) and
+        ``GET /_proxy/idle?timeout=S`` (200 once no request is being forwarded, else 504)."""
         self._read_request_body()[0].close()
-        action = self.path[len(CONTROL_PATH) :].strip("/")
+        action, _, query = self.path[len(CONTROL_PATH) :].strip("/").partition("?")
+        status = 200
         if (self.command, action) == ("GET", "counts"):
-            counts = self.server.snapshot()
+            out = dataclasses.asdict(self.server.snapshot())
         elif (self.command, action) == ("POST", "reset"):
-            counts = self.server.reset()
+            out = dataclasses.asdict(self.server.reset())
+        elif (self.command, action) == ("GET", "idle"):
+            timeout = float(urllib.parse.parse_qs(query).get("timeout", ["30"])[0])
+            idle = self.server.wait_idle(timeout)
+            out, status = {"in_flight": self.server.in_flight}, 200 if idle else 504
         else:
             self.send_error(404)
             return
-        body = json.dumps(dataclasses.asdict(counts)).encode()
-        self.send_response_only(200)
+        body = json.dumps(out).encode()
+        self.send_response_only(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -350,6 +356,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self._conn = None
 
     def _counted(self):
+        if self.path.startswith(CONTROL_PATH):  # not a store request: never "in flight"
+            return self._control()
         with self.server.busy:
             self.server.in_flight += 1
         try:
@@ -414,6 +422,11 @@ class _ProxyServer(http.server.ThreadingHTTPServer):
             old, self.counts = self.counts, Counts()
             return old
 
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no request is being forwarded (False after ``timeout`` seconds)."""
+        with self.busy:
+            return self.busy.wait_for(lambda: self.in_flight == 0, timeout)
+
     def record_disconnect(self, target: str) -> None:
         with self._lock:
             self.counts.client_disconnects += 1
@@ -431,7 +444,64 @@ class _ProxyServer(http.server.ThreadingHTTPServer):
                 self.counts.media_bytes_down += n
 
 
-class CountingProxy:
+class _Counter:
+    """``measure`` over ``snapshot`` (a proxy here or one in another process)."""
+
+    def snapshot(self) -> Counts:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Counts]:
+        """``with proxy.measure() as c: ...``: ``c`` holds the difference when the block ends."""
+        before = self.snapshot()
+        out = Counts()
+        try:
+            yield out
+        finally:
+            after = self.snapshot()
+            out.requests = after.requests - before.requests
+            out.media_bytes_down = after.media_bytes_down - before.media_bytes_down
+            out.media_bytes_up = after.media_bytes_up - before.media_bytes_up
+            out.bytes_down = after.bytes_down - before.bytes_down
+            out.bytes_up = after.bytes_up - before.bytes_up
+            out.client_disconnects = after.client_disconnects - before.client_disconnects
+            out.by_kind = {
+                k: after.by_kind.get(k, 0) - before.by_kind.get(k, 0)
+                for k in after.by_kind
+                if after.by_kind.get(k, 0) != before.by_kind.get(k, 0)
+            }
+            out.statuses = {
+                k: after.statuses.get(k, 0) - before.statuses.get(k, 0)
+                for k in after.statuses
+                if after.statuses.get(k, 0) != before.statuses.get(k, 0)
+            }
+
+
+class RemoteProxy(_Counter):
+    """The counting proxy of an emulator another process runs (``emulator.py serve``),
+    through its control requests."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def snapshot(self) -> Counts:
+        return remote_counts(self.url)
+
+    def reset(self) -> Counts:
+        return remote_counts(self.url, reset=True)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        try:
+            with _open(f"{self.url}{CONTROL_PATH}idle?timeout={timeout}", timeout=timeout + 10):
+                pass
+        except urllib.error.HTTPError as e:
+            raise TimeoutError(f"requests still in flight after {timeout} s") from e
+
+    def stop(self) -> None:  # its owner stops it
+        pass
+
+
+class CountingProxy(_Counter):
     """An HTTP/1.1 forwarding proxy on 127.0.0.1 that counts requests and media bytes.
 
     Bound at construction (``port`` is known before the upstream exists, so the emulator can
@@ -469,38 +539,8 @@ class CountingProxy:
         return self._server.reset()
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        """Waits until no request is being forwarded: what a killed client had already sent
-        reaches the store before the test looks (as it would before a much later rerun)."""
-        srv = self._server
-        with srv.busy:
-            if not srv.busy.wait_for(lambda: srv.in_flight == 0, timeout):
-                raise TimeoutError(f"{srv.in_flight} requests still in flight after {timeout} s")
-
-    @contextlib.contextmanager
-    def measure(self) -> Iterator[Counts]:
-        """``with proxy.measure() as c: ...``: ``c`` holds the difference when the block ends."""
-        before = self.snapshot()
-        out = Counts()
-        try:
-            yield out
-        finally:
-            after = self.snapshot()
-            out.requests = after.requests - before.requests
-            out.media_bytes_down = after.media_bytes_down - before.media_bytes_down
-            out.media_bytes_up = after.media_bytes_up - before.media_bytes_up
-            out.bytes_down = after.bytes_down - before.bytes_down
-            out.bytes_up = after.bytes_up - before.bytes_up
-            out.client_disconnects = after.client_disconnects - before.client_disconnects
-            out.by_kind = {
-                k: after.by_kind.get(k, 0) - before.by_kind.get(k, 0)
-                for k in after.by_kind
-                if after.by_kind.get(k, 0) != before.by_kind.get(k, 0)
-            }
-            out.statuses = {
-                k: after.statuses.get(k, 0) - before.statuses.get(k, 0)
-                for k in after.statuses
-                if after.statuses.get(k, 0) != before.statuses.get(k, 0)
-            }
+        if not self._server.wait_idle(timeout):
+            raise TimeoutError(f"{self._server.in_flight} requests in flight after {timeout} s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,11 +569,32 @@ class GcsEmulator:
         self.use_proxy = proxy
         self.log_level = log_level
         self.log_path = Path(log_path) if log_path else None
-        self.proxy: CountingProxy | None = None
+        self.proxy: CountingProxy | RemoteProxy | None = None
         self.port: int | None = None
         self.pid: int | None = None
         self._proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._owned = True  # False when attached to another process's emulator
+
+    @classmethod
+    def attach(cls, environ: dict[str, str] | None = None) -> GcsEmulator | None:
+        """The emulator another process started (``emulator.py serve``, e.g. in ``.ci/run``),
+        from the variables of its env file, or None when they are not set. Stopping it is
+        left to its owner."""
+        environ = os.environ if environ is None else environ
+        direct = environ.get("GCS_EMULATOR_DIRECT_URL")
+        front = environ.get("STORAGE_EMULATOR_HOST")
+        if not direct or not front:
+            return None
+        emu = cls(environ.get("GCS_EMULATOR_BUCKET", DEFAULT_BUCKET), proxy=front != direct)
+        emu.port = urllib.parse.urlsplit(direct).port
+        emu.pid = int(environ["GCS_EMULATOR_PID"]) if environ.get("GCS_EMULATOR_PID") else None
+        emu.proxy = RemoteProxy(front) if front != direct else None
+        emu._tmp = tempfile.TemporaryDirectory(prefix="gcs-emulator-client-")
+        emu._owned = False
+        with _open(f"{direct}/storage/v1/b?project={PROJECT}", timeout=10) as r:
+            r.read()  # it answers
+        return emu
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -624,7 +685,10 @@ class GcsEmulator:
         self._proc = None
 
     def stop(self) -> None:
-        """Stops the proxy and the emulator (by its pid). Idempotent."""
+        """Stops the proxy and the emulator (by its pid). Idempotent. An attached emulator
+        is left running (its owner stops it)."""
+        if not self._owned:
+            self.proxy = self.pid = None
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
@@ -727,7 +791,7 @@ class GcsEmulator:
         """See `CountingProxy.wait_idle`."""
         self._need_proxy().wait_idle(timeout)
 
-    def _need_proxy(self) -> CountingProxy:
+    def _need_proxy(self) -> CountingProxy | RemoteProxy:
         if self.proxy is None:
             raise RuntimeError("this emulator runs without its counting proxy")
         return self.proxy
