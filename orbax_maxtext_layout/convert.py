@@ -166,12 +166,12 @@ def convert_step(
             f"{step_dir}: in_place/remove_legacy modify the source step; they cannot be "
             f"combined with a separate destination ({dest})."
         )
-    moves: list[str] = []
+    moved: list[str] = []  # notes on moves of the step directory (renumbering)
     if objstore.is_remote(step_dir) and not dry_run and (step_dir / objstore.MOVING).exists():
         with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
-            moves = [n for n in [objstore.finish_move(step_dir)] if n]  # a killed renumbering
+            moved += [n for n in [objstore.finish_move(step_dir)] if n]  # a killed renumbering
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
-        return StepReport(str(step_dir), "skipped", "gone", notes=[*moves, "no longer exists"])
+        return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
@@ -207,7 +207,6 @@ def convert_step(
         )
     if renumber and (tunix_step_number(step_dir) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[_TUNIX_ZERO])
-    moved: list[str] = moves
     numbering: dict[str, Any] = {}
     if renumber:
         tunix_step = tunix_step_number(step_dir)
@@ -225,10 +224,10 @@ def convert_step(
             try:
                 with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
                     if objstore.is_remote(home) and not dry_run:
-                        moves += [n for n in [objstore.finish_move(home)] if n]
+                        moved += [n for n in [objstore.finish_move(home)] if n]
                     if detect_layout(step_dir) is not Layout.TUNIX:  # moved or converted meanwhile
                         return StepReport(
-                            str(step_dir), "skipped", "gone", notes=[*moves, "renumbered meanwhile"]
+                            str(step_dir), "skipped", "gone", notes=[*moved, "renumbered meanwhile"]
                         )
                     plan = plan or plan_step(
                         step_dir, target, optimizer=optimizer, ignore=ignore, scan=rescan

@@ -49,8 +49,8 @@ def detect_layout(step_dir: epath.PathLike) -> Layout:
     """MAXTEXT if ``items/`` exists, TUNIX if ``model_params/`` exists without it, else UNKNOWN.
 
     Reads directory names only (and, on an object store, whether the step and its
-    ``items/`` have their commit markers: see `is_committed`). A step holding both (converted beside its legacy items) is MAXTEXT:
-    ``items/`` is what MaxText reads.
+    ``items/`` have their commit markers: see `is_committed`). A step holding both
+    (converted beside its legacy items) is MAXTEXT: ``items/`` is what MaxText reads.
     """
     step_dir = epath.Path(step_dir)
     items = step_dir / MAXTEXT_ITEM

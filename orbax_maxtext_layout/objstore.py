@@ -16,8 +16,9 @@ existing object. So on an object store this package:
 * moves a step directory (renumbering) with `move_dir`: a marker object in the
   destination first, server-side copies, the destination's ``commit_success.txt``, then
   the source's marker before the rest of it. A step directory is a step only with its
-  ``commit_success.txt`` (as for Orbax), so at every moment exactly one of the two
-  directories is listed, and `finish_move` completes or rolls back a killed move.
+  ``commit_success.txt`` (as for Orbax), so at every moment one of the two is a complete
+  step (for a moment both are) and neither is a partial one; `finish_move` completes or
+  rolls back a killed move.
 
 gcsfs (the ``gcs`` extra) provides the client; it is imported only for ``gs://`` paths.
 """
