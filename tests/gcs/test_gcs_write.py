@@ -107,6 +107,28 @@ def test_a_failed_out_conversion_leaves_no_listable_step(gs_run, gs_prefix):
         assert mngr.all_steps() == []
 
 
+@pytest.mark.parametrize("damage", ["truncate", "empty", "delete"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in_place"])
+def test_damaged_source_data_is_refused_before_the_commit(gs_run, gs_prefix, damage, in_place):
+    """B3 on gs://: a data file the new items/ would reference is checked against its size
+    (no decode) and the step is refused naming it; nothing is committed or deleted."""
+    run, maxtext = gs_run
+    data = max(
+        (run / STEP / "model_params" / "ocdbt.process_0" / "d").iterdir(),
+        key=lambda p: p.stat().length,
+    )
+    if damage == "delete":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:10] if damage == "truncate" else b"")
+    objstore.refresh(run)
+    before = gs_prefix.objects("tunix_rl_run/" + STEP)
+    with pytest.raises(oml.CheckpointReadError, match=f"damaged source data.*{data.name}"):
+        oml.convert_step(run / STEP, oml.Target.from_checkpoint(maxtext), in_place=in_place)
+    assert gs_prefix.objects("tunix_rl_run/" + STEP) == before  # no items/, legacy kept
+    assert oml.detect_layout(run / STEP) is oml.Layout.TUNIX
+
+
 def test_the_lock_is_a_conditional_create(gs_prefix):
     lock = gs_prefix.path("step/.lock")
     assert objstore.write_exclusive(lock, b"a")
