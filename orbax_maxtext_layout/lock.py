@@ -117,10 +117,8 @@ def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:
     # No O_EXCL on an object store: a conditional write (create only if absent) instead.
     data = json.dumps(me).encode()
     if not objstore.write_exclusive(path, data):
-        owner = {}
-        with contextlib.suppress(Exception):
-            owner = json.loads(path.read_text() or "{}")
-        if not _stale(owner if isinstance(owner, dict) else {}):
+        owner = _remote_owner(path)
+        if not _stale(owner):
             raise StepLocked(f"{path.parent}: being converted by {owner}")
         path.unlink(missing_ok=True)  # a dead owner's lock (this host) or an empty one
         if not objstore.write_exclusive(path, data):
@@ -132,10 +130,24 @@ def _object_store_lock(path: epath.Path, me: dict) -> Iterator[None]:
         objstore.refresh(path)
 
 
+def _remote_owner(path: epath.Path) -> dict:
+    owner = {}
+    with contextlib.suppress(Exception):
+        owner = json.loads(path.read_text() or "{}")
+    return owner if isinstance(owner, dict) else {}
+
+
 def break_stale_lock(step_dir: epath.Path) -> bool:
     """Removes a lock whose owner died on this host (or that has no owner); True if removed."""
+    if "://" in str(step_dir):
+        lock = epath.Path(step_dir) / LOCK_NAME
+        if not lock.exists() or not _stale(_remote_owner(lock)):
+            return False
+        lock.unlink(missing_ok=True)
+        objstore.refresh(lock)
+        return True
     path = os.path.join(str(step_dir), LOCK_NAME)
-    if "://" in str(step_dir) or not os.path.exists(path):
+    if not os.path.exists(path):
         return False
     if _stale(_owner(path)):
         with contextlib.suppress(FileNotFoundError):

@@ -4,7 +4,11 @@ array bytes through the client, a commit marker instead of a rename, a condition
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -127,6 +131,25 @@ def test_damaged_source_data_is_refused_before_the_commit(gs_run, gs_prefix, dam
         oml.convert_step(run / STEP, oml.Target.from_checkpoint(maxtext), in_place=in_place)
     assert gs_prefix.objects("tunix_rl_run/" + STEP) == before  # no items/, legacy kept
     assert oml.detect_layout(run / STEP) is oml.Layout.TUNIX
+
+
+def test_a_dead_runs_lock_on_a_converted_step_is_removed_by_the_rerun(gs_run):
+    """A run killed after its commit and before releasing its lock (B2 on gs://): the rerun
+    finds the step converted, removes the dead owner's lock and keeps a live owner's."""
+    run, maxtext = gs_run
+    target = oml.Target.from_checkpoint(maxtext)
+    assert oml.convert_step(run / STEP, target).status == "converted"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = run / STEP / ".orbax-maxtext-layout.lock"
+    for pid, removed in ((os.getpid(), False), (dead.pid, True)):
+        lock.write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+        objstore.refresh(lock)
+        report = oml.convert_step(run / STEP, target)
+        assert report.status == "skipped"
+        assert ("removed the lock of a dead run" in report.notes) is removed
+        objstore.refresh(lock)
+        assert lock.exists() is not removed
 
 
 def test_the_lock_is_a_conditional_create(gs_prefix):
