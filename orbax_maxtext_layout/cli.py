@@ -19,6 +19,7 @@ from pathlib import Path
 
 from etils import epath
 
+from . import objstore
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_step, converted_provenance
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
@@ -196,7 +197,7 @@ def _dest(
 
 def _outside(root: epath.Path, step: epath.Path) -> bool:
     """A step reached through a symbolic link that leads outside ROOT (local paths only)."""
-    if "://" in str(root):
+    if objstore.is_remote(root):
         return False
     real_root = os.path.realpath(str(root))
     real = os.path.realpath(str(step))

@@ -38,7 +38,7 @@ def step_lock(step_dir: epath.Path, *, name: str = LOCK_NAME, wait: float = 0.0)
     to wait for it. ``name`` is the lock file's name.
     """
     me = {"pid": os.getpid(), "host": socket.gethostname()}
-    if "://" in str(step_dir):
+    if objstore.is_remote(step_dir):
         yield from _object_store_lock(epath.Path(step_dir) / name, me)
         return
     path = os.path.join(str(step_dir), name)
@@ -139,7 +139,7 @@ def _remote_owner(path: epath.Path) -> dict:
 
 def break_stale_lock(step_dir: epath.Path) -> bool:
     """Removes a lock whose owner died on this host (or that has no owner); True if removed."""
-    if "://" in str(step_dir):
+    if objstore.is_remote(step_dir):
         lock = epath.Path(step_dir) / LOCK_NAME
         if not lock.exists() or not _stale(_remote_owner(lock)):
             return False
@@ -163,6 +163,6 @@ def release_moved_lock(step_dir: epath.Path) -> None:
     file moves along, and `step_lock` then finds nothing to remove at the old path.
     """
     path = os.path.join(str(step_dir), LOCK_NAME)
-    if "://" not in str(step_dir) and _owner(path).get("pid") == os.getpid():
+    if not objstore.is_remote(step_dir) and _owner(path).get("pid") == os.getpid():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
