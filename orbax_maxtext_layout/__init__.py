@@ -18,7 +18,9 @@ from .handler import (
     load_params_from_path,
 )
 from .layout import TUNIX_STEP_KEY, Layout, StepInfo, detect_layout, find_steps, tunix_step_number
+from .lora import LoraAdapters, LoraAdapterStepError
 from .manager import CheckpointManager
+from .merge import MergeReport, merge_lora, plan_merge
 from .moves import Drop, Move, Op, apply_op
 from .plan import Plan, make_plan, narrow, plan_step
 from .restore import restore_as_items
@@ -48,9 +50,12 @@ __all__ = [
     "Layout",
     "LayoutMismatchError",
     "LeafSpec",
+    "LoraAdapterStepError",
+    "LoraAdapters",
     "MaxTextLayoutHandler",
     "MaxTextLayoutRestore",
     "MaxTextLayoutSave",
+    "MergeReport",
     "Move",
     "Op",
     "OrbaxMaxTextLayoutError",
@@ -73,7 +78,9 @@ __all__ = [
     "load_params_from_path",
     "make_plan",
     "maxtext_opt_state",
+    "merge_lora",
     "narrow",
+    "plan_merge",
     "plan_step",
     "read_specs",
     "replay_plan",

@@ -1,6 +1,6 @@
-"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify}``.
+"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify,merge-lora}``.
 
-A thin layer over `find_steps`, `plan_step` and `convert_step`.
+A thin layer over `find_steps`, `plan_step`, `convert_step` and `merge_lora`.
 Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error.
 """
 
@@ -31,6 +31,7 @@ from .layout import (
     maxtext_number,
     tunix_step_number,
 )
+from .merge import merge_lora
 from .plan import Plan, plan_step
 from .spec import read_specs
 from .target import Target
@@ -273,6 +274,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     g["bytes"] += s.nbytes
         entry["groups"] = groups
         entry["converted_by"] = converted_provenance(info.path)
+        lora = info.lora
+        entry["lora"] = lora.to_dict() if lora is not None else None
         if target is not None and info.layout is Layout.TUNIX:
             try:
                 entry["plan"] = convert_step(info.path, target, dry_run=True).to_dict()
@@ -288,11 +291,51 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{e['path']}: step {e['step']} {e['layout']}{role}{conv}")
         for g, d in e["groups"].items():
             print(f"  {g:<40}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
+        if e["lora"]:
+            lo = e["lora"]
+            axis = "unscanned" if not lo["scanned"] else f"layer axis {lo['layer_axis']}"
+            alpha = (
+                f", alpha {lo['alpha']:g}" if lo["alpha"] is not None else ", alpha not recorded"
+            )
+            print(
+                f"  LoRA adapters: rank {lo['rank']}{alpha}, {axis}, {lo['dtype']}, "
+                f"{len(lo['modules'])} modules; holds no base weights (merge them with "
+                "merge-lora, or resume with train_sft's lora.lora_restore_path)"
+            )
+            for m in lo["modules"]:
+                print(f"    {m}")
         if "plan" in e:
             for dest, d in e["plan"]["destinations"].items():
                 print(f"  -> {dest:<12}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
         for line in e.get("mismatch", []):
             print(f"  mismatch: {line}")
+    return 0
+
+
+def cmd_merge_lora(args: argparse.Namespace) -> int:
+    try:
+        target = _load_target(args)
+    except (LayoutMismatchError, CheckpointReadError, ImportError, AttributeError) as e:
+        print(f"error: cannot build the target: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = merge_lora(
+            args.adapter_step,
+            args.base,
+            alpha=args.alpha,
+            out=args.out,
+            target=target,
+            scan=args.rescan,
+            scan_axis=args.scan_axis,
+            memory_budget=args.memory_budget,
+            dry_run=args.dry_run,
+        )
+    except UsageError:
+        raise
+    except (OrbaxMaxTextLayoutError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report.to_json() if args.json else report)
     return 0
 
 
@@ -406,6 +449,59 @@ def build_parser() -> argparse.ArgumentParser:
     add_target(i)
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
+
+    m = sub.add_parser(
+        "merge-lora",
+        help="merge a Tunix LoRA adapter step into its base: a MaxText param-only step "
+        "at OUT/0/items",
+    )
+    m.add_argument(
+        "adapter_step", metavar="ADAPTER_STEP", help="the LoRA step, or its model_params"
+    )
+    m.add_argument(
+        "--base",
+        required=True,
+        help="the MaxText step the LoRA run started from (or its items/), or a full Tunix "
+        "step of the same model (then also --target-from/--target)",
+    )
+    m.add_argument(
+        "--alpha",
+        type=float,
+        help="the run's lora.lora_alpha (required unless the step records it)",
+    )
+    m.add_argument("--out", required=True, metavar="DIR", help="writes DIR/0/items")
+    add_target(m)
+    mform = m.add_mutually_exclusive_group()
+    mform.add_argument(
+        "--unroll",
+        dest="rescan",
+        action="store_const",
+        const="unroll",
+        help="write the unscanned form (layers_<i>)",
+    )
+    mform.add_argument(
+        "--stack",
+        dest="rescan",
+        action="store_const",
+        const="stack",
+        help="write the scanned form (layers)",
+    )
+    m.add_argument(
+        "--scan-axis",
+        type=int,
+        choices=[0, 1],
+        help="the model's param_scan_axis, only where the shapes fit both",
+    )
+    m.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        default=DEFAULT_BUDGET,
+        metavar="SIZE",
+        help="bytes held at once, e.g. 2GiB",
+    )
+    m.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
+    m.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    m.set_defaults(fn=cmd_merge_lora)
 
     d = sub.add_parser(
         "demo", help="convert the shipped example into a temp dir and print the report"

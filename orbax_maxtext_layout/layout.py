@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import re
 from typing import Any
@@ -37,12 +38,25 @@ class Layout(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """One step directory under a run root."""
+    """One step directory under a run root.
+
+    ``lora`` (read on first use, from metadata) is a `lora.LoraAdapters` when the step
+    is a Tunix LoRA adapter step (``model_params`` holds only LoRA factors), else None.
+    """
 
     path: epath.Path
     step: int
     layout: Layout
     role: str | None = None
+
+    @functools.cached_property
+    def lora(self) -> Any:
+        if self.layout is not Layout.TUNIX:
+            return None
+        from .lora import adapters_in  # reads Orbax metadata: only when asked
+
+        custom = read_step_metadata(self.path).get("custom_metadata")
+        return adapters_in(self.path / TUNIX_PARAMS_ITEM, custom)
 
 
 def detect_layout(step_dir: epath.PathLike) -> Layout:

@@ -14,6 +14,10 @@ slice    layer ``index`` of a stacked source, taken on ``axis`` (unroll)
 stack    the sources (one per layer) joined on ``axis`` (stack); a ``None``
          layer is RNG state the source never had, initialised fresh
 fresh    no source: RNG state initialised fresh (count 0, a derived key)
+merge_lora  a base weight plus its LoRA delta, per layer ``l``:
+         ``W_l + scale * reshape(A_l @ B_l, W_l.shape)`` (``lora``: the factors of
+         each layer, in another item); the base layer comes as for copy, slice
+         (``index``) or stack (``layers``), on ``axis``
 ======== =====================================================================
 
 The same plan drives the dry-run report, the writer, the in-memory restore and
@@ -41,6 +45,24 @@ class Op(enum.Enum):
     SLICE = "slice"
     STACK = "stack"
     FRESH = "fresh"
+    MERGE_LORA = "merge_lora"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraFactor:
+    """The LoRA factors of a weight, read from ``item``: ``a`` (in, r) and ``b`` (r, out).
+
+    Scanned factors stack their layers on ``axis`` (the weight's layer axis);
+    ``scale`` is alpha / rank.
+    """
+
+    item: str
+    a: Path
+    b: Path
+    a_spec: LeafSpec
+    b_spec: LeafSpec
+    axis: int | None
+    scale: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +86,7 @@ class Move:
     index: int | None = None  # slice: the layer taken
     layers: tuple[Path | None, ...] = ()  # stack: source path of each layer
     value: int | None = None  # constant
+    lora: tuple[LoraFactor, ...] = ()  # merge_lora: one per layer (or one for all)
 
     def __post_init__(self) -> None:
         if self.cast is not None and self.op is Op.COPY:
@@ -72,11 +95,29 @@ class Move:
     @property
     def sources(self) -> tuple[Path, ...]:
         """The source leaves read (all in ``item``)."""
-        if self.op is Op.STACK:
+        if self.op is Op.STACK or (self.op is Op.MERGE_LORA and self.layers):
             return tuple(p for p in self.layers if p is not None)
         if self.op in (Op.CONSTANT, Op.FRESH):
             return ()
         return (self.src,)
+
+    @property
+    def reads(self) -> tuple[tuple[str, Path, LeafSpec], ...]:
+        """Every source leaf read, as ``(item, path, stored spec)``: `sources` in
+        ``item``, plus a merge's LoRA factors (in their own item)."""
+        out = [(self.item, p, self.spec) for p in self.sources]
+        for f in dict.fromkeys(self.lora):
+            out += [(f.item, f.a, f.a_spec), (f.item, f.b, f.b_spec)]
+        return tuple(out)
+
+    @property
+    def layer_count(self) -> int | None:
+        """merge_lora: how many layers the written leaf stacks on ``axis`` (None: one layer)."""
+        if self.layers:
+            return len(self.layers)
+        if self.axis is None or self.index is not None:
+            return None
+        return self.spec.shape[self.axis]
 
     @property
     def out_spec(self) -> LeafSpec:
@@ -84,10 +125,10 @@ class Move:
         s = self.spec
         if self.op is Op.CAST:
             return dataclasses.replace(s, dtype=np.dtype(self.cast))
-        if self.op is Op.SLICE:
+        if self.op is Op.SLICE or (self.op is Op.MERGE_LORA and self.index is not None):
             assert self.axis is not None
             return dataclasses.replace(s, shape=s.shape[: self.axis] + s.shape[self.axis + 1 :])
-        if self.op is Op.STACK:
+        if self.op is Op.STACK or (self.op is Op.MERGE_LORA and self.layers):
             assert self.axis is not None
             n = (len(self.layers),)
             return dataclasses.replace(s, shape=s.shape[: self.axis] + n + s.shape[self.axis :])
@@ -102,6 +143,14 @@ class Move:
             Op.CONSTANT: f" {self.value}",
             Op.SLICE: f" layer {self.index} on axis {self.axis}",
             Op.STACK: f" on axis {self.axis}",
+            Op.MERGE_LORA: (
+                f" + {self.lora[0].scale:g} * {self.lora[0].item}/"
+                f"{keystr(self.lora[0].a).removesuffix('_a')}_{{a@b}}"
+                + (f" layer {self.index} on axis {self.axis}" if self.index is not None else "")
+                + (f", {self.layer_count} layers on axis {self.axis}" if self.layer_count else "")
+                if self.lora
+                else ""
+            ),
         }.get(self.op, "")
         return f"{keystr(self.dst)} <- {self.op.value}({src}{more}){extra}"
 
@@ -144,11 +193,11 @@ class Plan:
         return out
 
     def moves_from(self, item: str) -> list[Move]:
-        return [m for m in self.moves if m.item == item and m.sources]
+        return [m for m in self.moves if any(i == item for i, _, _ in m.reads)]
 
     def source_bytes(self) -> int:
         """Bytes of source leaves the plan reads (the progress total of a conversion)."""
-        seen = {(m.item, p): m.spec.nbytes for m in self.moves for p in m.sources}
+        seen = {(i, p): s.nbytes for m in self.moves for i, p, s in m.reads}
         return sum(seen.values())
 
 
@@ -183,6 +232,19 @@ def apply_op(m: Move, read: Reader) -> np.ndarray:
         return fresh_rng(m.spec, m.dst)
     if m.op is Op.SLICE:
         return np.take(np.asarray(read(m.item, m.src)), m.index, axis=m.axis)
+    if m.op is Op.MERGE_LORA:
+        cache: dict[tuple[str, Path], np.ndarray] = {}
+
+        def layer(item: str, p: Path, axis: int | None, i: int | None) -> np.ndarray:
+            if (item, p) not in cache:
+                cache[item, p] = np.asarray(read(item, p))
+            x = cache[item, p]
+            return x if axis is None or i is None else np.take(x, i, axis=axis)
+
+        n = m.layer_count
+        if n is None:
+            return merge_layer(m, 0, layer)
+        return np.stack([merge_layer(m, i, layer) for i in range(n)], axis=m.axis)
     assert m.op is Op.STACK
     one = m.spec
     arrays = [
@@ -190,3 +252,51 @@ def apply_op(m: Move, read: Reader) -> np.ndarray:
         for i, p in enumerate(m.layers)
     ]
     return np.stack(arrays, axis=m.axis)
+
+
+# -- merge_lora, one layer at a time ----------------------------------------------------------
+LayerReader = Callable[[str, Path, "int | None", "int | None"], np.ndarray]
+"""``read_layer(item, path, axis, index)``: layer ``index`` of a stored array on ``axis``
+(the whole array when ``axis`` or ``index`` is None)."""
+
+
+def merge_layer(m: Move, i: int, read_layer: LayerReader, *, inplace: bool = False) -> np.ndarray:
+    """Layer ``i`` of a merge_lora move's output: ``W_i + scale * reshape(A_i @ B_i, W_i.shape)``.
+
+    Computed in at least float32 and cast to the base dtype once (a bf16 base gives a
+    bf16 result, rounded to nearest even), in row blocks so that no temporary is larger
+    than a few MiB. With ``inplace`` the result overwrites the layer just read (the
+    writer's own buffer), so a layer costs one slice of memory plus the blocks.
+    """
+    if m.layers:
+        w = read_layer(m.item, m.layers[i], None, None)  # type: ignore[arg-type]
+    elif m.index is not None:
+        w = read_layer(m.item, m.src, m.axis, m.index)
+    else:
+        w = read_layer(m.item, m.src, m.axis, i if m.axis is not None else None)
+    f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
+    li = m.index if m.index is not None else i
+    a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
+    b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
+    return lora_delta_added(w, a, b, f.scale, inplace=inplace)
+
+
+def lora_delta_added(
+    w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float, *, inplace: bool = False
+) -> np.ndarray:
+    """``w + scale * reshape(a @ b, w.shape)`` computed in at least float32, cast once."""
+    wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
+    acc = np.float64 if wide else np.float32
+    out = w if inplace and w.flags.writeable else np.empty(w.shape, w.dtype)
+    rows = a.shape[0]
+    w2 = np.reshape(w, (rows, -1))
+    o2 = np.reshape(out, (rows, -1))
+    a32 = np.asarray(a, acc)
+    b32 = np.asarray(b, acc)
+    block = max(1, (4 << 20) // max(1, b32.shape[1] * np.dtype(acc).itemsize))
+    for r0 in range(0, rows, block):
+        d = a32[r0 : r0 + block] @ b32
+        d *= acc(scale)
+        d += w2[r0 : r0 + block]
+        o2[r0 : r0 + block] = d  # the one cast to the base dtype (nearest even)
+    return out

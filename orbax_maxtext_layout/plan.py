@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from etils import epath
 
-from . import rescan
+from . import lora, rescan
 from . import rules as R
 from .errors import LayoutMismatchError
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
@@ -47,6 +47,7 @@ def make_plan(
     ignore: Iterable[str] = (),
     unnamed: Literal["error", "skip"] = "error",
     allow_missing: Callable[[Path], bool] | None = None,
+    where: str = TUNIX_PARAMS_ITEM,
 ) -> Plan:
     """Maps every leaf of ``model_params`` (+ ``optimizer_state``) onto the target.
 
@@ -63,6 +64,12 @@ def make_plan(
       allow_missing: target model leaves for which it returns True may be absent
         from the checkpoint (e.g. per-layer copies of a shared RNG stream when
         stacking); each is listed in the plan's notes.
+      where: the step (or item) planned, for error messages.
+
+    Raises:
+      LoraAdapterStepError: ``params`` holds only LoRA adapters and the target has no
+        place for them (whatever ``unnamed`` says: nothing of such a step would be kept).
+      LayoutMismatchError: the checkpoint does not fit the target (every path named).
     """
     moves: list[Move] = []
     drops: list[Drop] = []
@@ -77,6 +84,7 @@ def make_plan(
     if adapter:
         cur, _ = R.apply(R.drop_adapter, cur)
         applied.append(R.drop_adapter.name)
+    lora.refuse_unplaced(cur, params, target.model_paths(), where)
     problems: list[str] = []
     for path, src in sorted(cur.items(), key=lambda kv: keystr(kv[0])):
         spec = params[src]
@@ -165,18 +173,34 @@ def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
 
 
 def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
-    src_scanned = any("layers" in p for p in cur)
-    tgt_scanned = any("layers" in p for p in target.model_paths())
-    unrolled = any(str(k).startswith("layers_") for p in cur for k in p)
-    if src_scanned != tgt_scanned or (unrolled and tgt_scanned):
+    if not target.model_paths():
         return (
-            "The scan form differs (stacked 'layers' vs 'layers_<i>'); build the target with "
-            "the same scan_layers setting as the checkpoint."
+            "The target names no model leaves at all (e.g. a MaxText checkpoint saved with "
+            "lora.* keys, which keeps only 'step'): build it from the model, or from a "
+            "checkpoint that holds the model's weights."
+        )
+    src, tgt = _scan_form(cur), _scan_form(target.model_paths())
+    if src and tgt and src != tgt:
+        return (
+            f"The scan form differs (the checkpoint's layers are {src}, the target's {tgt}); "
+            "build the target with the same scan_layers setting as the checkpoint."
         )
     return (
         "Build the target from the same model config the checkpoint was trained with "
         "(model name and sizes), or add ignore patterns for leaves to drop on purpose."
     )
+
+
+def _scan_form(paths: Iterable[Path]) -> str | None:
+    """'stacked' ('layers'), 'unrolled' ('layers_<i>'), or None (neither, or both)."""
+    stacked = unrolled = False
+    for p in paths:
+        for k in p:
+            stacked |= k == "layers"
+            unrolled |= str(k).startswith("layers_") and str(k)[7:].isdigit()
+    if stacked == unrolled:
+        return None
+    return "stacked" if stacked else "unrolled (layers_<i>)"
 
 
 # -- optimizer matching -----------------------------------------------------------------
@@ -339,7 +363,16 @@ def plan_step(
         step = 0
 
     def plan_against(t: Target, **kw) -> Plan:
-        return make_plan(params, opt, t, optimizer_mode=optimizer, step=step, ignore=ignore, **kw)
+        return make_plan(
+            params,
+            opt,
+            t,
+            optimizer_mode=optimizer,
+            step=step,
+            ignore=ignore,
+            where=str(step_dir),
+            **kw,
+        )
 
     if scan is None:
         return plan_against(target, unnamed=unnamed)

@@ -116,12 +116,14 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
         if a is None:
             moves.append(m)
             continue
-        assert m.op is Op.COPY, m
+        assert m.op in (Op.COPY, Op.MERGE_LORA), m
+        # A merge keeps its op: it then merges layer i only (`moves.merge_layer`).
+        op = Op.SLICE if m.op is Op.COPY else m.op
         group = next(k for k in m.dst if k in scan.SCAN_GROUPS)
         for i in range(m.spec.shape[a]):
             dst = _unrolled(m.dst, group, i)
             if dst in want or (m.dst[:1] == OPT_ROOT and out.opt_state is None):
-                moves.append(dataclasses.replace(m, dst=dst, op=Op.SLICE, axis=a, index=i))
+                moves.append(dataclasses.replace(m, dst=dst, op=op, axis=a, index=i))
             elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
                 drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), m.spec, _UNSCANNED_RNG))
             else:
@@ -172,6 +174,14 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
         first = layers[min(layers)]
         note = f"layers {gaps} initialised fresh" if gaps else ""
         srcs = tuple(layers[i].src if i in layers else None for i in range(n))
+        if first.op is Op.MERGE_LORA:  # each layer merged with its own factors
+            merged = [layers[i] for i in range(n) if i in layers and layers[i].lora]
+            if gaps or len(merged) != n:
+                problems.append(f"{keystr(dst)}: layers {sorted(layers)} do not all merge")
+                continue
+            lora = tuple(m.lora[0] for m in merged)
+            moves.append(dataclasses.replace(first, dst=dst, axis=a, layers=srcs, lora=lora))
+            continue
         moves.append(
             dataclasses.replace(first, dst=dst, op=Op.STACK, axis=a, layers=srcs, note=note)
         )

@@ -236,7 +236,10 @@ def restore_request(
         )
     if not target.abstract:
         raise LayoutMismatchError(f"{step_dir}: the item asks for no leaves.")
-    partial = bool(partial_restore or transforms is not None or skipped or not target.nnx_aux)
+    explicit = bool(partial_restore or transforms is not None or skipped)
+    if not explicit and not target.model_paths():
+        _refuse_modelless(step_dir, ignore)
+    partial = explicit or not target.nnx_aux
     optimizer_mode: OptimizerMode = "drop" if target.opt_state is None else "convert"
     plan = plan_request(step_dir, target, optimizer=optimizer_mode, ignore=ignore, partial=partial)
     flat = _norm(
@@ -265,6 +268,24 @@ def restore_request(
     if optimizer == "drop" and isinstance(out, dict):
         out = {k: v for k, v in out.items() if k != OPT_ROOT[0]}
     return out
+
+
+def _refuse_modelless(step_dir: epath.Path, ignore: Iterable[str]) -> None:
+    """A request that names no model leaf would ignore every weight the step holds.
+
+    Refused unless the caller asked for a partial restore (``partial_restore``,
+    ``transforms`` or placeholders): a restore never drops weights silently. A LoRA
+    adapter step gets its own error (`lora.LoraAdapterStepError`), from the planner.
+    """
+    plan = plan_step(step_dir, Target({}, {}), ignore=ignore, unnamed="skip", read_optimizer=False)
+    weights = [d for d in plan.drops if d.reason == "not requested by the target"]
+    if weights:
+        raise LayoutMismatchError(
+            f"{step_dir}: the request names none of the {len(weights)} model leaves the step "
+            "holds; restoring it would keep no weight.",
+            hint="Name the weights in the request (params/params/...), or pass "
+            "partial_restore=True to restore only the parts named.",
+        )
 
 
 def plan_request(

@@ -150,14 +150,14 @@ def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> 
     turn the missing values into the fill value (zeros) in the converted step.
     """
     problems = []
-    listed = {n: keys_by_array(sources[n].kv) for n in {m.item for m in moves if m.sources}}
+    listed = {n: keys_by_array(sources[n].kv) for n in {i for m in moves for i, _, _ in m.reads}}
     for m in moves:
-        src = sources[m.item]
-        for path in m.sources:
+        for item, path, spec in m.reads:
+            src = sources[item]
             name = param_name(path)
-            chunk = (src.files.array_meta.get(name) or {}).get("chunk_shape") or list(m.spec.shape)
-            want = math.prod(-(-d // max(c, 1)) for d, c in zip(m.spec.shape, chunk, strict=False))
-            stored = sorted(listed[m.item].get(name, []))
+            chunk = (src.files.array_meta.get(name) or {}).get("chunk_shape") or list(spec.shape)
+            want = math.prod(-(-d // max(c, 1)) for d, c in zip(spec.shape, chunk, strict=False))
+            stored = sorted(listed[item].get(name, []))
             meta_keys = [k for k in stored if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
             if not meta_keys or len(stored) - len(meta_keys) < want:
                 problems.append(f"{name}: {len(stored) - len(meta_keys)} of {want} chunks stored")
@@ -220,14 +220,26 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
     return bad
 
 
-def read_array(src: SourceItem, path: Path, context: ts.Context) -> np.ndarray:
-    """Decodes one stored array (stored form: PRNG keys as their raw data)."""
+def read_array(
+    src: SourceItem,
+    path: Path,
+    context: ts.Context,
+    layer: tuple[int, int] | None = None,
+) -> np.ndarray:
+    """Decodes one stored array (stored form: PRNG keys as their raw data).
+
+    ``layer=(axis, i)`` reads only index ``i`` on ``axis`` (tensorstore decodes the
+    stored chunks that hold it, one at a time).
+    """
     driver = "zarr3" if src.use_zarr3 else "zarr"
     spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(path))}
     # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
     spec["fill_missing_data_reads"] = False
     try:
-        return np.asarray(ts.open(spec, open=True, context=context).result().read().result())
+        store = ts.open(spec, open=True, context=context).result()
+        if layer is not None:
+            store = store[ts.d[layer[0]][layer[1]]]
+        return np.asarray(store.read().result())
     except ValueError as e:
         raise CheckpointReadError(f"{src.dir}: cannot read {param_name(path)}: {e}") from e
 
@@ -346,18 +358,45 @@ def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
 
 def write_array(dst_spec: dict, name: str, data: np.ndarray, *, use_zarr3: bool, context) -> None:
     """Writes one decoded array as a zarr array (one chunk, zstd) under ``name``."""
-    shape = list(data.shape)
+    store = create_array(
+        dst_spec, name, data.shape, data.dtype, data.shape, use_zarr3=use_zarr3, context=context
+    )
+    store.write(data).result()
+
+
+def create_array(
+    dst_spec: dict,
+    name: str,
+    shape: Sequence[int],
+    dtype: np.dtype,
+    chunk_shape: Sequence[int],
+    *,
+    use_zarr3: bool,
+    context,
+) -> ts.TensorStore:
+    """Creates the zarr array ``name`` (zstd, ``chunk_shape``) to be written in parts."""
+    shape, chunks = list(shape), list(chunk_shape)
     if use_zarr3:
         meta = {
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shape}},
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
         }
     else:
-        meta = {"chunks": shape, "compressor": {"id": "zstd", "level": 1}}
+        meta = {"chunks": chunks, "compressor": {"id": "zstd", "level": 1}}
     spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": sub_kv(dst_spec, name)}
     spec["metadata"] = {**meta, "shape": shape}
     # As Orbax does: a chunk equal to the fill value (a zero count) is stored too, so a
     # missing chunk always means damage.
     spec["store_data_equal_to_fill_value"] = True
-    store = ts.open(spec, create=True, dtype=ts.dtype(data.dtype.name), context=context).result()
+    return ts.open(
+        spec, create=True, dtype=ts.dtype(np.dtype(dtype).name), context=context
+    ).result()
+
+
+def write_part(
+    store: ts.TensorStore, data: np.ndarray, layer: tuple[int, int] | None = None
+) -> None:
+    """Writes ``data`` into ``store``: all of it, or index ``i`` on ``axis`` (``layer``)."""
+    if layer is not None:
+        store = store[ts.d[layer[0]][layer[1]]]
     store.write(data).result()

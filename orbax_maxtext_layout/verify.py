@@ -8,10 +8,11 @@ target, so a scan change verifies exactly like a plain conversion.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from etils import epath
 
-from . import tskv
+from . import merge, tskv
 from .errors import LayoutMismatchError
 from .layout import MAXTEXT_ITEM, read_provenance, tunix_items
 from .moves import Op, Plan, apply_op
@@ -51,7 +52,8 @@ def replay_plan(step_dir: epath.PathLike) -> Plan:
 
 
 def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResult:
-    """Compares ``items`` with the legacy items it was converted from.
+    """Compares ``items`` with the legacy items it was converted from (or, for a merged
+    LoRA step, with the base and adapters it was merged from).
 
     ``quick`` compares metadata (tree, shapes, dtypes, key impls) and checks that
     every leaf has stored data, without reading values. Otherwise every leaf is
@@ -70,7 +72,11 @@ def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResul
 
 def _verify(step_dir: epath.Path, quick: bool) -> VerifyResult:
     res = VerifyResult(str(step_dir), ok=True)
-    plan = replay_plan(step_dir)
+    prov = read_provenance(step_dir) or {}
+    if prov.get("source_layout") == merge.SOURCE_LAYOUT:
+        plan, sources = merge.replay_merge(step_dir, prov)
+    else:
+        plan, sources = replay_plan(step_dir), tunix_items(step_dir)
     got = read_specs(step_dir / MAXTEXT_ITEM)
     for m in plan.moves:
         if got.get(m.dst) != m.out_spec:
@@ -79,14 +85,16 @@ def _verify(step_dir: epath.Path, quick: bool) -> VerifyResult:
     res.problems += [f"{keystr(p)}: in items, but written by no move of the plan" for p in extra]
     res.checked = len(plan.moves)
     if not res.problems:
-        res.problems += _compare(step_dir, plan, quick)
+        res.problems += _compare(step_dir, plan, sources, quick)
     res.ok = not res.problems
     return res
 
 
-def _compare(step_dir: epath.Path, plan: Plan, quick: bool) -> list[str]:
+def _compare(
+    step_dir: epath.Path, plan: Plan, sources: Mapping[str, epath.Path], quick: bool
+) -> list[str]:
     ctx = tskv.ts_context()
-    srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in tunix_items(step_dir).items()}
+    srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in sources.items()}
     dst = tskv.SourceItem.open(step_dir / MAXTEXT_ITEM, ctx)
     problems = []
     stored = tskv.keys_by_array(dst.kv) if quick else {}

@@ -23,8 +23,8 @@ from etils import epath
 
 from . import orbax_files, stepdir, tskv
 from .errors import CheckpointReadError
-from .layout import TUNIX_PARAMS_ITEM
-from .moves import Move, Op, Plan, apply_op
+from .layout import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
+from .moves import Move, Op, Plan, apply_op, merge_layer
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
@@ -38,26 +38,31 @@ def write_items(
     budget: int = DEFAULT_BUDGET,
     in_place: bool = False,
     use_zarr3: bool | None = None,
+    link: bool | None = None,
 ) -> int:
     """Writes ``<step_dir>/items`` for ``plan`` and commits it; returns bytes written.
 
     ``source_dirs`` maps item name to its directory. The destination keeps the
     source's zarr format unless ``use_zarr3`` says otherwise (then every array is
-    re-encoded). Nothing is committed unless every array was written.
+    re-encoded). Source databases are cloned with hard links when ``link`` (default:
+    ``in_place``); OCDBT never modifies a data file, so a link is a safe copy. A
+    merge_lora move is computed and written one layer at a time. Nothing is
+    committed unless every array was written.
     """
     ctx = tskv.ts_context()
     sources = {name: tskv.SourceItem.open(d, ctx) for name, d in source_dirs.items()}
-    src_zarr3 = sources[TUNIX_PARAMS_ITEM].use_zarr3 if TUNIX_PARAMS_ITEM in sources else True
+    main = next((sources[n] for n in (TUNIX_PARAMS_ITEM, MAXTEXT_ITEM) if n in sources), None)
+    src_zarr3 = main.use_zarr3 if main is not None else True
     zarr3 = src_zarr3 if use_zarr3 is None else use_zarr3
     tmp = stepdir.new_tmp_dir(step_dir)
     try:
-        tskv.check_complete([m for m in plan.moves if m.sources], sources)
+        tskv.check_complete([m for m in plan.moves if m.reads], sources)
         raw = [m for m in plan.moves if m.op is Op.COPY and sources[m.item].use_zarr3 == zarr3]
         graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
         children = {}
         for name in sorted(graft):
             child_dir = tmp / f"{tskv.CHILD_PREFIX}{name}"
-            tskv.clone_tree(sources[name].dir, child_dir, link=in_place)
+            tskv.clone_tree(sources[name].dir, child_dir, link=in_place if link is None else link)
             children[name] = tskv.open_ocdbt(child_dir, ctx)
         parent = tskv.open_ocdbt(tmp, ctx, merge=bool(graft))
         tskv.graft([m for m in raw if m.item in graft], children, parent)
@@ -70,7 +75,14 @@ def write_items(
         def read(item: str, path):
             return tskv.read_array(sources[item], path, ctx)
 
+        def read_layer(item: str, path, axis, index):
+            layer = None if axis is None or index is None else (axis, index)
+            return tskv.read_array(sources[item], path, ctx, layer)
+
         for m in decoded:  # one array at a time: memory stays near the largest one
+            if m.op is Op.MERGE_LORA:
+                _write_merge(m, read_layer, dst_json, zarr3, ctx)
+                continue
             data = apply_op(m, read)
             tskv.write_array(
                 dst_json, orbax_files.param_name(m.dst), data, use_zarr3=zarr3, context=ctx
@@ -89,6 +101,35 @@ def write_items(
         stepdir.discard(tmp)
         raise
     return written
+
+
+def chunk_shape(m: Move) -> tuple[int, ...]:
+    """The chunk shape a decoded leaf is written with: one chunk, or one per layer for a
+    merge that writes a stacked weight layer by layer."""
+    out = m.out_spec.shape
+    if m.op is Op.MERGE_LORA and m.layer_count is not None:
+        assert m.axis is not None
+        return out[: m.axis] + (1,) + out[m.axis + 1 :]
+    return out
+
+
+def _write_merge(m: Move, read_layer, dst_json: dict, zarr3: bool, ctx) -> None:
+    """Writes a merge_lora move one layer at a time (one layer slice in memory)."""
+    out = m.out_spec
+    store = tskv.create_array(
+        dst_json,
+        orbax_files.param_name(m.dst),
+        out.shape,
+        out.dtype,
+        chunk_shape(m),
+        use_zarr3=zarr3,
+        context=ctx,
+    )
+    if m.layer_count is None:
+        tskv.write_part(store, merge_layer(m, 0, read_layer, inplace=True))
+        return
+    for i in range(m.layer_count):
+        tskv.write_part(store, merge_layer(m, i, read_layer, inplace=True), (m.axis, i))
 
 
 def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
@@ -127,6 +168,7 @@ def _leaf_files(
     if decoded and src is not None:
         # Re-encoded by `tskv.write_array` (a cast, a scan change, a zarr format change):
         # one chunk of the written shape, whatever the source's chunking was.
-        am = {**leaf.array_meta, "write_shape": list(out.shape), "chunk_shape": list(out.shape)}
+        chunks = list(chunk_shape(m))
+        am = {**leaf.array_meta, "write_shape": chunks, "chunk_shape": chunks}
         leaf = orbax_files.LeafFiles(leaf.value_meta, leaf.sharding, am)
     return leaf
