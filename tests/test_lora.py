@@ -1,0 +1,408 @@
+"""LoRA adapter steps: named from metadata, refused wherever they would be dropped, merged.
+
+Real Orbax checkpoints only: the frozen google-tunix 0.1.7 LoRA step and MaxText base of the
+same model, plus llama-shaped bases and adapters written here by Orbax (`lora_writers`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import MAXTEXT_NATIVE, copy_fixture, restore_flat, tree_digest
+from lora_writers import base_params, expected_merge, lora_factors, write_adapters, write_base
+
+import orbax_maxtext_layout as oml
+from orbax_maxtext_layout.cli import main as cli
+from orbax_maxtext_layout.paths import keystr
+
+LORA_STEP = "tunix017/sft_lora_run/checkpoints/1"
+PP = ("params", "params")
+
+
+def _run(argv, capsys):
+    code = cli([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _llama(tmp_path, *, axis=1, dtype=np.float32, rank=4, layers=3, alpha=8.0, custom=None):
+    base = base_params(layers=layers, axis=axis, dtype=dtype)
+    factors = lora_factors(layers=layers, axis=axis, rank=rank)
+    b = write_base(tmp_path / "base", 0, base)
+    a = write_adapters(tmp_path / "sft", 2, factors, custom=custom)
+    return base, factors, b, a
+
+
+def _params(step_dir) -> dict:
+    return {p[2:]: v for p, v in restore_flat(Path(step_dir) / "items").items() if p[:2] == PP}
+
+
+def _stored(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+# -- 1. named ---------------------------------------------------------------------------
+def test_inspect_names_lora_adapters(tmp_path, capsys):
+    step = copy_fixture(LORA_STEP, tmp_path)
+    code, out, _ = _run(["inspect", step.parent, "--json"], capsys)
+    assert code == 0
+    [entry] = json.loads(out)
+    lo = entry["lora"]
+    assert lo["rank"] == 2 and lo["layer_axis"] == 1 and lo["num_layers"] == 3
+    assert lo["scanned"] and lo["dtype"] == "float32" and lo["base_weights"] is False
+    assert lo["leaves"] == 14 and lo["alpha"] is None
+    assert "decoder/layers/self_attention/out" in lo["modules"] and len(lo["modules"]) == 7
+    code, out, _ = _run(["inspect", step.parent], capsys)
+    assert "LoRA adapters: rank 2" in out and "holds no base weights" in out
+    # find_steps carries the same facts; a full step is not LoRA.
+    [info] = oml.find_steps(step.parent)
+    assert info.lora is not None and info.lora.rank == 2 and info.lora.modules == lo["modules"]
+    full = copy_fixture("tunix017/sft_run/checkpoints/1", tmp_path / "full")
+    assert oml.find_steps(full)[0].lora is None
+    code, out, _ = _run(["inspect", full, "--json"], capsys)
+    assert json.loads(out)[0]["lora"] is None
+
+
+def test_alpha_recorded_by_maxtext_is_read(tmp_path):
+    custom = {"lora": {"enable_lora": True, "lora_rank": 4, "lora_alpha": 16.0}}
+    *_, a = _llama(tmp_path, custom=custom)
+    assert oml.find_steps(a)[0].lora.alpha == 16.0
+
+
+# -- 2. never dropped silently ------------------------------------------------------------
+def _assert_refusal(err: str, step) -> None:
+    assert "LoRA adapter step" in err and "no base weights" in err, err
+    assert "merge-lora" in err and f"lora.lora_restore_path={step}/model_params" in err, err
+    assert "rank 2" in err and "decoder/layers/mlp/wo" in err, err
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_convert_refuses_lora_step(tmp_path, capsys, dry_run):
+    step = copy_fixture(LORA_STEP, tmp_path)
+    before = tree_digest(step.parent)
+    argv = ["convert", step.parent, "--target-from", MAXTEXT_NATIVE] + (
+        ["--dry-run"] if dry_run else []
+    )
+    code, out, err = _run(argv, capsys)
+    assert code == 1
+    _assert_refusal(out, step)
+    assert "LoraAdapterStepError" in err
+    assert tree_digest(step.parent) == before  # nothing read into items, written or moved
+    assert sorted(p.name for p in step.parent.iterdir()) == ["1"]
+
+
+def test_restore_paths_refuse_lora_step(tmp_path):
+    step = copy_fixture(LORA_STEP, tmp_path)
+    before = tree_digest(step.parent)
+    target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
+    abstract = target.items()
+    params_only = {"params": abstract["params"]}
+    step_only = {"step": abstract["step"]}  # MaxText pre-training's LoRA-filtered target
+    with pytest.raises(oml.LoraAdapterStepError) as e:
+        ocp.Checkpointer(oml.MaxTextLayoutHandler()).restore(
+            step, args=oml.MaxTextLayoutRestore(item=abstract)
+        )
+    _assert_refusal(str(e.value), step)
+    with pytest.raises(oml.LoraAdapterStepError):
+        oml.load_params_from_path(str(step / "model_params"), params_only["params"])
+    for item, partial in ((abstract, False), (params_only, True), (step_only, True)):
+        with oml.CheckpointManager(step.parent, item_handlers=("items",)) as mngr:
+            with pytest.raises(oml.LoraAdapterStepError):
+                mngr.restore(
+                    0,
+                    args=ocp.args.Composite(
+                        items=ocp.args.PyTreeRestore(item=item, partial_restore=partial)
+                    ),
+                )
+    with pytest.raises(oml.LoraAdapterStepError):
+        oml.plan_step(step, oml.Target({}, {}), unnamed="skip")
+    assert tree_digest(step.parent) == before
+
+
+def test_v1_checkpointer_refuses_lora_step(tmp_path):
+    import orbax.checkpoint.experimental.v1 as ocp1
+
+    from orbax_maxtext_layout import training
+
+    step = copy_fixture(LORA_STEP, tmp_path)
+    before = tree_digest(step.parent)
+    abstract = oml.Target.from_checkpoint(MAXTEXT_NATIVE).items()
+    ctx = ocp1.Context(
+        pytree_options=ocp1.options.PyTreeOptions(
+            loading=ocp1.options.PyTreeOptions.Loading(partial_load=True)
+        )
+    )
+    ckpt = training.Checkpointer(step.parent)
+    try:
+        assert ckpt.latest.step == 0
+        with ctx, pytest.raises(oml.LoraAdapterStepError):
+            ckpt.load_checkpointables(0, {"items": {"step": abstract["step"]}})
+    finally:
+        ckpt.close()
+    assert tree_digest(step.parent) == before
+
+
+def test_a_target_with_the_adapters_still_converts(tmp_path):
+    """A qwix-applied model's target holds the factors: nothing is refused (as before)."""
+    step = copy_fixture(LORA_STEP, tmp_path)
+    specs = oml.read_specs(step / "model_params")
+    target = oml.Target(
+        {p[:-1]: s for p, s in specs.items()},
+        {},
+        abstract={PP + p[:-1]: s.abstract() for p, s in specs.items()},
+    )
+    report = oml.convert_step(step, target, optimizer="drop")
+    assert report.status == "converted" and report.destinations["params"]["leaves"] == 14
+
+
+def test_request_naming_no_weight_is_refused_unless_partial(tmp_path):
+    step = copy_fixture("tunix017/sft_run/checkpoints/1", tmp_path)
+    abstract = oml.Target.from_checkpoint(MAXTEXT_NATIVE).items()
+    handler = oml.MaxTextLayoutHandler()
+    with pytest.raises(oml.LayoutMismatchError, match="names none of the 42 model leaves"):
+        ocp.Checkpointer(handler).restore(
+            step, args=oml.MaxTextLayoutRestore(item={"step": abstract["step"]})
+        )
+    got = ocp.Checkpointer(handler).restore(
+        step,
+        args=oml.MaxTextLayoutRestore(item={"step": abstract["step"]}, partial_restore=True),
+    )
+    assert int(got["step"]) == 1
+
+
+def test_hints_say_what_differs(tmp_path):
+    """'scan form differs' only when it does; 'same model config' only for a model."""
+    step = copy_fixture("tunix017/sft_run/checkpoints/1", tmp_path)
+    empty = oml.Target({}, {}, abstract={("step",): jax.ShapeDtypeStruct((), np.int32)})
+    with pytest.raises(oml.LayoutMismatchError) as e:
+        oml.plan_step(step, empty)
+    assert "names no model leaves" in e.value.hint and "scan form" not in e.value.hint
+    native = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
+    smaller = oml.Target({p: s for p, s in native.params.items() if "mlp" not in p}, native.nnx_aux)
+    with pytest.raises(oml.LayoutMismatchError) as e:
+        oml.plan_step(step, smaller)
+    assert "same model config" in e.value.hint
+    unrolled = oml.unroll_target(native)
+    with pytest.raises(oml.LayoutMismatchError) as e:
+        oml.plan_step(step, unrolled)
+    assert "scan form differs" in e.value.hint
+
+
+# -- 3. merged ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "axis,dtype",
+    [(1, np.float32), (0, np.float32), (None, np.float32), (1, ml_dtypes.bfloat16)],
+    ids=["axis1", "axis0", "unscanned", "bf16"],
+)
+def test_merge_lora(tmp_path, capsys, axis, dtype):
+    base, factors, b, a = _llama(tmp_path, axis=axis, dtype=dtype)
+    out = tmp_path / "merged"
+    code, text, err = _run(
+        ["merge-lora", a, "--base", b, "--alpha", 8, "--out", out, "--json"], capsys
+    )
+    assert code == 0, err
+    report = json.loads(text)
+    assert report["rank"] == 4 and report["scale"] == 2.0 and report["layer_axis"] == axis
+    got = _params(out / "0")
+    want = expected_merge(base, factors, 8.0, 4, axis)
+    assert set(got) == set(want)
+    for p, w in want.items():
+        assert got[p].dtype == w.dtype and got[p].shape == w.shape, p
+        if p[-1] == "kernel":
+            assert not np.array_equal(_stored(got[p]), base[p]), p  # really merged
+        assert np.array_equal(_stored(got[p]).view(np.uint8), w.view(np.uint8)), keystr(p)
+    # Only params; provenance; stock Orbax reads it; verify replays it.
+    items = restore_flat(out / "0" / "items")
+    assert {p[0] for p in items} == {"params"}
+    prov = oml.converted_provenance(out / "0")
+    assert prov["alpha"] == 8.0 and prov["rank"] == 4 and prov["scan_axis"] == axis
+    assert prov["base"] == str(b) and prov["adapter_step"] == str(a)
+    assert len(prov["modules"]) == (4 if axis is not None else 12)  # unscanned: per layer
+    assert oml.verify_step(out / "0").ok
+    assert ocp.CheckpointManager(out).all_steps() == [0]
+
+
+def test_merge_copies_unmerged_leaves_as_stored_bytes(tmp_path):
+    """Unadapted params are grafted (their base data files linked, never decoded), so their
+    stored chunks are the base's, byte for byte; and verify catches a wrong merged value."""
+    from orbax_maxtext_layout import tskv
+
+    base, factors, b, a = _llama(tmp_path)
+    out = tmp_path / "merged"
+    oml.merge_lora(a, b, alpha=8, out=out)
+    ctx = tskv.ts_context()
+    src = tskv.SourceItem.open(b / "items", ctx)
+    dst = tskv.SourceItem.open(out / "0" / "items", ctx)
+    name = "params.params.token_embedder.embedding"
+    sk, dk = tskv.keys(src.kv, name), tskv.keys(dst.kv, name)
+    assert sk and [src.kv.read(k).result().value for k in sk] == [
+        dst.kv.read(k).result().value for k in dk
+    ]
+    linked = [f for f in (out / "0" / "items").rglob("*") if f.is_file() and f.stat().st_nlink > 1]
+    assert linked  # the base's data files, shared by hard link
+    # verify replays the merge: a base changed afterwards no longer matches.
+    assert oml.verify_step(out / "0").ok
+    base2 = dict(base)
+    kp = ("decoder", "layers", "mlp", "wo", "kernel")
+    base2[kp] = base[kp] + 1
+    write_base(tmp_path / "other", 0, base2)
+    prov_file = out / "0" / "_CHECKPOINT_METADATA"
+    meta = json.loads(prov_file.read_text())
+    meta["custom_metadata"]["orbax_maxtext_layout"]["base"] = str(tmp_path / "other" / "0")
+    prov_file.write_text(json.dumps(meta))
+    res = oml.verify_step(out / "0")
+    assert not res.ok and any("mlp/wo/kernel" in p for p in res.problems), res
+
+
+def test_merge_unroll_and_stack(tmp_path):
+    base, factors, b, a = _llama(tmp_path, axis=1)
+    oml.merge_lora(a, b, alpha=8, out=tmp_path / "flat", scan="unroll")
+    got = _params(tmp_path / "flat" / "0")
+    want = expected_merge(base, factors, 8.0, 4, 1)
+    for p, w in want.items():
+        if "layers" not in p:
+            assert np.array_equal(got[p], w)
+            continue
+        for i in range(3):
+            q = tuple(f"layers_{i}" if k == "layers" else k for k in p)
+            assert np.array_equal(got[q], np.take(w, i, 1)), q
+    assert oml.verify_step(tmp_path / "flat" / "0").ok
+    # Unscanned adapters over an unscanned base, written stacked on axis 1.
+    ubase, ufactors, ub, ua = _llama(tmp_path / "u", axis=None)
+    oml.merge_lora(ua, ub, alpha=8, out=tmp_path / "stacked", scan="stack")
+    got = _params(tmp_path / "stacked" / "0")
+    want = expected_merge(ubase, ufactors, 8.0, 4, None)
+    for p, w in got.items():
+        if "layers" in p:
+            for i in range(3):
+                q = tuple(f"layers_{i}" if k == "layers" else k for k in p)
+                assert np.array_equal(np.take(w, i, 1), want[q]), q
+    assert oml.verify_step(tmp_path / "stacked" / "0").ok
+
+
+def test_merge_into_the_real_fixture_base(tmp_path):
+    """The frozen Tunix 0.1.7 LoRA step (llama module names, rank 2) over MaxText's own step
+    of the same model, checked against the math done here per layer."""
+    step = copy_fixture(LORA_STEP, tmp_path)
+    r = oml.merge_lora(step, MAXTEXT_NATIVE / "items", alpha=4, out=tmp_path / "m")
+    assert r.layer_axis == 1 and len(r.merged) == 7
+    got = _params(tmp_path / "m" / "0")
+    base = {
+        p[2:]: np.asarray(v)
+        for p, v in restore_flat(MAXTEXT_NATIVE / "items").items()
+        if p[:2] == PP
+    }
+    lora = {p[:-1]: np.asarray(v) for p, v in restore_flat(step / "model_params").items()}
+    want = expected_merge(base, lora, 4.0, 2, 1)
+    for p, w in want.items():
+        np.testing.assert_array_equal(got[p], w, err_msg=keystr(p))
+
+
+def _refused(tmp_path, capsys, a, b, *extra, code=1):
+    out = tmp_path / "refused"
+    rc, text, err = _run(["merge-lora", a, "--base", b, "--out", out, *extra], capsys)
+    assert rc == code, (text, err)
+    assert not out.exists() or not any(out.iterdir())
+    return err
+
+
+def test_merge_refusals(tmp_path, capsys):
+    base, factors, b, a = _llama(tmp_path)
+    # alpha neither given nor recorded: usage error naming alpha
+    err = _refused(tmp_path, capsys, a, b, code=2)
+    assert "alpha" in err
+    # adapters for a module the base lacks
+    nb = {p: v for p, v in base.items() if "wo" not in p}
+    err = _refused(tmp_path, capsys, a, write_base(tmp_path / "nowo", 0, nb), "--alpha", 8)
+    assert "decoder/layers/mlp/wo: adapters (lora_a float32[32, 3, 4]" in err and "has no" in err
+    # factors whose product does not fit the kernel (another model size)
+    other = base_params(layers=3, axis=1)
+    kp = ("decoder", "layers", "mlp", "wi_0", "kernel")
+    other[kp] = np.zeros((16, 3, 48), np.float32)
+    err = _refused(tmp_path, capsys, a, write_base(tmp_path / "size", 0, other), "--alpha", 8)
+    assert (
+        "decoder/layers/mlp/wi_0: factors (lora_a float32[16, 3, 4], lora_b float32[4, 3, 32])"
+        in err
+    )
+    assert "float32[16, 3, 48]" in err
+    # a base of another model (other layer count): every module named
+    err = _refused(
+        tmp_path, capsys, a, write_base(tmp_path / "l4", 0, base_params(layers=4)), "--alpha", 8
+    )
+    assert err.count("do not fit base kernel") == 4
+    # a quantized base kernel
+    q = dict(base)
+    q[kp] = q[kp].astype(np.int8)
+    err = _refused(tmp_path, capsys, a, write_base(tmp_path / "q", 0, q), "--alpha", 8)
+    assert "quantized" in err and "decoder/layers/mlp/wi_0" in err
+    # a step that is not a LoRA step
+    full = copy_fixture("tunix017/sft_run/checkpoints/1", tmp_path / "full")
+    err = _refused(tmp_path, capsys, full, b, "--alpha", 8)
+    assert "not a LoRA adapter step" in err and "token_embedder/embedding/value" in err
+
+
+def test_merge_dry_run_writes_nothing(tmp_path, capsys):
+    _, _, b, a = _llama(tmp_path)
+    code, text, _ = _run(
+        ["merge-lora", a, "--base", b, "--alpha", 8, "--out", tmp_path / "o", "--dry-run"], capsys
+    )
+    assert code == 0 and "dry-run" in text and "4 merged" in text
+    assert not (tmp_path / "o").exists()
+
+
+_KILLED_MERGE = textwrap.dedent(
+    """
+    import sys, time
+    import orbax_maxtext_layout as oml
+    print("ready", flush=True)
+    t = time.monotonic()
+    oml.merge_lora(sys.argv[1], sys.argv[2], alpha=8, out=sys.argv[3], memory_budget=1 << 20)
+    print(time.monotonic() - t, flush=True)
+    """
+)
+
+
+def _merge_child(a, b, out):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", _KILLED_MERGE, a, b, out]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_sigkill_during_merge_leaves_nothing_listed(tmp_path):
+    """A merge killed at a seeded random moment of its work leaves no listable step under
+    --out (only a complete one); a rerun completes."""
+    base, factors, b, a = _llama(tmp_path, layers=8)
+    proc = _merge_child(a, b, tmp_path / "timing")
+    work = float(proc.stdout.readline())  # seconds of merging, after the imports
+    assert proc.wait() == 0
+    rng = np.random.default_rng(0)
+    killed_before_commit = 0
+    for n in range(8):
+        out = tmp_path / f"out{n}"
+        proc = _merge_child(a, b, out)
+        time_to_kill = float(rng.uniform(0.0, 1.1 * work))
+        try:
+            proc.wait(timeout=time_to_kill)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        steps = ocp.CheckpointManager(out).all_steps() if out.exists() else []
+        done = (out / "0" / "items" / "commit_success.txt").exists()
+        assert steps == ([0] if done else []), steps
+        killed_before_commit += not done
+        if not done:  # the rerun completes over whatever the kill left
+            oml.merge_lora(a, b, alpha=8, out=out)
+        assert oml.verify_step(out / "0").ok
+    assert killed_before_commit >= 2  # the kills did land inside the work
