@@ -237,7 +237,7 @@ def test_merge_copies_unmerged_leaves_as_stored_bytes(tmp_path):
     stored chunks are the base's, byte for byte; and verify catches a wrong merged value."""
     from orbax_maxtext_layout import tskv
 
-    base, factors, b, a = _llama(tmp_path)
+    base, _factors, b, a = _llama(tmp_path)
     out = tmp_path / "merged"
     oml.merge_lora(a, b, alpha=8, out=out)
     ctx = tskv.ts_context()
@@ -317,7 +317,7 @@ def _refused(tmp_path, capsys, a, b, *extra, code=1):
 
 
 def test_merge_refusals(tmp_path, capsys):
-    base, factors, b, a = _llama(tmp_path)
+    base, _factors, b, a = _llama(tmp_path)
     # alpha neither given nor recorded: usage error naming alpha
     err = _refused(tmp_path, capsys, a, b, code=2)
     assert "alpha" in err
@@ -383,7 +383,7 @@ def _merge_child(a, b, out):
 def test_sigkill_during_merge_leaves_nothing_listed(tmp_path):
     """A merge killed at a seeded random moment of its work leaves no listable step under
     --out (only a complete one); a rerun completes."""
-    base, factors, b, a = _llama(tmp_path, layers=8)
+    _base, _factors, b, a = _llama(tmp_path, layers=8)
     proc = _merge_child(a, b, tmp_path / "timing")
     work = float(proc.stdout.readline())  # seconds of merging, after the imports
     assert proc.wait() == 0
