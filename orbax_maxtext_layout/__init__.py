@@ -1,7 +1,14 @@
 """orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
 
 from ._version import EXAMPLES_DIR, __version__
-from .convert import StepReport, convert_step, converted_provenance, to_maxtext_items
+from .convert import (
+    MergeReport,
+    StepReport,
+    convert_step,
+    converted_provenance,
+    merge_lora,
+    to_maxtext_items,
+)
 from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
@@ -20,7 +27,7 @@ from .handler import (
 from .layout import TUNIX_STEP_KEY, Layout, StepInfo, detect_layout, find_steps, tunix_step_number
 from .lora import LoraAdapters, LoraAdapterStepError
 from .manager import CheckpointManager
-from .merge import MergeReport, merge_lora, plan_merge
+from .merge import plan_merge
 from .moves import Drop, Move, Op, apply_op
 from .plan import Plan, make_plan, narrow, plan_step
 from .restore import restore_as_items

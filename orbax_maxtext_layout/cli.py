@@ -21,7 +21,7 @@ from etils import epath
 
 from . import objstore
 from ._version import EXAMPLES_DIR as EXAMPLES
-from .convert import StepReport, convert_step, converted_provenance
+from .convert import StepReport, convert_step, converted_provenance, merge_lora
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
 from .layout import (
     Layout,
@@ -31,7 +31,6 @@ from .layout import (
     maxtext_number,
     tunix_step_number,
 )
-from .merge import merge_lora
 from .plan import Plan, plan_step
 from .spec import read_specs
 from .target import Target

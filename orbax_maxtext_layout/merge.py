@@ -1,4 +1,4 @@
-"""`merge_lora`: fold a Tunix LoRA adapter step into its base, as a MaxText param-only step.
+"""A LoRA merge as a plan: a Tunix adapter step folded into its base, as MaxText params.
 
 A merge is a plan like any conversion (`plan_merge`): every param of the base is
 a ``copy`` move (its stored bytes are grafted, never decoded), except each adapted
@@ -7,13 +7,13 @@ weight, which becomes a ``merge_lora`` move: per layer ``l``,
 axis. A scan change (``scan="unroll"``/``"stack"``) transforms that plan (`rescan`)
 as for a conversion. The one writer executes it into ``<out>/0/items`` (MaxText's
 ``generate_param_only_checkpoint`` convention), the step appears only once
-complete, and `verify_step` replays it from the provenance it records.
+complete (`convert.merge_lora`, the job), and `verify_step` replays it from the
+provenance it records (`replay_merge`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -21,9 +21,9 @@ from typing import Any, Literal
 import numpy as np
 from etils import epath
 
-from . import objstore, stepdir
+from . import objstore
 from ._version import __version__
-from .errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
+from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
     TUNIX_PARAMS_ITEM,
@@ -40,60 +40,10 @@ from .rescan import unroll_plan
 from .scan import stack_target, unroll_target
 from .spec import read_specs
 from .target import PARAMS_ROOT, Dest, Target
-from .write import DEFAULT_BUDGET, write_items
 
 LORA_ITEM = "lora"  # the adapter step's model_params, as a source of a merge plan
 SOURCE_LAYOUT = "tunix-lora-merge"
-_NOT_PARAMS = "not a param: a param-only checkpoint keeps params only"
-
-
-@dataclasses.dataclass
-class MergeReport:
-    """What a merge did (or, for a dry run, would do)."""
-
-    out: str
-    status: str  # "merged" | "dry-run"
-    adapter_step: str
-    base: str
-    alpha: float
-    rank: int
-    scale: float
-    layer_axis: int | None
-    scan: str | None
-    modules: list[str]
-    merged: list[str]
-    destinations: dict[str, dict[str, int]]
-    dropped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    bytes_written: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        params = self.destinations.get("params", {})
-        axis = "unscanned" if self.layer_axis is None else f"layer axis {self.layer_axis}"
-        lines = [
-            f"{self.out}: {self.status} (LoRA merge)",
-            f"  adapters {self.adapter_step}: rank {self.rank}, alpha {self.alpha:g}, "
-            f"scale {self.scale:g}, {axis}",
-            f"  base {self.base}",
-            f"  params: {params.get('leaves', 0)} leaves, {params.get('bytes', 0):,} bytes; "
-            f"{len(self.merged)} merged: "
-            + ", ".join(self.merged[:4])
-            + (f", ... ({len(self.merged) - 4} more)" if len(self.merged) > 4 else ""),
-        ]
-        if self.scan:
-            lines.append(f"  written {'unrolled' if self.scan == 'unroll' else 'stacked'}")
-        if self.dropped:
-            lines.append(f"  dropped {len(self.dropped)} base leaves ({_NOT_PARAMS})")
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.status == "merged":
-            lines.append(f"  bytes written: {self.bytes_written:,}")
-        return "\n".join(lines)
+NOT_PARAMS = "not a param: a param-only checkpoint keeps params only"
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -228,7 +178,7 @@ def _base_plan(
         wanted = [m.dst for m in plan.moves if m.dest is Dest.PARAMS]
         plan = narrow(plan, wanted)
         drops = tuple(
-            dataclasses.replace(d, reason=_NOT_PARAMS)
+            dataclasses.replace(d, reason=NOT_PARAMS)
             if d.reason in ("not requested", "not requested by the target")
             else d
             for d in plan.drops
@@ -240,7 +190,7 @@ def _base_plan(
         for p, s in sorted(specs.items(), key=lambda kv: keystr(kv[0]))
         if p[:2] == PARAMS_ROOT
     )
-    drops = tuple(Drop(item, p, s, _NOT_PARAMS) for p, s in specs.items() if p[:2] != PARAMS_ROOT)
+    drops = tuple(Drop(item, p, s, NOT_PARAMS) for p, s in specs.items() if p[:2] != PARAMS_ROOT)
     if not moves:
         raise LayoutMismatchError(
             f"{item_dir}: the base holds no params/params leaves (e.g. a MaxText checkpoint "
@@ -362,77 +312,7 @@ def _with_axis(target: Target, axis: int | None) -> Target:
     return dataclasses.replace(target, param_scan_axes={p: axis for p in target.params})
 
 
-# -- the job -----------------------------------------------------------------------------
-def merge_lora(
-    adapter_step: epath.PathLike,
-    base: epath.PathLike,
-    *,
-    alpha: float | None = None,
-    out: epath.PathLike,
-    target: Target | None = None,
-    scan: Literal["unroll", "stack"] | None = None,
-    scan_axis: int | None = None,
-    memory_budget: int = DEFAULT_BUDGET,
-    dry_run: bool = False,
-) -> MergeReport:
-    """Merges a Tunix LoRA adapter step into ``base``; writes ``<out>/0/items``.
-
-    ``adapter_step`` is the LoRA step (or its ``model_params``); ``base`` the MaxText
-    step the LoRA run started from (or its ``items``), or a full Tunix step of the same
-    model (then pass ``target``). Either may be on ``gs://``. The result holds the base's
-    ``params`` with each adapted weight merged; every other param is the base's stored
-    bytes (hard links or server-side copies, never decoded). Provenance (base, adapter
-    step, alpha, rank, modules, layer axis) goes in the step's custom metadata. The
-    step appears under ``out`` only once complete; nothing is written on a refusal.
-    ``scan="unroll"``/``"stack"`` writes the other scan form.
-    """
-    adapter_dir, _ = adapter_item(adapter_step)
-    plan, adapters, alpha = plan_merge(
-        adapter_step, base, alpha=alpha, target=target, scan=scan, scan_axis=scan_axis
-    )
-    dest = epath.Path(out) / "0"
-    axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
-    report = MergeReport(
-        out=str(dest),
-        status="dry-run" if dry_run else "merged",
-        adapter_step=str(adapter_dir),
-        base=str(base),
-        alpha=alpha,
-        rank=adapters.rank,
-        scale=alpha / adapters.rank,
-        layer_axis=axis if adapters.scanned else None,
-        scan=scan,
-        modules=adapters.modules,
-        merged=[keystr(m.dst) for m in plan.moves if m.op is Op.MERGE_LORA],
-        destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
-        dropped=[
-            {"item": d.item, "path": keystr(d.src), "bytes": d.spec.nbytes, "reason": d.reason}
-            for d in plan.drops
-        ],
-        notes=list(plan.notes),
-    )
-    if dry_run:
-        return report
-    if dest.exists() and (objstore.is_remote(dest) or any(dest.iterdir())):
-        raise StepExistsError(
-            f"{dest}: exists; nothing was written. Remove it or choose another --out."
-        )
-    prov = merge_provenance(plan, adapters, alpha, adapter_dir, base, scan, scan_axis, target)
-    sources = _sources(adapter_step, base)
-    work = stepdir.new_step_dir(dest)
-    try:
-        report.bytes_written = write_items(
-            work, plan, sources, provenance=prov, budget=memory_budget, link=True
-        )
-        if not stepdir.publish_step(work, dest):
-            raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
-    except BaseException:
-        stepdir.discard_step_dir(work)
-        raise
-    return report
-
-
-def _sources(adapter_step: epath.PathLike, base: epath.PathLike) -> dict[str, epath.Path]:
+def merge_sources(adapter_step: epath.PathLike, base: epath.PathLike) -> dict[str, epath.Path]:
     _, params_dir = adapter_item(adapter_step)
     _, item, item_dir = base_source(base)
     return {item: item_dir, LORA_ITEM: params_dir}
@@ -494,4 +374,4 @@ def replay_merge(
         scan_axis=prov.get("scan_axis"),
         unnamed="skip",
     )
-    return plan, _sources(prov["adapter_step"], prov["base"])
+    return plan, merge_sources(prov["adapter_step"], prov["base"])
