@@ -183,13 +183,15 @@ def check(out_item: Path, base_item: Path, lora_item: Path, info: dict) -> None:
     for n, name in enumerate(CHECKED):
         i = (3 + 2 * n) % L
         key = ".".join(("params", "params", *_mod(name, "kernel")))
-        got = _ts_layer(out_item, key, 1, i).astype(np.float32)
-        w = _ts_layer(base_item, key, 1, i).astype(np.float32)
+        got = _ts_layer(out_item, key, 1, i)
+        stored = _ts_layer(base_item, key, 1, i)
+        assert got.dtype == stored.dtype, (name, got.dtype, stored.dtype)
+        got, w = got.astype(np.float32), stored.astype(np.float32)
         lora = ".".join(_mod(name, "kernel_lora"))
         a = _ts_layer(lora_item, f"{lora}_a.value", 1, i)
         b = _ts_layer(lora_item, f"{lora}_b.value", 1, i)
-        want = (w + np.float32(scale) * (a @ b).reshape(shapes[name])).astype(got.dtype)
-        want = want.astype(w.dtype).astype(np.float32)  # as merged: float32, cast to bf16 once
+        want = w + np.float32(scale) * (a @ b).reshape(shapes[name])
+        want = want.astype(stored.dtype).astype(np.float32)  # float32, cast to bf16 once
         assert got.shape == want.shape, (name, got.shape, want.shape)
         # bf16 rounding: within one ulp (2^-8 relative) where the float32 sums differ in order
         bad = ~np.isclose(got, want, rtol=2**-7, atol=1e-6)
@@ -205,7 +207,28 @@ def check(out_item: Path, base_item: Path, lora_item: Path, info: dict) -> None:
 
 
 def child(mode: str, work: Path, out: Path, budget: int) -> None:
-    import jax  # noqa: F401  (everything a merge could touch is imported in every mode)
+    if mode == "cp":  # before any import: cp's ru_maxrss starts from this process's RSS
+        import resource
+
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(work / "base" / "0"), str(out)], check=True)
+        wall = time.perf_counter() - t
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        import orbax_maxtext_layout as oml
+
+        print(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "wall": wall,
+                    "peak_rss_kib": rss,
+                    "written": _du(out),
+                    "package": str(Path(oml.__file__).parent),
+                }
+            )
+        )
+        return
+    import jax
     import numpy as np
     import orbax.checkpoint as ocp
     import tensorstore  # noqa: F401
@@ -219,9 +242,7 @@ def child(mode: str, work: Path, out: Path, budget: int) -> None:
     oml.merge_lora(sft, base, alpha=info["alpha"], out=out, dry_run=True)
     written = 0
     t = time.perf_counter()
-    if mode == "cp":
-        subprocess.run(["cp", "-r", str(base), str(out)], check=True)
-    elif mode == "merge":
+    if mode == "merge":
         report = oml.merge_lora(sft, base, alpha=info["alpha"], out=out, memory_budget=budget)
         written = report.bytes_written
     elif mode == "naive":
@@ -250,23 +271,19 @@ def child(mode: str, work: Path, out: Path, budget: int) -> None:
             del w, wi, delta, layers
         (out / "0").mkdir(parents=True)
         saver = ocp.PyTreeCheckpointHandler(use_ocdbt=True)
-        saver.save(epath.Path(out / "0" / "items"), args=ocp.args.PyTreeSave({"params": params}))
+        saver.save(
+            epath.Path(out / "0" / "items"),
+            args=ocp.args.PyTreeSave({"params": {"params": params}}),
+        )
         saver.finalize(epath.Path(out / "0" / "items"))
     else:
         assert mode == "baseline", mode
     wall = time.perf_counter() - t
-    if mode == "cp":
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    else:
-        rss = _vm_hwm_kib()  # before the check, which reads outside the measurement
+    rss = _vm_hwm_kib()  # before the check, which reads outside the measurement
     if mode in ("merge", "naive"):
         if mode == "naive":
             written = _du(out)
         check(out / "0" / "items", base / "items", sft / "model_params", info)
-    elif mode == "cp":
-        written = _du(out)
     print(
         json.dumps(
             {

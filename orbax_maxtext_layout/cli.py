@@ -31,6 +31,7 @@ from .layout import (
     maxtext_number,
     tunix_step_number,
 )
+from .merge import SOURCE_LAYOUT
 from .plan import Plan, plan_step
 from .spec import read_specs
 from .target import Target
@@ -237,7 +238,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return hint
     results = []
     for info in find_steps(epath.Path(args.root)):
-        if info.layout is Layout.MAXTEXT and (info.path / "model_params").is_dir():
+        if info.layout is not Layout.MAXTEXT:
+            continue
+        merged = (converted_provenance(info.path) or {}).get("source_layout") == SOURCE_LAYOUT
+        if merged or (info.path / "model_params").is_dir():
             results.append(verify_step(info.path, quick=args.quick))
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
@@ -247,7 +251,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for p in r.problems:
                 print(f"  {p}")
         if not results:
-            print("no converted step with legacy items found")
+            print("no converted step with legacy items (or merged LoRA step) found")
     return 0 if all(r.ok for r in results) else 1
 
 
