@@ -31,6 +31,7 @@ from .layout import (
     maxtext_number,
     tunix_step_number,
 )
+from .lora import LoraAdapterStepError
 from .merge import SOURCE_LAYOUT
 from .plan import Plan, plan_step
 from .spec import read_specs
@@ -150,6 +151,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         except (OrbaxMaxTextLayoutError, OSError) as e:
             failures.append((info, e))
             report = StepReport(str(info.path), "failed", info.layout.value, notes=[str(e)])
+            if isinstance(e, LoraAdapterStepError):
+                report.lora = e.adapters.to_dict()
         reports.append(report)
         if bar is not None and plans.get(info.path) is not None:
             bar.update(plans[info.path].source_bytes())

@@ -62,6 +62,7 @@ class StepReport:
     rules: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     bytes_written: int = 0
+    lora: dict[str, Any] | None = None  # a LoRA adapter step: what it holds (`LoraAdapters`)
 
     @classmethod
     def from_plan(cls, step_dir: epath.Path, plan: Plan, status: str, optimizer: str) -> StepReport:

@@ -97,6 +97,10 @@ def test_convert_refuses_lora_step(tmp_path, capsys, dry_run):
     assert code == 1
     _assert_refusal(out, step)
     assert "LoraAdapterStepError" in err
+    code, out, _ = _run([*argv, "--json"], capsys)
+    [report] = json.loads(out)
+    assert report["status"] == "failed" and report["lora"]["rank"] == 2
+    assert len(report["lora"]["modules"]) == 7 and report["lora"]["base_weights"] is False
     assert tree_digest(step.parent) == before  # nothing read into items, written or moved
     assert sorted(p.name for p in step.parent.iterdir()) == ["1"]
 
