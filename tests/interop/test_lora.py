@@ -292,8 +292,10 @@ def merged(work, bases, adapter_steps) -> dict[str, Merged]:
     variants of the scanned random one: ``alpha`` halved (a wrong merge) and ``--unroll``."""
     out = {}
     for (kind, adapters), step in adapter_steps.items():
-        # The base both ways the contract allows: a step directory and its items.
+        # Both forms the contract allows, for the base (a step or its items) and for the
+        # adapters (a step or its model_params).
         base = bases[kind] if kind == "scanned" else bases[kind] / "items"
+        step = step if adapters == "random" else step / "model_params"
         dest = work / "merged" / f"{kind}_{adapters}"
         out[f"{kind}_{adapters}"] = Merged(dest, oml.merge_lora(step, base, alpha=ALPHA, out=dest))
     step = adapter_steps["scanned", "random"]
