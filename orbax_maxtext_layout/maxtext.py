@@ -137,4 +137,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Under ``python -m`` this file runs as ``__main__``: a second copy of the module. The
+    # functions install() puts into MaxText must belong to the one copy importable by name
+    # (``orbax_maxtext_layout.maxtext``), so the runner calls that module's main().
+    from orbax_maxtext_layout import maxtext as _the_module
+
+    _the_module.main()

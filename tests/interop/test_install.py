@@ -42,3 +42,31 @@ def test_install_patches_two_functions_once_and_logs_it(tmp_path, caplog, pristi
     # ...and the module's Orbax is the stock one again outside that call.
     assert mcp.ocp.training.Checkpointer is not Checkpointer
     assert oml.Layout  # the package stays importable beside MaxText
+
+
+def test_runner_installs_the_module_importable_by_name(tmp_path):
+    """``python -m orbax_maxtext_layout.maxtext`` runs the file as ``__main__``; what it
+    installs into MaxText must come from ``orbax_maxtext_layout.maxtext`` (one copy)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys\n"
+        "from maxtext.common import checkpointing as c\n"
+        "import orbax_maxtext_layout.maxtext as m\n"
+        "print('PROBE', c.create_orbax_checkpoint_manager.__module__, "
+        "c.load_params_from_path.__module__)\n"
+        "print('PROBE', '__main__' in {f.__module__ for f in (m.install, m.main)}, "
+        "sys.modules['orbax_maxtext_layout.maxtext'] is m)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "orbax_maxtext_layout.maxtext", script.stem],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout.split("\n")
+    out = [line for line in out if line.startswith("PROBE ")]
+    assert out[0] == "PROBE orbax_maxtext_layout.maxtext orbax_maxtext_layout.maxtext", out
+    assert out[1] == "PROBE False True", out
