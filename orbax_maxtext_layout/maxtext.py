@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 if __name__ == "__main__":
     # Under ``python -m`` this file runs as ``__main__``: a second copy of the module. The
     # functions install() puts into MaxText must belong to the one copy importable by name
-    # (``orbax_maxtext_layout.maxtext``), so the runner calls that module's main().
-    from orbax_maxtext_layout import maxtext as _the_module
+    # (``orbax_maxtext_layout.maxtext``, ``__spec__.name``), so the runner calls its main().
+    import importlib
 
-    _the_module.main()
+    importlib.import_module(__spec__.name).main()

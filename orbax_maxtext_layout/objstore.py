@@ -53,9 +53,18 @@ def _fs(path: epath.PathLike) -> Any:
 
 
 def refresh(path: epath.PathLike) -> None:
-    """Forgets cached listings (the client caches them; tensorstore writes bypass it)."""
+    """Forgets cached listings (the client caches them; tensorstore writes bypass it).
+
+    In every instance of the store's file system class in this process: ``etils.epath``
+    (so Orbax) holds its own gcsfs instance (built with other options than ours), whose
+    listings would otherwise still show what was just deleted, e.g. a moved step's source
+    directory, into which Orbax then refuses to save.
+    """
     with contextlib.suppress(Exception):
-        _fs(path).invalidate_cache()
+        fs = _fs(path)
+        instances = [fs, *getattr(type(fs), "_cache", {}).values()]
+        for inst in {id(i): i for i in instances}.values():
+            inst.invalidate_cache()
 
 
 def _key(fs: Any, path: epath.PathLike) -> str:

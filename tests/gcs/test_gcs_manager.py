@@ -151,6 +151,23 @@ def _killed_move(tmp_path: Path, phase: str) -> Path:
     return run
 
 
+def test_a_finished_move_is_seen_by_orbax_in_the_same_process(gs_prefix, tmp_path, reference):
+    """The manager finishes a move killed while deleting its source, then saves into the
+    source's directory: Orbax (through epath's own gcsfs instance, which had listed the
+    half-deleted source) must see it gone. Found by the SIGKILL campaign below."""
+    remote = gs_prefix.upload(_killed_move(tmp_path, "deleting"), "run")
+    actor = remote / ACTOR
+    # epath lists the run: its gcsfs instance caches "2" (and what is left in it)
+    assert [s.step for s in oml.find_steps(actor)] == [1, 2]
+    assert sorted(p.name for p in (actor / "2").iterdir()) == [
+        "_CHECKPOINT_METADATA",
+        "model_params",
+    ]
+    assert cycle(str(actor), str(TEMPLATE)) == [1, 2]
+    invalidate_gcsfs_caches()
+    assert restored_leaves(actor / "1" / "items") == reference
+
+
 @pytest.mark.parametrize("driver", ["manager", "convert"])
 @pytest.mark.parametrize("phase", ["copying", "copied", "deleting"])
 def test_a_killed_move_is_finished_or_rolled_back(gs_prefix, tmp_path, reference, phase, driver):
