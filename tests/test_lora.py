@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import MAXTEXT_NATIVE, copy_fixture, restore_flat, tree_digest
+from conftest import MAXTEXT_NATIVE, copy_fixture, raw, restore_flat, tree_digest
 from lora_writers import base_params, expected_merge, lora_factors, write_adapters, write_base
 
 import orbax_maxtext_layout as oml
@@ -310,6 +310,44 @@ def test_merge_into_the_real_fixture_base(tmp_path):
     want = expected_merge(base, lora, 4.0, 2, 1)
     for p, w in want.items():
         np.testing.assert_array_equal(got[p], w, err_msg=keystr(p))
+
+
+def test_merge_into_a_full_tunix_base(tmp_path, capsys):
+    """A full Tunix step of the same model as the base: its weights (not its RNG state,
+    which only the target tells apart) are merged and written as MaxText params."""
+    step = copy_fixture(LORA_STEP, tmp_path)
+    base = copy_fixture("tunix017/sft_run/checkpoints/1", tmp_path / "b")
+    err = _refused(tmp_path, capsys, step, base, "--alpha", 4, code=2)
+    assert "only the model tells them apart" in err and "--target-from" in err
+    code, _, err = _run(
+        [
+            "merge-lora",
+            step,
+            "--base",
+            base,
+            "--alpha",
+            4,
+            "--out",
+            tmp_path / "m",
+            "--target-from",
+            MAXTEXT_NATIVE,
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    got = _params(tmp_path / "m" / "0")
+    stored = {p: raw(v) for p, v in restore_flat(base / "model_params").items()}
+    weights = {
+        p[:-1]: v
+        for p, v in stored.items()
+        if p[:-1] in oml.Target.from_checkpoint(MAXTEXT_NATIVE).params
+    }
+    assert len(weights) == 12 and set(got) == set(weights)
+    lora = {p[:-1]: np.asarray(v) for p, v in restore_flat(step / "model_params").items()}
+    want = expected_merge(weights, lora, 4.0, 2, 1)
+    for p, w in want.items():
+        np.testing.assert_array_equal(got[p], w, err_msg=keystr(p))
+    assert oml.verify_step(tmp_path / "m" / "0").ok
 
 
 def _refused(tmp_path, capsys, a, b, *extra, code=1):
