@@ -19,9 +19,9 @@ from pathlib import Path
 
 from etils import epath
 
-from . import objstore
+from . import objstore, run
 from ._version import EXAMPLES_DIR as EXAMPLES
-from .convert import StepReport, convert_step, converted_provenance, merge_lora
+from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
 from .layout import (
     Layout,
@@ -33,7 +33,7 @@ from .layout import (
 )
 from .lora import LoraAdapterStepError
 from .merge import SOURCE_LAYOUT
-from .plan import Plan, plan_step
+from .plan import plan_step
 from .spec import read_specs
 from .target import Target
 from .verify import verify_step
@@ -53,6 +53,8 @@ def _parse_steps(text: str | None) -> set[int] | None:
 def _load_target(args: argparse.Namespace) -> Target | None:
     if args.target_from:
         return Target.from_checkpoint(args.target_from)
+    if args.maxtext_config:
+        return _target_from_maxtext_config(args.maxtext_config)
     if args.target:
         module, _, fn = args.target.partition(":")
         made = getattr(importlib.import_module(module), fn)()
@@ -62,6 +64,43 @@ def _load_target(args: argparse.Namespace) -> Target | None:
             return Target.from_items(made)  # MaxText's own abstract items
         return Target.from_nnx(made)
     return None
+
+
+def _target_from_maxtext_config(argv: list[str]) -> Target:
+    """Built by MaxText (metadata only), on CPU unless ``JAX_PLATFORMS`` says otherwise: an
+    accelerator of this host may be busy training, and none is needed."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    from .maxtext import target_from_config
+
+    try:
+        return target_from_config(argv)
+    except ImportError as e:  # MaxText is not a dependency: a usage error (exit 2)
+        raise UsageError(f"cannot build the target: {e}") from e
+
+
+class _MaxTextConfigValues(argparse.Action):
+    """``--maxtext-config CONFIG [KEY=VALUE ...]``: refuses a value that is neither (positional
+    arguments after its values are moved in front of it first, by `_positionals_first`)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Sequence[str],
+        option_string: str | None = None,
+    ) -> None:
+        for i, v in enumerate(values):
+            if "=" in v or (i == 0 and v.endswith(".yml")):
+                continue
+            what = "a MaxText config file (.yml)" if i == 0 else "a KEY=VALUE override"
+            parser.error(
+                f"{option_string} takes the config file (.yml), then KEY=VALUE overrides, as "
+                f"MaxText's commands do; {v!r} is not {what}."
+            )
+        setattr(namespace, self.dest, list(values))
 
 
 def parse_size(text: str) -> int:
@@ -112,17 +151,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"error: cannot build the target: {e}", file=sys.stderr)
         return 2
     if target is None:
-        print("error: convert needs --target-from DIR or --target MODULE:FUNCTION", file=sys.stderr)
+        print(
+            "error: convert needs --target-from DIR, --target MODULE:FUNCTION or "
+            "--maxtext-config CONFIG [KEY=VALUE ...]",
+            file=sys.stderr,
+        )
         return 2
     wanted = _parse_steps(args.steps)
     root = epath.Path(args.root)
     if (hint := _no_steps_hint(root)) is not None:
         return hint
     steps = [s for s in find_steps(root) if wanted is None or s.step in wanted]
-    show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
-    plans = {s.path: _plan(s, target, args) for s in steps} if show else {}
-    bar = _progress(sum(p.source_bytes() for p in plans.values() if p is not None), show)
     reports, failures = [], []
+    inside = []
     for info in steps:
         if not args.follow_symlinks and _outside(root, info.path):
             note = (
@@ -132,10 +173,28 @@ def cmd_convert(args: argparse.Namespace) -> int:
             reports.append(StepReport(str(info.path), "skipped", info.layout.value, notes=[note]))
             if not args.json and not args.quiet:
                 print(f"{info.path}: skipped ({note})", flush=True)
-            continue
+        else:
+            inside.append(info)
+    # The run plan: every step's conversion plan, then the renumbering moves, in the order
+    # the real run makes them; the dry run reports it, the real run makes the moves under
+    # each directory's lock (planning them again there) and converts each step where it lands.
+    renumber = not args.keep_step_numbers
+    moves = renumber and args.out is None
+
+    def plan_of(step_dir):
+        return plan_step(
+            step_dir, target, optimizer=args.optimizer, ignore=args.ignore, scan=args.rescan
+        )
+
+    placed = run.plan_run(inside, plan_of, renumber=moves)
+    if moves and not args.dry_run:
+        placed = run.apply_moves(placed, plan_of)
+    show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
+    bar = _progress(sum(p.plan.source_bytes() for p in placed if p.plan is not None), show)
+    for p in placed:
         try:
-            report = convert_step(
-                info.path,
+            report = convert_placed(
+                p,
                 target,
                 dry_run=args.dry_run,
                 optimizer=args.optimizer,
@@ -143,19 +202,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 in_place=args.in_place,
                 remove_legacy=args.remove_legacy,
-                out=_dest(root, info, args.out, renumber=not args.keep_step_numbers),
+                out=_dest(root, p.info, args.out, renumber=renumber),
                 rescan=args.rescan,
-                renumber=not args.keep_step_numbers,
-                plan=plans.get(info.path),
+                renumber=renumber and args.out is not None,
             )
         except (OrbaxMaxTextLayoutError, OSError) as e:
-            failures.append((info, e))
-            report = StepReport(str(info.path), "failed", info.layout.value, notes=[str(e)])
+            failures.append((p.info, e))
+            report = StepReport(str(p.info.path), "failed", p.info.layout.value, notes=[str(e)])
             if isinstance(e, LoraAdapterStepError):
                 report.lora = e.adapters.to_dict()
         reports.append(report)
-        if bar is not None and plans.get(info.path) is not None:
-            bar.update(plans[info.path].source_bytes())
+        if bar is not None and p.plan is not None:
+            bar.update(p.plan.source_bytes())
         if not args.json and not args.quiet:
             print(
                 report
@@ -222,18 +280,6 @@ def _no_steps_hint(root: epath.Path) -> int | None:
         file=sys.stderr,
     )
     return 1
-
-
-def _plan(info: StepInfo, target: Target, args: argparse.Namespace) -> Plan | None:
-    """The plan of a Tunix-layout step (for the progress total; reused by the conversion)."""
-    if info.layout is not Layout.TUNIX:
-        return None
-    try:
-        return plan_step(
-            info.path, target, optimizer=args.optimizer, ignore=args.ignore, scan=args.rescan
-        )
-    except OrbaxMaxTextLayoutError:
-        return None  # reported by the conversion itself
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -373,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="MODULE:FUNCTION",
             help="returns an abstract nnx.Module/State, a Target, or MaxText abstract items",
         )
+        g.add_argument(
+            "--maxtext-config",
+            nargs="+",
+            action=_MaxTextConfigValues,
+            metavar=("CONFIG", "KEY=VALUE"),
+            help="MaxText 0.2.5 builds the target from its config, given as its commands take "
+            "it: the config file (e.g. .../maxtext/configs/base.yml), then KEY=VALUE overrides "
+            "(metadata only; needs maxtext installed)",
+        )
 
     c = sub.add_parser("convert", help="convert every Tunix-layout step under ROOT")
     c.add_argument("root")
@@ -468,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--base",
         required=True,
         help="the MaxText step the LoRA run started from (or its items/), or a full Tunix "
-        "step of the same model (then also --target-from/--target)",
+        "step of the same model (then also --target-from/--target/--maxtext-config)",
     )
     m.add_argument(
         "--alpha",
@@ -517,8 +572,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positionals_first(argv: Sequence[str]) -> list[str]:
+    """Moves positional arguments given after ``--maxtext-config``'s values in front of it.
+
+    argparse's ``nargs="+"`` would take them as the option's values, and then miss them. The
+    values are the config file, then KEY=VALUE overrides (MaxText's own arguments): any other
+    value that follows, up to the next option, is a positional argument (a path with ``=`` in
+    it must be given before the option).
+    """
+    out = list(argv)
+    end = out.index("--") if "--" in out else len(out)
+    if "--maxtext-config" not in out[:end]:
+        return out
+    i = out.index("--maxtext-config")
+    j = i + 2  # past the option and its config file
+    values, moved = [], []
+    while j < end and not out[j].startswith("-"):
+        (values if "=" in out[j] else moved).append(out[j])
+        j += 1
+    return out[:i] + moved + out[i : i + 2] + values + out[j:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(_positionals_first(argv))
     try:
         return args.fn(args)
     except UsageError as e:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from . import merge, objstore, stepdir
+from . import merge, objstore, run, stepdir
 from ._version import __version__
 from .errors import (
     CheckpointReadError,
@@ -28,11 +28,14 @@ from .errors import (
 from .layout import (
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
+    TUNIX_STEP_KEY,
     Layout,
     detect_layout,
+    find_steps,
     is_committed,
     maxtext_number,
     read_provenance,
+    read_step_metadata,
     tunix_items,
     tunix_step_number,
 )
@@ -162,16 +165,23 @@ def convert_step(
         ``in_place``/``remove_legacy`` were asked together with ``out``.
     """
     step_dir = epath.Path(step_dir)
+    opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan)
+    if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
+        [placed] = run.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
+        if not dry_run:
+            [placed] = run.apply_moves([placed], lambda d: plan_step(d, target, **opts))
+        kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place)
+        return convert_placed(placed, target, dry_run=dry_run, remove_legacy=remove_legacy, **kw)
     dest = epath.Path(out) if out is not None else step_dir
     if out is not None and (in_place or remove_legacy):
         raise ReadOnlyStepError(
             f"{step_dir}: in_place/remove_legacy modify the source step; they cannot be "
             f"combined with a separate destination ({dest})."
         )
-    moved: list[str] = []  # notes on moves of the step directory (renumbering)
+    moved: list[str] = []  # a killed renumbering into this directory, finished first
     if objstore.is_remote(step_dir) and not dry_run and (step_dir / objstore.MOVING).exists():
         with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
-            moved += [n for n in [objstore.finish_move(step_dir)] if n]  # a killed renumbering
+            moved += [n for n in [objstore.finish_move(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
@@ -208,49 +218,10 @@ def convert_step(
             f"{step_dir}: in_place cannot change the scan form: every array is re-sliced."
         )
     if renumber and (tunix_step_number(step_dir) or 0) < 1 and step_dir.name.isdigit():
-        return StepReport(str(step_dir), "skipped", layout.value, notes=[_TUNIX_ZERO])
-    numbering: dict[str, Any] = {}
-    if renumber:
-        tunix_step = tunix_step_number(step_dir)
-        if tunix_step is None:
-            raise CheckpointReadError(
-                f"{step_dir}: not a numbered step directory; convert it with renumber=False "
-                "(--keep-step-numbers)."
-            )
-        numbering = {"numbering": "maxtext", "tunix_directory": step_dir.name}
-        home = step_dir.parent / str(maxtext_number(tunix_step))
-        if out is None and home != step_dir:
-            # Renumbering renames directories of the same run: one at a time, with the
-            # plan made under the same lock, so a concurrent converter never plans a
-            # directory that is being moved.
-            try:
-                with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
-                    if objstore.is_remote(home) and not dry_run:
-                        moved += [n for n in [objstore.finish_move(home)] if n]
-                    if detect_layout(step_dir) is not Layout.TUNIX:  # moved or converted meanwhile
-                        return StepReport(
-                            str(step_dir), "skipped", "gone", notes=[*moved, "renumbered meanwhile"]
-                        )
-                    plan = plan or plan_step(
-                        step_dir, target, optimizer=optimizer, ignore=ignore, scan=rescan
-                    )
-                    if dry_run and home.exists():
-                        raise StepExistsError(
-                            f"{step_dir}: cannot renumber it to {home}: it exists."
-                        )
-                    if not dry_run:
-                        stepdir.move_step(step_dir, home, tunix_step)
-            except StepLocked as e:
-                return StepReport(str(step_dir), "locked", layout.value, notes=[str(e)])
-            moved.append(
-                f"Tunix directory {step_dir.name} {'would move' if dry_run else 'moved'} to "
-                f"{home.name} (MaxText's number for the state after {tunix_step} updates)"
-            )
-            if not dry_run:
-                step_dir = dest = epath.Path(home)
+        return StepReport(str(step_dir), "skipped", layout.value, notes=[run.TUNIX_ZERO])
+    numbering = _numbering(step_dir, renumber)
     # Planned before anything is written: a step that does not fit the target stays as it is.
-    if plan is None:
-        plan = plan_step(step_dir, target, optimizer=optimizer, ignore=ignore, scan=rescan)
+    plan = plan or plan_step(step_dir, target, **opts)
     if dry_run:
         report = StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
         report.notes = moved + report.notes
@@ -271,6 +242,49 @@ def convert_step(
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
+
+
+def _numbering(step_dir: epath.Path, renumber: bool) -> dict[str, Any]:
+    """What the provenance records of a step in MaxText's numbering.
+
+    ``renumber`` (a copy under ``out``): the source's number becomes MaxText's. Otherwise,
+    a step sits at MaxText's number if its directory is the one for the update count it
+    recorded when it was moved (`TUNIX_STEP_KEY`).
+    """
+    if renumber:
+        if tunix_step_number(step_dir) is None:
+            raise CheckpointReadError(
+                f"{step_dir}: not a numbered step directory; convert it with renumber=False "
+                "(--keep-step-numbers)."
+            )
+        return {"numbering": "maxtext", "tunix_directory": step_dir.name}
+    custom = read_step_metadata(step_dir).get("custom_metadata") or {}
+    recorded = custom.get(TUNIX_STEP_KEY)
+    if isinstance(recorded, int) and step_dir.name == str(maxtext_number(recorded)):
+        return {"numbering": "maxtext", "tunix_directory": str(recorded)}
+    return {}
+
+
+def convert_placed(
+    placed: run.Placement, target: Target, *, dry_run: bool = False, **kwargs: Any
+) -> StepReport:
+    """Converts one step of a run plan (`run.plan_run`) where its moves put it.
+
+    ``kwargs`` go to `convert_step`. A step the plan skips, refuses or found locked is
+    reported so (a refusal raises its error, as the conversion would).
+    """
+    info, listed = placed.info, str(placed.info.path)
+    if placed.skip:
+        return StepReport(listed, "skipped", info.layout.value, notes=[*placed.notes, placed.skip])
+    if placed.locked:
+        return StepReport(listed, "locked", info.layout.value, notes=[*placed.notes, placed.locked])
+    if placed.error is not None:
+        raise placed.error
+    where = placed.info.path if dry_run else placed.path  # a dry run moves nothing
+    report = convert_step(where, target, dry_run=dry_run, plan=placed.plan, **kwargs)
+    would = [placed.move.note(done=False)] if dry_run and placed.move else []
+    report.notes = [*placed.notes, *would, *report.notes]
+    return report
 
 
 def _convert_to(src, dest, plan, optimizer, use_zarr3, budget, numbering) -> StepReport:
@@ -304,13 +318,6 @@ def _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering)
         raise
     report.step_dir = str(dest)
     return report
-
-
-_TUNIX_ZERO = (
-    "Tunix directory 0 holds the state before any update; MaxText numbers a directory by the "
-    "updates done minus one, so it has no directory for it. Not converted; use "
-    "--keep-step-numbers (renumber=False) to convert it as directory 0."
-)
 
 
 def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra) -> StepReport:

@@ -137,6 +137,24 @@ def _remote_owner(path: epath.Path) -> dict:
     return owner if isinstance(owner, dict) else {}
 
 
+def holder(step_dir: epath.Path, *, name: str = LOCK_NAME) -> str | None:
+    """Who holds the lock of ``step_dir`` (a live owner), or None: the lock is free, or
+    its owner died (`step_lock` would break it). Reads the lock file only."""
+    if objstore.is_remote(step_dir):
+        path = epath.Path(step_dir) / name
+        if not path.exists():
+            return None
+        owner = _remote_owner(path)
+    else:
+        path = os.path.join(str(step_dir), name)
+        if not os.path.exists(path):
+            return None
+        owner = _owner(path)
+    if _stale(owner):
+        return None
+    return f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
+
+
 def break_stale_lock(step_dir: epath.Path) -> bool:
     """Removes a lock whose owner died on this host (or that has no owner); True if removed."""
     if objstore.is_remote(step_dir):

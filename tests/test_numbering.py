@@ -4,11 +4,18 @@ updates) becomes directory N - 1, which is where MaxText keeps that state."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from conftest import FIXTURES, MAXTEXT_NATIVE, copy_fixture, restore_flat, tree_digest
 from orbax.checkpoint.experimental import v1 as ocp1
 from test_cli import cli
@@ -206,3 +213,126 @@ def _raw(x):
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return np.asarray(jax.random.key_data(x))
     return np.asarray(x)
+
+
+# -- the run plan: the dry run reports what the real run does ----------------------------------
+_MOVE = re.compile(r"Tunix directory (\d+) (?:would move|moved) to (\d+)")
+
+
+def _outcomes(reports: list[dict]) -> list[tuple[str, str, tuple]]:
+    """Per listed step: its outcome (a dry run's 'dry-run' is the real run's 'converted') and
+    the moves its notes report."""
+    out = []
+    for r in reports:
+        status = "converted" if r["status"] == "dry-run" else r["status"]
+        moves = tuple(m.groups() for n in r["notes"] for m in [_MOVE.search(n)] if m)
+        where = Path(r["step_dir"])
+        listed = where.parent / moves[0][0] if moves else where
+        out.append((str(listed), status, moves))
+    return sorted(out)
+
+
+def _held(step: Path) -> None:
+    """A live process (this one) holds the step's lock, as a converter busy with it does."""
+    owner = {"pid": os.getpid(), "host": socket.gethostname()}
+    (step / ".orbax-maxtext-layout.lock").write_text(json.dumps(owner))
+
+
+def _scenario(tmp_path, name):
+    if name == "roles":
+        root = tmp_path / "run" / "checkpoints"
+        for role in ("actor", "critic"):
+            for n in (1, 2, 3):
+                shutil.copytree(MODEL_ONLY, root / role / str(n))
+        return root
+    numbers = {"consecutive": [1, 2, 3], "gaps": [2, 5, 9], "tunix_zero": [0, 1, 2]}
+    root = _run(tmp_path, numbers.get(name, [2, 3, 4]))
+    if name == "maxtext_at_n_minus_1":
+        shutil.copytree(MAXTEXT_NATIVE, root / "1")  # a MaxText step already at 1
+    if name == "held":
+        _held(root / "3")
+    return root
+
+
+@pytest.mark.parametrize(
+    "name", ["consecutive", "gaps", "tunix_zero", "maxtext_at_n_minus_1", "held", "roles"]
+)
+def test_dry_run_reports_what_the_real_run_does(tmp_path, name):
+    dry_root = _scenario(tmp_path / "dry", name)
+    real_root = _scenario(tmp_path / "real", name)
+    before = tree_digest(dry_root)
+    dry = _convert(dry_root, "--dry-run", check_rc=None)
+    assert tree_digest(dry_root) == before  # the dry run moves and writes nothing
+    real = _convert(real_root, check_rc=None)
+    assert dry.returncode == real.returncode, (dry.stderr, real.stderr)
+    rel = lambda o: [(str(Path(p).relative_to(r)), s, m) for (p, s, m), r in o]  # noqa: E731
+    got_dry = rel([(o, dry_root) for o in _outcomes(json.loads(dry.stdout))])
+    got_real = rel([(o, real_root) for o in _outcomes(json.loads(real.stdout))])
+    assert got_dry == got_real
+    expected = {
+        "consecutive": [
+            ("1", "converted", (("1", "0"),)),
+            ("2", "converted", (("2", "1"),)),
+            ("3", "converted", (("3", "2"),)),
+        ],
+        "gaps": [
+            ("2", "converted", (("2", "1"),)),
+            ("5", "converted", (("5", "4"),)),
+            ("9", "converted", (("9", "8"),)),
+        ],
+        # Tunix 0 stays (no MaxText number), so 1 cannot take its place, nor 2 take 1's.
+        "tunix_zero": [("0", "skipped", ()), ("1", "failed", ()), ("2", "failed", ())],
+        "maxtext_at_n_minus_1": [
+            ("1", "skipped", ()),
+            ("2", "failed", ()),
+            ("3", "failed", ()),
+            ("4", "failed", ()),
+        ],
+        # 3 is held where it is; 2 moves to 1; 4 waits behind 3 (reported, not failed).
+        "held": [("2", "converted", (("2", "1"),)), ("3", "locked", ()), ("4", "locked", ())],
+        "roles": [
+            (f"{role}/{n}", "converted", ((str(n), str(n - 1)),))
+            for role in ("actor", "critic")
+            for n in (1, 2, 3)
+        ],
+    }[name]
+    assert got_real == expected
+    if name in ("tunix_zero", "maxtext_at_n_minus_1"):
+        assert "StepExistsError" in real.stderr and "StepExistsError" in dry.stderr
+
+
+def _converters(root: Path, n: int) -> list[subprocess.Popen]:
+    args = ["convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--optimizer", "drop"]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "orbax_maxtext_layout", *args, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+        )
+        for _ in range(n)
+    ]
+
+
+REPEATS = 12 if os.environ.get("OMTL_RELIABILITY_FULL", "") not in ("", "0") else 3
+
+
+@pytest.mark.parametrize("repeat", range(REPEATS))
+def test_concurrent_renumbering_converters_never_fail_falsely(tmp_path, repeat):
+    """Three converters started together on one run of six Tunix steps, renumbering: each
+    step is moved and converted exactly once, every converter exits 0, nothing is lost."""
+    root = _run(tmp_path, [1, 2, 3, 4, 5, 6])
+    procs = _converters(root, 3)
+    results = [(*p.communicate(timeout=300), p.returncode) for p in procs]
+    for _, err, rc in results:
+        assert rc == 0, err[-3000:]
+    reports = [r for out, _, _ in results for r in json.loads(out)]
+    converted = sorted(r["step_dir"] for r in reports if r["status"] == "converted")
+    assert converted == sorted(str(root / str(n)) for n in range(6))  # once each
+    assert not [r for r in reports if r["status"] == "failed"]
+    assert sorted(p.name for p in root.iterdir()) == [str(n) for n in range(6)]
+    for n in range(6):
+        assert int(restore_flat(root / str(n) / "items")[("step",)]) == n + 1
+        assert oml.tunix_step_number(root / str(n)) == n + 1
+        assert oml.verify_step(root / str(n)).ok
