@@ -287,7 +287,9 @@ def lora_delta_added(
     """``w + scale * reshape(a @ b, w.shape)`` computed in at least float32, cast once."""
     wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
     acc = np.float64 if wide else np.float32
-    out = w if inplace and w.flags.writeable else np.empty(w.shape, w.dtype)
+    # In place only into a buffer of its own that a reshape views (not a strided view).
+    own = inplace and w.flags.writeable and w.flags.c_contiguous
+    out = w if own else np.empty(w.shape, w.dtype)
     rows = a.shape[0]
     w2 = np.reshape(w, (rows, -1))
     o2 = np.reshape(out, (rows, -1))

@@ -244,7 +244,7 @@ def read_array(
         raise CheckpointReadError(f"{src.dir}: cannot read {param_name(path)}: {e}") from e
 
 
-def _release_large_buffers() -> None:
+def release_large_buffers() -> None:
     """Make glibc return large freed buffers to the OS at once.
 
     glibc raises its mmap threshold after freeing a large block (up to 32 MiB), so
@@ -287,7 +287,7 @@ def copy_chunks(
     """
     if not moves:
         return 0
-    _release_large_buffers()
+    release_large_buffers()
     written = 0
     batch: list[tuple[Move, list[bytes]]] = []
     held = 0

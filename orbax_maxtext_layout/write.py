@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 from etils import epath
 
 from . import orbax_files, stepdir, tskv
@@ -81,7 +82,7 @@ def write_items(
 
         for m in decoded:  # one array at a time: memory stays near the largest one
             if m.op is Op.MERGE_LORA:
-                _write_merge(m, read_layer, dst_json, zarr3, ctx)
+                _write_merge(m, read_layer, dst_json, zarr3, ctx, budget)
                 continue
             data = apply_op(m, read)
             tskv.write_array(
@@ -113,8 +114,16 @@ def chunk_shape(m: Move) -> tuple[int, ...]:
     return out
 
 
-def _write_merge(m: Move, read_layer, dst_json: dict, zarr3: bool, ctx) -> None:
-    """Writes a merge_lora move one layer at a time (one layer slice in memory)."""
+def _write_merge(m: Move, read_layer, dst_json: dict, zarr3: bool, ctx, budget: int) -> None:
+    """Writes a merge_lora move one layer at a time.
+
+    A stacked base kernel is read once when it fits in ``budget`` (Orbax stores an array
+    written from one host as one chunk, so reading any layer decodes all of them: reading
+    per layer would decode it once per layer for the same peak); otherwise layer by layer
+    (with per-layer or smaller stored chunks, only those are decoded). Each layer is merged
+    in a buffer of its own and written as its own chunk.
+    """
+    tskv.release_large_buffers()
     out = m.out_spec
     store = tskv.create_array(
         dst_json,
@@ -128,8 +137,17 @@ def _write_merge(m: Move, read_layer, dst_json: dict, zarr3: bool, ctx) -> None:
     if m.layer_count is None:
         tskv.write_part(store, merge_layer(m, 0, read_layer, inplace=True))
         return
+    read = read_layer
+    if not m.layers and m.spec.nbytes <= budget:
+        whole = read_layer(m.item, m.src, None, None)
+
+        def read(item, path, axis, index):
+            if (item, path) == (m.item, m.src) and axis is not None and index is not None:
+                return np.take(whole, index, axis=axis)  # a copy: merged in place
+            return read_layer(item, path, axis, index)
+
     for i in range(m.layer_count):
-        tskv.write_part(store, merge_layer(m, i, read_layer, inplace=True), (m.axis, i))
+        tskv.write_part(store, merge_layer(m, i, read, inplace=True), (m.axis, i))
 
 
 def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
