@@ -73,10 +73,8 @@ def _target_from_maxtext_config(argv: list[str]) -> Target:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
-    from .maxtext import target_from_config
-
     try:
-        return target_from_config(argv)
+        return Target.from_maxtext_config(argv)
     except ImportError as e:  # MaxText is not a dependency: a usage error (exit 2)
         raise UsageError(f"cannot build the target: {e}") from e
 

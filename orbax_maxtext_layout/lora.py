@@ -192,13 +192,18 @@ def adapters_of(
     )
 
 
+def model_paths(specs: Mapping[Path, LeafSpec]) -> dict[Path, Path]:
+    """``{model path: stored path}`` of a ``model_params`` item: ``value`` levels removed."""
+    cur, _ = R.apply(R.unwrap_value, {p: p for p in specs})
+    return cur
+
+
 def adapters_in(
     item_dir: epath.PathLike, custom_metadata: Mapping[str, Any] | None = None
 ) -> LoraAdapters | None:
     """The `LoraAdapters` of a ``model_params`` item directory (metadata only), or None."""
     specs = read_specs(epath.Path(item_dir))
-    cur, _ = R.apply(R.unwrap_value, {p: p for p in specs})
-    return adapters_of(cur, specs, custom_metadata)
+    return adapters_of(model_paths(specs), specs, custom_metadata)
 
 
 def _layer_axis(factors: Iterable[Factors]) -> tuple[int | None, int | None]:

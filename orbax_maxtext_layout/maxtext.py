@@ -25,25 +25,21 @@ This module is the only one in the package that imports MaxText, and only in `in
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import runpy
 import sys
-import tempfile
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
-from .errors import UsageError
 from .layout import MAXTEXT_ITEM, Layout, detect_layout, step_dir_of
 
 if TYPE_CHECKING:
-    from .target import Target
+    pass
 
-__all__ = ["install", "main", "target_from_config"]
+__all__ = ["install", "main"]
 
 logger = logging.getLogger(__name__)
 _MARK = "_orbax_maxtext_layout_original"
@@ -132,136 +128,6 @@ class _View(types.SimpleNamespace):
 
 # MaxText 0.2.5's pre-training main (``trainers/pre_train/train.py``, ``initialize``) sets
 # ``jax_default_prng_impl`` to this before anything else: its RNG state holds these keys.
-MAXTEXT_PRNG_IMPL = "unsafe_rbg"
-
-
-def target_from_config(argv: Sequence[str]) -> Target:
-    """The `Target` MaxText's pre-training loop restores, built by MaxText 0.2.5 from its config.
-
-    ``argv`` is what follows the program in a MaxText command: the config file, then its
-    ``KEY=VALUE`` overrides, e.g. ``[".../configs/base.yml", "model_name=llama3.1-8b",
-    "scan_layers=true"]``; MaxText finds the config file (a path, or
-    ``src/maxtext/configs/...`` in the installed package). The steps are MaxText's own, as
-    ``train.py`` and ``train_utils.setup_train_loop`` take them: the config from ``pyconfig``;
-    the mesh (``maxtext_utils.get_mesh_from_config``); the abstract model
-    (``model_creation_utils.create_nnx_abstract_model``) and the optimizer
-    (``train_utils.create_training_optimizer``) in a ``TrainStateNNX``, made abstract by
-    ``maxtext_utils.get_abstract_state`` (``nnx.eval_shape``: shapes, dtypes and shardings,
-    no weights); its on-disk form ``train_state_nnx.to_checkpoint_dict``, what MaxText passes
-    to its restore; then `Target.from_items`.
-
-    Side effects are contained: ``jax_default_prng_impl`` is ``unsafe_rbg`` (as ``train.py``
-    sets it) only during the call; ``base_output_directory`` (MaxText's default is
-    ``./maxtext_output``, a given one is replaced) is a temporary directory, removed
-    afterwards; the JAX distributed system is not initialized (``skip_jax_distributed_system``;
-    these two are not overridden where MaxText's ``M_<KEY>`` environment variable sets them);
-    what MaxText prints goes to stderr. The mesh is built on this process's JAX devices, as
-    MaxText builds it: a config whose parallelism needs more devices fails (override its
-    ``ici_*``/``dcn_*`` keys); the CLI runs this on CPU unless ``JAX_PLATFORMS`` is set.
-
-    Raises ImportError (naming what to install) where MaxText cannot be imported, and
-    `UsageError` where MaxText rejects the config or cannot build its model, and for
-    ``lora.enable_lora=true`` (MaxText checkpoints only the adapters of a LoRA run; pass the
-    base model's config).
-    """
-    args = [argv] if isinstance(argv, str) else [str(a) for a in argv]
-    if not args:
-        raise UsageError(
-            "MaxText's config is needed: the config file (e.g. .../maxtext/configs/base.yml), "
-            "then its KEY=VALUE overrides."
-        )
-    mt = _maxtext_for_config()
-    from .target import Target
-
-    with contextlib.redirect_stdout(sys.stderr), _maxtext_prng():
-        with tempfile.TemporaryDirectory(prefix="orbax-maxtext-layout-config-") as scratch:
-            try:
-                config = _maxtext_config(mt.pyconfig, args, scratch)
-            except Exception as e:
-                raise UsageError(
-                    f"MaxText rejects the config {' '.join(args)}: {type(e).__name__}: {e}"
-                ) from e
-            if getattr(getattr(config, "lora", None), "enable_lora", False):
-                raise UsageError(
-                    "lora.enable_lora=true: MaxText checkpoints only the adapters of a LoRA run. "
-                    "Pass the base model's config (without lora.enable_lora); merge adapters "
-                    "with merge-lora."
-                )
-            try:
-                items = _train_state_items(mt, config)
-            except Exception as e:
-                raise UsageError(
-                    f"MaxText cannot build the model and optimizer of {' '.join(args)}: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
-    return Target.from_items(items)
-
-
-def _maxtext_for_config() -> types.SimpleNamespace:
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # MaxText prints notes when imported
-            from maxtext.common import train_state_nnx
-            from maxtext.configs import pyconfig
-            from maxtext.utils import maxtext_utils, model_creation_utils, train_utils
-    except ImportError as e:
-        raise ImportError(
-            "a target from MaxText's config is built by MaxText, which cannot be imported here "
-            f"({e}). Install maxtext 0.2.5 (it needs Python 3.12) in this environment, or pass "
-            "a MaxText checkpoint of the same model instead (--target-from DIR, "
-            "Target.from_checkpoint)."
-        ) from e
-    return types.SimpleNamespace(
-        pyconfig=pyconfig,
-        maxtext_utils=maxtext_utils,
-        model_creation_utils=model_creation_utils,
-        train_utils=train_utils,
-        train_state_nnx=train_state_nnx,
-    )
-
-
-@contextlib.contextmanager
-def _maxtext_prng() -> Iterator[None]:
-    import jax
-
-    previous = jax.config.jax_default_prng_impl
-    jax.config.update("jax_default_prng_impl", MAXTEXT_PRNG_IMPL)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_default_prng_impl", previous)
-
-
-def _maxtext_config(pyconfig: Any, args: list[str], scratch: str) -> Any:
-    """``pyconfig.initialize(["", *args])``, as MaxText's pre-training main reads its config.
-
-    Called without ``initialize``'s error handler, which writes ``/dev/termination-log`` and
-    exits the process (outside pytest): here a rejected config is an exception.
-    """
-    own = {
-        "base_output_directory": os.path.join(scratch, "maxtext_output"),
-        "skip_jax_distributed_system": True,
-    }
-    kwargs = {k: v for k, v in own.items() if pyconfig.yaml_key_to_env_key(k) not in os.environ}
-    return pyconfig.HyperParameters(pyconfig._initialize_pydantic(["", *args], **kwargs))
-
-
-def _train_state_items(mt: types.SimpleNamespace, config: Any) -> Any:
-    """The abstract ``TrainStateNNX`` of ``train_utils.setup_train_loop``, in its on-disk form."""
-    from flax import nnx
-
-    mesh = mt.maxtext_utils.get_mesh_from_config(config)
-    create_model, model = mt.model_creation_utils.create_nnx_abstract_model(config, mesh)
-    _, tx = mt.train_utils.create_training_optimizer(config, model, mesh=mesh)
-
-    def create_train_state_fn() -> Any:  # setup_train_loop's, without LoRA (refused above)
-        model = create_model()
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        return mt.train_state_nnx.TrainStateNNX(model, optimizer)
-
-    abstract, _, _ = mt.maxtext_utils.get_abstract_state(
-        config, mesh, create_train_state_fn, is_training=True
-    )
-    return mt.train_state_nnx.to_checkpoint_dict(abstract)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -31,7 +31,14 @@ from .layout import (
     detect_layout,
     read_step_metadata,
 )
-from .lora import LoraAdapters, adapters_in, fits_kernel, per_layer_shape
+from .lora import (
+    LoraAdapters,
+    adapters_of,
+    factor_paths,
+    fits_kernel,
+    model_paths,
+    per_layer_shape,
+)
 from .moves import Drop, LoraFactor, Move, Op, Plan
 from .paths import Path, keystr
 from .plan import narrow, plan_step
@@ -80,26 +87,25 @@ def base_source(base: epath.PathLike) -> tuple[epath.Path, str, epath.Path]:
 def read_adapters(adapter_dir: epath.Path, params_dir: epath.Path) -> LoraAdapters:
     """The adapters of a LoRA step, or a `LayoutMismatchError` naming what else it holds."""
     custom = read_step_metadata(adapter_dir).get("custom_metadata") or {}
-    found = adapters_in(params_dir, custom)
-    if found is None:
-        specs = read_specs(params_dir)
-        others = [
-            f"{keystr(p)} ({s})"
-            for p, s in sorted(specs.items(), key=lambda kv: keystr(kv[0]))
-            if not str(p[-2] if p[-1] == "value" and len(p) > 1 else p[-1]).endswith(
-                ("_lora_a", "_lora_b")
-            )
-        ]
-        raise LayoutMismatchError(
-            f"{adapter_dir}: not a LoRA adapter step: its model_params holds "
-            f"{len(others)} leaves that are not LoRA factors (<weight>_lora_a/_lora_b)"
-            + ("" if others else " or unpaired factors")
-            + ":",
-            others or [keystr(p) for p in specs],
-            hint="merge-lora takes a step saved with only its LoRA adapters (Tunix's PeftTrainer "
-            "with LoRA on); a full step converts with `convert`.",
-        )
-    return found
+    specs = read_specs(params_dir)
+    cur = model_paths(specs)
+    found = adapters_of(cur, specs, custom)
+    if found is not None:
+        return found
+    factors = factor_paths(cur)
+    listed = sorted(cur.items(), key=lambda kv: keystr(kv[0]))
+    others = [f"{keystr(src)} ({specs[src]})" for p, src in listed if p not in factors]
+    raise LayoutMismatchError(
+        f"{adapter_dir}: not a LoRA adapter step: its model_params holds "
+        + (
+            f"{len(others)} leaves that are not LoRA factors (<weight>_lora_a/_lora_b):"
+            if others
+            else "LoRA factors without their pair:"
+        ),
+        others or [keystr(src) for src in cur.values()],
+        hint="merge-lora takes a step saved with only its LoRA adapters (Tunix's PeftTrainer "
+        "with LoRA on); a full step converts with `convert`.",
+    )
 
 
 # -- the plan ----------------------------------------------------------------------------
@@ -171,8 +177,9 @@ def _base_plan(
         if target is None:
             raise UsageError(
                 f"{base_dir}: a Tunix base mixes weights and RNG state, and only the model "
-                "tells them apart: pass a target (--target-from a MaxText step of the same "
-                "model, or --target MODULE:FUNCTION)."
+                "tells them apart: pass a target (--maxtext-config with the model's MaxText "
+                "config, --target-from a MaxText step of the same model, or --target "
+                "MODULE:FUNCTION)."
             )
         plan = plan_step(base_dir, target, optimizer="drop", read_optimizer=False, unnamed=unnamed)
         wanted = [m.dst for m in plan.moves if m.dest is Dest.PARAMS]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -128,6 +128,21 @@ class Target:
             )
         specs = read_specs(items)
         return cls._from_flat(specs, {p: s.abstract() for p, s in specs.items()})
+
+    @classmethod
+    def from_maxtext_config(cls, argv: Sequence[str]) -> Target:
+        """The target MaxText 0.2.5 builds from its own config: the config file, then its
+        ``KEY=VALUE`` overrides, as MaxText's commands take them (e.g. ``[".../base.yml",
+        "model_name=llama3.1-8b", "scan_layers=true"]``).
+
+        Built by MaxText's own code (`maxtext_config.abstract_items`): abstract, no weights,
+        on this process's devices. Raises ImportError where MaxText cannot be imported (it
+        is not a dependency; maxtext 0.2.5 needs Python 3.12) and `UsageError` where MaxText
+        rejects the config.
+        """
+        from .maxtext_config import abstract_items  # imports MaxText: only when asked
+
+        return cls.from_items(abstract_items(argv))
 
     @classmethod
     def _from_flat(cls, specs: Mapping[Path, LeafSpec], abstract: FlatTree) -> Target:

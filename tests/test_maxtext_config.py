@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import SFT_STEPS, copy_fixture, tree_digest
 
-from orbax_maxtext_layout.maxtext import target_from_config
+from orbax_maxtext_layout import Target
 
 HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
 pytestmark = pytest.mark.skipif(HAS_MAXTEXT, reason="MaxText is installed (the interop suite)")
@@ -66,7 +66,7 @@ def test_without_maxtext_it_exits_2_saying_what_to_install(work, args):
 
 def test_the_api_raises_import_error_saying_what_to_install():
     with pytest.raises(ImportError, match=r"maxtext 0\.2\.5 \(it needs Python 3\.12\)"):
-        target_from_config(CONFIG)
+        Target.from_maxtext_config(CONFIG)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Interop: the target MaxText 0.2.5 builds from its own config (``--maxtext-config``,
-``orbax_maxtext_layout.maxtext.target_from_config``) is the target of MaxText's own checkpoint.
+``Target.from_maxtext_config``) is the target of MaxText's own checkpoint.
 
 The model is the tiny one of tests/fixtures/maxtext025 (the fixture generator's own
 ``MODEL_KEYS``, scanned, and ``UNSCANNED_MODEL_KEYS``), whose pre-training runs MaxText's own
@@ -37,7 +37,7 @@ import maxtext_loop_support as L
 import pytest
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.maxtext import target_from_config
+from orbax_maxtext_layout import Target
 from orbax_maxtext_layout.paths import keystr
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ def built(tmp_path_factory) -> dict[str, tuple[oml.Target, float]]:
         out = {}
         for form in KEYS:
             start = time.monotonic()
-            out[form] = (target_from_config(config_args(form)), time.monotonic() - start)
+            out[form] = (Target.from_maxtext_config(config_args(form)), time.monotonic() - start)
     finally:
         os.chdir(here)
     assert list(cwd.iterdir()) == [], "building the target wrote into the working directory"
@@ -183,9 +183,9 @@ def test_converting_with_it_writes_what_target_from_writes(kind, built, tmp_path
 
 def test_a_config_that_maxtext_rejects_is_a_usage_error(tmp_path):
     with pytest.raises(oml.UsageError, match="no_such_key"):
-        target_from_config([*config_args("scanned"), "no_such_key=1"])
+        Target.from_maxtext_config([*config_args("scanned"), "no_such_key=1"])
     with pytest.raises(oml.UsageError, match=r"lora\.enable_lora"):
-        target_from_config([*config_args("scanned"), "lora.enable_lora=true"])
+        Target.from_maxtext_config([*config_args("scanned"), "lora.enable_lora=true"])
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -222,7 +222,7 @@ def test_convert_with_maxtext_config_writes_what_target_from_writes(tmp_path):
 def test_a_config_of_another_size_names_every_mismatch_and_writes_nothing(built, tmp_path):
     root = run_root(tmp_path)
     before = tree_digest(root)
-    wrong = target_from_config(config_args("scanned", wrong_size=True))
+    wrong = Target.from_maxtext_config(config_args("scanned", wrong_size=True))
     right = built["scanned"][0]
     differ = [p for p in right.params if right.params[p] != wrong.params[p]]
     assert len(differ) == 12  # every weight has the embedding dimension
