@@ -42,6 +42,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from child import _du, _vm_hwm_kib  # noqa: E402  (the bench's one VmHWM reader)
 
 HEAD_DIM, VOCAB = 128, 32000
 ALPHA = 32.0
@@ -158,19 +161,6 @@ def _largest_stored_chunk(item_dir: Path) -> int:
 
 
 # -- one measured child --------------------------------------------------------------------
-def _vm_hwm_kib() -> int:
-    """This process's own peak RSS (ru_maxrss survives fork+exec, VmHWM does not)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _du(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
 def _ts_layer(item_dir: Path, name: str, axis: int | None = None, index: int | None = None):
     """One stored array (or its layer ``index`` on ``axis``) read with tensorstore directly,
     not through the package: the checker must not share the code it checks."""

@@ -451,7 +451,7 @@ class MergeReport:
         return "\n".join(lines)
 
 
-# -- merge-lora: the same writer, lock and publication -----------------------------------------------------------------------------
+# -- merge-lora: the same writer, lock and publication ----------------------------------------
 def merge_lora(
     adapter_step: epath.PathLike,
     base: epath.PathLike,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.abc
 import importlib.util
 import json
@@ -64,14 +65,20 @@ RUN_TIMEOUT_S = 600
 INIT_SEED = 1
 
 
-def generator_keys() -> tuple[list[str], list[str]]:
-    """The fixture generator's MODEL_KEYS and RUN_KEYS (one source for the model config)."""
+@functools.cache
+def generator() -> Any:
+    """The fixture generator module (one source for the model config, LoRA keys and parts)."""
     spec = importlib.util.spec_from_file_location(
         "gen_maxtext025", GENERATORS / "gen_maxtext025.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(module.MODEL_KEYS), list(module.RUN_KEYS)
+    return module
+
+
+def generator_keys() -> tuple[list[str], list[str]]:
+    """The fixture generator's MODEL_KEYS and RUN_KEYS."""
+    return list(generator().MODEL_KEYS), list(generator().RUN_KEYS)
 
 
 def base_yml() -> Path:

@@ -30,7 +30,6 @@ What proves what:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -63,17 +62,7 @@ RANDOM_SCALE = 0.1
 CHILD_TIMEOUT_S = 600
 
 
-def _generator() -> Any:
-    """The fixture generator (its model keys, LoRA rank, alpha and module path key)."""
-    spec = importlib.util.spec_from_file_location(
-        "gen_maxtext025", L.GENERATORS / "gen_maxtext025.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = L.generator()
 RANK = GEN.LORA_RANK
 ALPHA = float(GEN.LORA_ALPHA)
 

@@ -22,7 +22,6 @@ several seconds); the in-process target is built once per scan form.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -30,7 +29,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import maxtext_loop_support as L
@@ -46,17 +44,7 @@ if str(TESTS_DIR) not in sys.path:
 
 from conftest import raw, restore_flat, tree_digest  # noqa: E402  (tests/conftest.py helpers)
 
-
-def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "gen_maxtext025", L.GENERATORS / "gen_maxtext025.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = L.generator()
 KEYS = {"scanned": list(GEN.MODEL_KEYS), "unscanned": list(GEN.UNSCANNED_MODEL_KEYS)}
 # MaxText's own checkpoints of each config (what --target-from is given).
 OWN = {
