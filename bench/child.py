@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -40,10 +41,14 @@ def _abstract_items(target):
 def main() -> None:
     mode, step, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     budget = int(sys.argv[4]) if len(sys.argv) > 4 else 1 << 30
+    durable = len(sys.argv) > 5 and sys.argv[5] == "sync"  # the timed region ends with sync(2)
     written = 0
+    files: dict = {}  # how convert placed the data files (`StepReport.data_files`)
     if mode == "cp":
         t = time.perf_counter()
         subprocess.run(["cp", "-r", str(step), str(out)], check=True)
+        if durable:
+            os.sync()
         wall = time.perf_counter() - t
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         written = _du(out)
@@ -115,9 +120,13 @@ def main() -> None:
             w.save(epath.Path(out), args=ocp.args.PyTreeSave(items))
             w.finalize(epath.Path(out))
             written = _du(out)
-        else:
-            report = convert_step(step, target, memory_budget=budget, in_place=(mode == "inplace"))
+        else:  # convert (the default: shared data files), copy (--copy), inplace
+            kw = {"copy": True} if mode == "copy" else {"in_place": mode == "inplace"}
+            report = convert_step(step, target, memory_budget=budget, **kw)
             written = report.bytes_written
+            files = getattr(report, "data_files", None) or {}
+        if durable:
+            os.sync()
         wall = time.perf_counter() - t
         rss = _vm_hwm_kib()
     import orbax_maxtext_layout
@@ -129,6 +138,7 @@ def main() -> None:
                 "wall": wall,
                 "peak_rss_kib": rss,
                 "written": written,
+                "data_files": files,
                 "package": str(Path(orbax_maxtext_layout.__file__).parent),
             }
         )

@@ -136,6 +136,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.rescan and args.in_place:
         print("error: --unroll/--stack re-slice every array; --in-place cannot", file=sys.stderr)
         return 2
+    if args.copy and args.in_place:
+        print(
+            "error: --in-place shares the legacy data files; --copy makes private copies "
+            "(--copy --remove-legacy copies, then removes the legacy items)",
+            file=sys.stderr,
+        )
+        return 2
     if args.out and (args.in_place or args.remove_legacy):
         print(
             "error: --out leaves the source untouched; it cannot be combined with "
@@ -200,6 +207,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 in_place=args.in_place,
                 remove_legacy=args.remove_legacy,
+                copy=args.copy,
                 out=_dest(root, p.info, args.out, renumber=renumber),
                 rescan=args.rescan,
                 renumber=renumber and args.out is not None,
@@ -485,7 +493,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--in-place",
         action="store_true",
-        help="turn the legacy items into items/ without rewriting array bytes (hard links)",
+        help="turn the legacy items into items/ without rewriting array bytes (shared data "
+        "files), then delete the legacy items once items/ verifies",
+    )
+    c.add_argument(
+        "--copy",
+        action="store_true",
+        help="write private copies of the data files (a second physical copy); by default "
+        "items/ shares them with the legacy items: reflinks where the file system supports "
+        "them, else hard links, else (per file, e.g. across file systems) copies",
     )
     c.add_argument(
         "--remove-legacy",

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from . import merge, objstore, run, stepdir
+from . import merge, objstore, run, sharing, stepdir
 from ._version import __version__
 from .errors import (
     CheckpointReadError,
@@ -25,6 +25,7 @@ from .errors import (
     StepLocked,
     UsageError,
 )
+from .gcfreeze import frozen_heap
 from .layout import (
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
@@ -66,6 +67,9 @@ class StepReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     bytes_written: int = 0
     lora: dict[str, Any] | None = None  # a LoRA adapter step: what it holds (`LoraAdapters`)
+    # How the source data files were placed in items/ (`sharing.Placement.to_dict`): files
+    # and bytes shared by reflink, by hard link, or copied, with the reasons for copies.
+    data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_plan(cls, step_dir: epath.Path, plan: Plan, status: str, optimizer: str) -> StepReport:
@@ -111,10 +115,13 @@ class StepReport:
             lines.append(f"  dropped {len(paths)} ({reason}): {shown}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.status == "converted":
+            if (files := sharing.describe(self.data_files)) is not None:
+                lines.append(f"  {files}")
             lines.append(f"  bytes written: {self.bytes_written:,}")
         return "\n".join(lines)
 
 
+@frozen_heap()
 def convert_step(
     step_dir: epath.PathLike,
     target: Target,
@@ -130,6 +137,7 @@ def convert_step(
     rescan: Literal["unroll", "stack"] | None = None,
     plan: Plan | None = None,
     renumber: bool = False,
+    copy: bool = False,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
@@ -138,11 +146,17 @@ def convert_step(
     directory, leaving the source step entirely untouched, e.g. when it is
     read-only). No array is decoded: the source databases are cloned into the new
     item and grafted under their new names (see `write.write_items`); memory
-    stays under ``memory_budget`` plus the largest array. ``use_zarr3`` different
-    from the source re-encodes every array. ``in_place`` clones with hard links
-    (next to no bytes written; the legacy files are never modified) and then
-    removes the legacy items; ``remove_legacy`` removes them after a copy. Legacy
-    items are removed only after the new ``items`` has been verified. A step that
+    stays under ``memory_budget`` plus the largest array. On a local file system the
+    data files are shared with the legacy items, not copied: each is a reflink where
+    the file system supports it, else a hard link (next to no bytes written; Orbax
+    never modifies a committed data file, and neither does this), else, for that file
+    alone, a copy (another file system, no links): the report's ``data_files`` counts
+    each kind and why. ``copy=True`` writes private copies of every data file instead
+    (a second physical copy). ``use_zarr3`` different from the source re-encodes every
+    array. ``in_place`` shares the files and then removes the legacy items;
+    ``remove_legacy`` removes them after the conversion. Legacy items are removed
+    only after the new ``items`` has been verified (quickly when every data file is
+    shared, value by value otherwise; see `stepdir.removal_check`). A step that
     already has ``items/`` is skipped; one being converted by another live process
     is reported as ``locked``. ``rescan="unroll"``/``"stack"`` writes the other scan
     form (the target is given in that form; see `rescan`), re-slicing each array
@@ -163,14 +177,20 @@ def convert_step(
       CheckpointReadError: the step is not a readable Tunix-layout step.
       ReadOnlyStepError: the step directory cannot be written (use ``out``), or
         ``in_place``/``remove_legacy`` were asked together with ``out``.
+      UsageError: ``in_place`` with ``copy`` (in place means sharing the files).
     """
     step_dir = epath.Path(step_dir)
+    if in_place and copy:
+        raise UsageError(
+            f"{step_dir}: in_place shares the legacy data files; copy makes private copies. "
+            "Choose one (copy with remove_legacy copies, then removes the legacy items)."
+        )
     opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan)
     if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
         [placed] = run.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
         if not dry_run:
             [placed] = run.apply_moves([placed], lambda d: plan_step(d, target, **opts))
-        kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place)
+        kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place, copy=copy)
         return convert_placed(placed, target, dry_run=dry_run, remove_legacy=remove_legacy, **kw)
     dest = epath.Path(out) if out is not None else step_dir
     if out is not None and (in_place or remove_legacy):
@@ -197,9 +217,7 @@ def convert_step(
             try:
                 with step_lock(step_dir):
                     stepdir.clean_stale_tmp(step_dir)
-                    report.notes += stepdir.remove_legacy(
-                        step_dir, linked=bool(prov.get("in_place"))
-                    )
+                    report.notes += stepdir.remove_legacy(step_dir)
             except StepLocked as e:
                 return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
         return report
@@ -221,24 +239,26 @@ def convert_step(
         return StepReport(str(step_dir), "skipped", layout.value, notes=[run.TUNIX_ZERO])
     numbering = _numbering(step_dir, renumber)
     # Planned before anything is written: a step that does not fit the target stays as it is.
-    plan = plan or plan_step(step_dir, target, **opts)
+    specs: dict = {}  # the legacy items' metadata, read once: for the plan and for verify
+    plan = plan or plan_step(step_dir, target, **opts, specs=specs)
     if dry_run:
         report = StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
         report.notes = moved + report.notes
         return report
     if out is not None:
-        return _convert_to(step_dir, dest, plan, optimizer, use_zarr3, memory_budget, numbering)
+        return _convert_to(
+            step_dir, dest, plan, optimizer, use_zarr3, memory_budget, numbering, copy=copy
+        )
     try:
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
             stepdir.clean_stale_tmp(dest)
-            report = _write(
-                step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place, numbering
-            )
+            args = (step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
+            report = _write(*args, numbering, copy=copy)
             report.notes = moved + report.notes
             if in_place or remove_legacy:
-                report.notes += stepdir.remove_legacy(step_dir, linked=in_place)
+                report.notes += stepdir.remove_legacy(step_dir, specs=specs)
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
@@ -287,30 +307,31 @@ def convert_placed(
     return report
 
 
-def _convert_to(src, dest, plan, optimizer, use_zarr3, budget, numbering) -> StepReport:
+def _convert_to(src, dest, plan, optimizer, use_zarr3, budget, numbering, *, copy) -> StepReport:
     """Converts into a separate destination step, which appears only once complete."""
     if dest.exists() and not objstore.is_remote(dest) and any(dest.iterdir()):
         raise StepExistsError(
             f"{dest}: exists and is not a converted step; nothing was written. Remove it or "
             "choose another destination."
         )
+    args = (src, dest, plan, optimizer, use_zarr3, budget, numbering)
     if not objstore.is_remote(dest):
-        return _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering)
+        return _build_and_publish(*args, copy=copy)
     try:  # in place on an object store: one converter at a time
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
-            return _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering)
+            return _build_and_publish(*args, copy=copy)
     except StepLocked as e:
         return StepReport(str(dest), "locked", Layout.TUNIX.value, notes=[str(e)])
 
 
-def _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering) -> StepReport:
+def _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering, *, copy):
     work = stepdir.new_step_dir(dest)
     try:
         tunix_step = tunix_step_number(src) if numbering else None
         stepdir.seed_destination(src, work, tunix_step)
-        report = _write(src, work, plan, optimizer, use_zarr3, budget, False, numbering)
+        report = _write(src, work, plan, optimizer, use_zarr3, budget, False, numbering, copy=copy)
         if not stepdir.publish_step(work, dest):
             return StepReport(str(dest), "skipped", "maxtext", notes=["converted meanwhile"])
     except BaseException:
@@ -320,9 +341,10 @@ def _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering)
     return report
 
 
-def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra) -> StepReport:
+def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra, *, copy) -> StepReport:
     try:
-        return _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra)
+        args = (src, dest, plan, optimizer, use_zarr3, budget, in_place, extra)
+        return _write_items(*args, copy=copy)
     except (LayoutMismatchError, CheckpointReadError):
         raise
     except ValueError as e:  # tensorstore reports I/O failures as ValueError
@@ -333,16 +355,24 @@ def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra) -> St
         ) from e
 
 
-def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra) -> StepReport:
+def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra, *, copy):
     report = StepReport.from_plan(dest, plan, "converted", optimizer)
     if use_zarr3 is not None and use_zarr3 != ItemFiles.read(src / TUNIX_PARAMS_ITEM).use_zarr3:
         report.notes.append(f"re-encoded as {'zarr3' if use_zarr3 else 'zarr2'}")
     sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
     sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
     prov = provenance(plan, optimizer) | extra | ({"source": str(src)} if src != dest else {})
-    report.bytes_written = write_items(
-        dest, plan, sources, provenance=prov, budget=budget, in_place=in_place, use_zarr3=use_zarr3
+    written = write_items(
+        dest,
+        plan,
+        sources,
+        provenance=prov,
+        budget=budget,
+        in_place=in_place,
+        use_zarr3=use_zarr3,
+        copy=copy,
     )
+    report.bytes_written, report.data_files = written
     return report
 
 
@@ -528,7 +558,7 @@ def _publish_merge(dest, plan, sources, prov, budget) -> int:
     a merge that fails or is killed leaves no listable step."""
     work = stepdir.new_step_dir(dest)
     try:
-        written = write_items(work, plan, sources, provenance=prov, budget=budget, link=True)
+        written = write_items(work, plan, sources, provenance=prov, budget=budget).bytes_written
         if not stepdir.publish_step(work, dest):
             raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
     except BaseException:

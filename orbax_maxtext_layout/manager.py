@@ -139,9 +139,8 @@ class CheckpointManager(ocp.CheckpointManager):
             ):
                 continue
             try:
-                linked = bool((read_provenance(info.path) or {}).get("in_place"))
-                with step_lock(info.path):
-                    notes = stepdir.remove_legacy(info.path, linked=linked)
+                with step_lock(info.path):  # verified as its record says (`removal_check`)
+                    notes = stepdir.remove_legacy(info.path)
                 logger.info("Step %s: %s", info.path, "; ".join(notes))
             except Exception as e:  # a failed removal leaves the step readable as it is
                 logger.error("Step %s: legacy removal not finished: %s", info.path, e)
@@ -380,6 +379,7 @@ class CheckpointManager(ocp.CheckpointManager):
         queues the step for migration after the next committed save.
         """
         request = request_target(item, restore_args)
+        specs: dict[str, Any] = {}  # each item's metadata read once, for both plans
         # A model-only step has no optimizer state: the caller's (fresh) one is kept.
         out = restore_request(
             held,
@@ -389,9 +389,12 @@ class CheckpointManager(ocp.CheckpointManager):
             transforms=transforms,
             keep_missing=True,
             request=request,
+            specs=specs,
         )
         target, skipped = request
-        if self._migrate == "on_save" and _covers_step(held, target, skipped, partial, transforms):
+        if self._migrate == "on_save" and _covers_step(
+            held, target, skipped, partial, transforms, specs
+        ):
             with self._lock:
                 self._pending[step] = target
         logger.info(
@@ -457,16 +460,21 @@ class CheckpointManager(ocp.CheckpointManager):
 
 
 def _covers_step(
-    held: epath.Path, target: Target, skipped: set, partial: bool, transforms: Any
+    held: epath.Path,
+    target: Target,
+    skipped: set,
+    partial: bool,
+    transforms: Any,
+    specs: dict[str, Any] | None = None,
 ) -> bool:
     """Whether a restore request describes the whole model, so that the step can be
-    migrated (converted in full) against it."""
+    migrated (converted in full) against it. ``specs``: the restore's item specs."""
     if not target.nnx_aux or skipped or transforms is not None:
         return False
     if not partial:
         return True  # restore_request already required every model leaf to fit
     try:  # a partial request (v1's partial_load) may still name every leaf
-        plan_step(held, target)
+        plan_step(held, target, specs=specs)
     except LayoutMismatchError:
         return False
     return True

@@ -65,7 +65,7 @@ class LoraFactor:
     scale: float
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Move:
     """One destination leaf ``dst`` (a full items path) and how it is made.
 
@@ -155,7 +155,7 @@ class Move:
         return f"{keystr(self.dst)} <- {self.op.value}({src}{more}){extra}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Drop:
     item: str
     src: Path

@@ -3,18 +3,25 @@
 An item directory holds ``_METADATA`` (the tree, value metadata, format flags),
 ``_sharding`` (base64url param name -> sharding JSON) and
 ``array_metadatas/process_<i>`` (per-array write/chunk shapes and ext-metadata such
-as ``random_key_impl``, which is all that marks a stored PRNG key). Everything in
-this package that reads or writes those files goes through here.
+as ``random_key_impl``, which is all that marks a stored PRNG key). Each array's own
+zarr metadata (``<name>/.zarray`` or ``<name>/zarr.json``: its shape and dtype) is a
+JSON value in the item's key-value store (its OCDBT database, or one directory per
+array): `read_zarr_metadata` reads all of them at once, through a `read_context`.
+Everything in this package that reads or writes those files goes through here.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import contextlib
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import orbax.checkpoint as ocp
+import tensorstore as ts
 from etils import epath
 
 from .errors import CheckpointReadError
@@ -27,6 +34,8 @@ ARRAY_METADATA_FILE = f"{ARRAY_METADATA_DIR}/process_0"
 SINGLE_DEVICE_SHARDING = json.dumps(
     {"sharding_type": "SingleDeviceSharding", "device_str": "cpu:0"}
 )
+# The OCDBT cache of a reader (`read_context`): B-tree nodes and manifests only.
+READ_CACHE_BYTES = 64 << 20
 
 
 def absolute(p: epath.PathLike) -> epath.Path:
@@ -92,9 +101,11 @@ class ItemFiles:
         return bool(self.meta.get("use_ocdbt", True))
 
     @classmethod
-    def read(cls, item_dir: epath.PathLike) -> ItemFiles:
+    def read(cls, item_dir: epath.PathLike, meta: dict | None = None) -> ItemFiles:
+        """Reads the item's JSON files (``meta``: its ``_METADATA``, if already parsed)."""
         item_dir = epath.Path(item_dir)
-        meta = read_json(item_dir / METADATA_FILE, "Orbax metadata")
+        if meta is None:
+            meta = read_json(item_dir / METADATA_FILE, "Orbax metadata")
         try:
             value_meta = {
                 ".".join(str(k["key"]) for k in entry["key_metadata"]): entry["value_metadata"]
@@ -112,6 +123,103 @@ class ItemFiles:
             except (ValueError, TypeError, AttributeError) as e:
                 raise CheckpointReadError(f"{item_dir}/{SHARDING_FILE}: invalid ({e!r}).") from e
         return cls(item_dir, meta, value_meta, shardings, read_array_metadatas(item_dir))
+
+
+def read_context(cache_bytes: int = READ_CACHE_BYTES) -> ts.Context:
+    """A tensorstore context for reading items: Orbax's, its OCDBT cache bounded.
+
+    The OCDBT driver keeps the database's manifest and B-tree nodes in that cache;
+    without one, every listing and every read decodes the index again, so the cost
+    of each grows with the database's size. Make one per operation (the cache lives
+    as long as the context); the writer runs without caches (`tskv.ts_context`).
+    """
+    spec = ocp.serialization.ts_utils.get_ts_context(use_ocdbt=True).spec.to_json()
+    for name in list(spec):
+        if name.startswith("cache_pool"):
+            spec[name] = {"total_bytes_limit": cache_bytes}
+    return ts.Context(spec)
+
+
+def open_kvstore(item_dir: epath.Path, context: ts.Context, *, use_ocdbt: bool) -> ts.KvStore:
+    """An item's key-value store for reading: its OCDBT database (with Orbax's own spec),
+    or the directory holding one zarr directory per array (Pathways style)."""
+    if use_ocdbt:
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tu  # see tskv
+
+        spec = tu.build_kvstore_tspec(str(absolute(item_dir)), use_ocdbt=True)
+        return ts.KvStore.open(spec, context=context).result()
+    s = str(item_dir)
+    url = s if "://" in s else f"file://{absolute(item_dir)}"
+    return ts.KvStore.open(url + "/", context=context).result()
+
+
+# -- counting reads: a seam for tests and benchmarks -------------------------------------
+_COUNTERS: list[collections.Counter] = []
+
+
+@contextlib.contextmanager
+def io_counts() -> Iterator[collections.Counter]:
+    """Counts, while active (in any thread), the reads that cost a pass over an item's
+    index: ``("listing", database)`` for each key listing (`tskv.keys`,
+    `tskv.keys_by_array`) and ``("zarr metadata", database)`` for each batch of
+    `read_zarr_metadata`. An operation should make each once per database, not once per
+    array. Nothing is counted (or computed for it) while no counter is active."""
+    counter: collections.Counter = collections.Counter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def count_io(kind: str, kv: ts.KvStore) -> None:
+    """Records one ``kind`` pass over ``kv`` in every active `io_counts`."""
+    if _COUNTERS:
+        where = kv_location(kv)
+        for counter in list(_COUNTERS):
+            counter[(kind, where)] += 1
+
+
+def kv_location(kv: ts.KvStore) -> str:
+    """Where a key-value store lives, as a path or URL (an OCDBT database: its base)."""
+    spec = kv.spec().to_json()
+    base = spec.get("base", spec)
+    if isinstance(base, str):
+        return base + spec.get("path", "")
+    where = base.get("path", "")
+    if base.get("bucket"):
+        where = f"gs://{base['bucket']}/{where}"
+    return where + (spec.get("path", "") if "base" in spec else "")
+
+
+def zarr_metadata_key(name: str, *, use_zarr3: bool) -> str:
+    """The key of array ``name``'s zarr metadata in its item's key-value store."""
+    return f"{name}/{'zarr.json' if use_zarr3 else '.zarray'}"
+
+
+def read_zarr_metadata(
+    kv: ts.KvStore, names: Iterable[str], *, use_zarr3: bool
+) -> dict[str, dict | None]:
+    """``name -> parsed zarr metadata`` (None where the array has none) of each array.
+
+    Every read is issued before any is awaited: one batch, whatever the number of
+    arrays. Arrays with identical metadata share one parsed dict (do not modify it).
+    Raises ``ValueError`` (tensorstore's, or the JSON parser's) on a read or parse
+    failure.
+    """
+    count_io("zarr metadata", kv)
+    futures = [(n, kv.read(zarr_metadata_key(n, use_zarr3=use_zarr3))) for n in names]
+    out: dict[str, dict | None] = {}
+    parsed: dict[bytes, dict] = {}  # arrays of one shape and dtype store the same bytes
+    for name, fut in futures:
+        r = fut.result()
+        if r.state != "value":
+            out[name] = None
+        elif (meta := parsed.get(r.value)) is None:
+            out[name] = parsed[r.value] = json.loads(r.value)
+        else:
+            out[name] = meta
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,8 @@ def keystr(path: Path) -> str:
 
 def norm_key(k: Any) -> str | int:
     """A key of a jax key path or of `flatten`'s paths as ``str`` (mapping) or ``int`` (sequence)."""
+    if type(k) is str or type(k) is int:  # already normal (every key of `flatten`'s paths)
+        return k
     if type(k).__module__.startswith("jax"):
         if hasattr(k, "idx"):  # SequenceKey / FlattenedIndexKey-like: a position
             return int(k.idx)

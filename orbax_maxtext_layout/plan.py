@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Literal
 
 import numpy as np
@@ -21,9 +21,10 @@ from etils import epath
 from . import lora, rescan
 from . import rules as R
 from .errors import LayoutMismatchError
+from .gcfreeze import frozen_heap
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
 from .moves import Drop, Move, Op, Plan
-from .paths import Path, keystr
+from .paths import FlatTree, Path, keystr
 from .spec import LeafSpec, read_specs
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
@@ -223,10 +224,28 @@ def _pipelines(select: int | None) -> list[list[R.Rule]]:
     return sorted(out, key=len)
 
 
-def _run(rules: list[R.Rule], cur: dict[Path, Path]) -> tuple[dict[Path, Path], dict[Path, str]]:
+def _run(
+    rules: list[R.Rule], cur: dict[Path, Path], memo: dict | None = None
+) -> tuple[dict[Path, Path], dict[Path, str]]:
+    """Applies ``rules`` in order. ``memo`` keeps what each sequence of rules gave (or
+    raised), so candidate pipelines that share a prefix apply it once."""
     dropped: dict[Path, str] = {}
-    for rule in rules:
-        cur, d = R.apply(rule, cur)
+    for i, rule in enumerate(rules):
+        key = tuple(r.name for r in rules[: i + 1])
+        if memo is None or key not in memo:
+            try:
+                done = R.apply(rule, cur)
+            except ValueError as e:
+                if memo is None:
+                    raise
+                done = e
+            if memo is not None:
+                memo[key] = done
+        else:
+            done = memo[key]
+        if isinstance(done, ValueError):
+            raise done
+        cur, d = done
         dropped.update(d)
     return cur, dropped
 
@@ -267,30 +286,41 @@ def _plan_optimizer(
         return finish(rules, mapping, dropped)
 
     want = target.opt_state
-    best: tuple[int, list[str]] | None = None
+    best: tuple[int, Mapping[Path, Path]] | None = None
+    memo: dict = {}
     for select in (None, 1):
         for rules in _pipelines(select):
             try:
-                mapping, dropped = _run(rules, cur)
+                mapping, dropped = _run(rules, cur, memo)
             except ValueError:
                 continue
-            problems = _diff(mapping, specs, want)
-            synth = _synthesize_counts(mapping, specs, want) if problems else []
+            n = _mismatches(mapping, specs, want)
+            synth = _synthesize_counts(mapping, specs, want) if n else []
+            full = dict(mapping) | dict(synth) if synth else mapping
             if synth:
-                mapping2 = dict(mapping) | dict(synth)
-                problems = _diff(mapping2, specs, want)
-            if not problems:
+                n = _mismatches(full, specs, want)
+            if not n:
                 return finish(rules, mapping, dropped, synth)
-            if best is None or len(problems) < best[0]:
-                best = (len(problems), problems)
+            if best is None or n < best[0]:
+                best = (n, full)
     src_top = sorted({str(p[0]) for p in cur if p})
     tgt_top = sorted({str(p[0]) for p in want if p})
     raise LayoutMismatchError(
         "optimizer_state matches the target's opt_state under no known conversion "
         f"(checkpoint opt_state/{src_top}, target opt_state/{tgt_top}); "
         f"the closest candidate differs at {best[0] if best else 0} paths:",
-        best[1] if best else [],
+        _diff(best[1], specs, want) if best else [],
         hint=_DROP_HINT,
+    )
+
+
+def _mismatches(
+    mapping: Mapping[Path, Path], specs: Mapping[Path, LeafSpec], want: Mapping[Path, LeafSpec]
+) -> int:
+    """``len(_diff(...))``, without writing the messages (most candidates do not match)."""
+    n = len(mapping.keys() ^ want.keys())
+    return n + sum(
+        1 for p in mapping.keys() & want.keys() if not specs[mapping[p]].same_layout(want[p])
     )
 
 
@@ -334,6 +364,7 @@ def _synthesize_counts(
 
 
 # -- a step directory ----------------------------------------------------------------------
+@frozen_heap()
 def plan_step(
     step_dir: epath.PathLike,
     target: Target,
@@ -343,6 +374,7 @@ def plan_step(
     unnamed: Literal["error", "skip"] = "error",
     read_optimizer: bool = True,
     scan: ScanChange | None = None,
+    specs: MutableMapping[str, FlatTree] | None = None,
 ) -> Plan:
     """Plans the conversion of one Tunix-layout step from Orbax metadata alone.
 
@@ -351,13 +383,19 @@ def plan_step(
     form and the plan is then transformed (`rescan`), each leaf re-sliced on the
     layer axis the model gives it. ``read_optimizer=False`` never opens
     ``optimizer_state`` (a params-only restore); ``step`` then comes from the step
-    number, or 0 if the directory has none.
+    number, or 0 if the directory has none. ``specs`` (item name -> `read_specs` of it)
+    is a cache the caller keeps for one operation: items found there are not read again,
+    items read here are added, so plans made twice read each item's metadata once.
     """
     step_dir = epath.Path(step_dir)
     items = tunix_items(step_dir)
-    params = read_specs(items[TUNIX_PARAMS_ITEM])
+    specs = {} if specs is None else specs
+    for name in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM):
+        if name not in specs and name in items and (read_optimizer or name == TUNIX_PARAMS_ITEM):
+            specs[name] = read_specs(items[name])
+    params = specs[TUNIX_PARAMS_ITEM]
     read_opt = read_optimizer and TUNIX_OPT_ITEM in items
-    opt = read_specs(items[TUNIX_OPT_ITEM]) if read_opt else None
+    opt = specs[TUNIX_OPT_ITEM] if read_opt else None
     step = tunix_step_number(step_dir)
     if step is None and not read_optimizer:
         step = 0

@@ -10,7 +10,7 @@ sharding) and assembles them in the request's structure.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import jax
@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
+from .gcfreeze import frozen_heap
 from .layout import tunix_items
 from .moves import Op, Plan, apply_op
 from .orbax_files import absolute
@@ -60,14 +61,12 @@ def read_leaves(
     if not paths:
         return {}
     abstract = abstract or {}
-    item = unflatten({p: 0 for p in paths})
-    restore_args = unflatten({p: _restore_arg(abstract.get(p)) for p in paths})
+    # The restore args are the item: Orbax takes a leaf's args from an item leaf that is
+    # one, so it trims only its metadata tree to the request, not a second tree of args.
+    item = unflatten({p: _restore_arg(abstract.get(p)) for p in paths})
     try:
         restore = restore or (lambda d, a: ocp.PyTreeCheckpointHandler().restore(d, args=a))
-        tree = restore(
-            absolute(item_dir),
-            ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
-        )
+        tree = restore(absolute(item_dir), ocp.args.PyTreeRestore(item=item, partial_restore=True))
     except Exception as e:  # tensorstore/Orbax raise many types for damaged data
         raise CheckpointReadError(f"{item_dir}: cannot read array data: {e}") from e
     out: FlatTree = {}
@@ -200,6 +199,7 @@ def request_target(item: Any, restore_args: Any = None) -> tuple[Target, set[Pat
     return Target.from_items(unflatten(abstract)) if abstract else Target({}, {}), skipped
 
 
+@frozen_heap()
 def restore_request(
     step_dir: epath.Path,
     item: Any,
@@ -212,6 +212,7 @@ def restore_request(
     keep_missing: bool = False,
     restore: RestoreFn | None = None,
     request: tuple[Target, set[Path]] | None = None,
+    specs: MutableMapping[str, FlatTree] | None = None,
 ) -> Any:
     """Restores a Tunix-layout step as the MaxText items ``item`` asks for.
 
@@ -224,7 +225,8 @@ def restore_request(
     never reads it and leaves ``opt_state`` out of the result. A requested leaf the
     step does not hold raises `LayoutMismatchError`, unless ``keep_missing`` (a
     manager resuming from a model-only step): it is then left as given in ``item``.
-    ``request`` is `request_target` of ``item`` if the caller already made it.
+    ``request`` is `request_target` of ``item`` if the caller already made it; ``specs``
+    the caller's cache of the step's item specs (see `plan_step`).
     """
     target, skipped = request or request_target(item, restore_args)
     if optimizer == "drop":
@@ -238,10 +240,12 @@ def restore_request(
         raise LayoutMismatchError(f"{step_dir}: the item asks for no leaves.")
     explicit = bool(partial_restore or transforms is not None or skipped)
     if not explicit and not target.model_paths():
-        _refuse_modelless(step_dir, ignore)
+        _refuse_modelless(step_dir, ignore, specs)
     partial = explicit or not target.nnx_aux
     optimizer_mode: OptimizerMode = "drop" if target.opt_state is None else "convert"
-    plan = plan_request(step_dir, target, optimizer=optimizer_mode, ignore=ignore, partial=partial)
+    plan = plan_request(
+        step_dir, target, optimizer=optimizer_mode, ignore=ignore, partial=partial, specs=specs
+    )
     flat = _norm(
         flatten(
             assemble(plan, read_sources(step_dir, plan, target.abstract, restore)),
@@ -270,14 +274,18 @@ def restore_request(
     return out
 
 
-def _refuse_modelless(step_dir: epath.Path, ignore: Iterable[str]) -> None:
+def _refuse_modelless(
+    step_dir: epath.Path, ignore: Iterable[str], specs: MutableMapping[str, FlatTree] | None
+) -> None:
     """A request that names no model leaf would ignore every weight the step holds.
 
     Refused unless the caller asked for a partial restore (``partial_restore``,
     ``transforms`` or placeholders): a restore never drops weights silently. A LoRA
     adapter step gets its own error (`lora.LoraAdapterStepError`), from the planner.
     """
-    plan = plan_step(step_dir, Target({}, {}), ignore=ignore, unnamed="skip", read_optimizer=False)
+    plan = plan_step(
+        step_dir, Target({}, {}), ignore=ignore, unnamed="skip", read_optimizer=False, specs=specs
+    )
     weights = [d for d in plan.drops if d.reason == "not requested by the target"]
     if weights:
         raise LayoutMismatchError(
@@ -295,6 +303,7 @@ def plan_request(
     optimizer: OptimizerMode,
     ignore: Iterable[str] = (),
     partial: bool = False,
+    specs: MutableMapping[str, FlatTree] | None = None,
 ) -> Plan:
     """Plans a restore of exactly the leaves in ``target.abstract``, from metadata.
 
@@ -310,6 +319,7 @@ def plan_request(
         ignore=ignore,
         unnamed="skip" if partial else "error",
         read_optimizer=target.opt_state is not None or STEP_PATH in target.abstract,
+        specs=specs,
     )
     return narrow(plan, target.abstract)
 

@@ -12,12 +12,12 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import objstore
+from . import objstore, sharing, tskv
 from .errors import StepExistsError
 from .layout import (
     MAXTEXT_ITEM,
@@ -27,6 +27,7 @@ from .layout import (
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
+    read_provenance,
     read_step_metadata,
     tunix_step_number,
     with_tunix_step,
@@ -157,8 +158,11 @@ def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
         release_moved_lock(dst)
 
 
-def disk_usage(path: epath.Path, *, new_only: bool = False) -> int:
-    """Bytes under ``path``; ``new_only`` skips files hard-linked from elsewhere."""
+def disk_usage(
+    path: epath.Path, *, new_only: bool = False, shared: Container[tuple[int, int]] = ()
+) -> int:
+    """Bytes under ``path``; ``new_only`` skips files hard-linked from elsewhere and the
+    files in ``shared`` (``(st_dev, st_ino)``: reflinks, one link but the source's extents)."""
     if objstore.is_remote(path):  # walks with iterdir: epath forbids recursive globs on GCS
         return sum(
             disk_usage(c) if c.is_dir() else c.stat().length for c in epath.Path(path).iterdir()
@@ -167,7 +171,8 @@ def disk_usage(path: epath.Path, *, new_only: bool = False) -> int:
     for root, _, files in os.walk(str(path)):
         for f in files:
             st = os.stat(os.path.join(root, f))
-            total += st.st_size if not new_only or st.st_nlink == 1 else 0
+            new = st.st_nlink == 1 and (st.st_dev, st.st_ino) not in shared
+            total += st.st_size if not new_only or new else 0
     return total
 
 
@@ -240,24 +245,102 @@ def clean_stale_tmp(step_dir: epath.Path) -> None:
             child.unlink()
 
 
-def remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
+# Ops whose arrays the writer computes from a scalar or from nothing (the step counter,
+# fresh RNG state): no stored array byte passes through it.
+SCALAR_OPS = frozenset({"cast", "constant", "fresh"})
+
+
+def removal_check(step_dir: epath.Path) -> tuple[bool, str]:
+    """Whether a quick verification (metadata and stored-data presence) is enough before
+    the legacy items of a converted step are deleted, and why.
+
+    Quick when every array byte of ``items`` is the legacy items' own: each data file of
+    the grafted databases shared with its legacy file (a hard link, still the same inode
+    now, or a reflink: a copy-on-write clone, exact by construction) and no array copied
+    chunk by chunk or computed from stored data by this writer. A data file that fell back
+    to a copy (another file system, no links), ``copy=True``, a scan change or a zarr
+    format change: every value is compared. Steps converted before this record existed,
+    and steps on an object store: quick after ``in_place``, full otherwise (as before).
+    """
+    prov = read_provenance(step_dir) or {}
+    files = prov.get("data_files")
+    if objstore.is_remote(step_dir) or not isinstance(files, dict):
+        if prov.get("in_place"):
+            return True, "converted in place"
+        return False, "converted by copying"
+    copied = (files.get(sharing.COPY) or {}).get("files", 0)
+    if copied:
+        return False, f"{copied} data file(s) were copied, not shared"
+    arrays = prov.get("arrays_written") or {}
+    if arrays.get("chunks_copied"):
+        return False, f"{arrays['chunks_copied']} array(s) were copied chunk by chunk"
+    computed = {op: n for op, n in (arrays.get("computed") or {}).items() if op not in SCALAR_OPS}
+    if computed:
+        return False, "arrays were computed from stored data (" + ", ".join(sorted(computed)) + ")"
+    reflinks = (files.get(sharing.REFLINK) or {}).get("files", 0)
+    unproven = _not_shared_now(step_dir, reflinks)
+    if unproven:
+        return False, unproven
+    return True, "every data file is shared with the legacy items"
+
+
+def _not_shared_now(step_dir: epath.Path, reflinks: int) -> str | None:
+    """Why the cloned data files of ``items`` are not (all) the legacy files any more, or None.
+
+    A hard link is checked now (the same inode); a file of another inode counts as one of
+    the ``reflinks`` recorded (a clone is its own inode) if its size is the legacy file's.
+    """
+    items, other = step_dir / MAXTEXT_ITEM, 0
+    for child in items.iterdir():
+        if not child.name.startswith(tskv.CHILD_PREFIX) or not child.is_dir():
+            continue
+        legacy = step_dir / child.name.removeprefix(tskv.CHILD_PREFIX)
+        for root, _, names in os.walk(str(child)):
+            rel = os.path.relpath(root, str(child))
+            for name in names:
+                a = os.stat(os.path.join(root, name))
+                try:
+                    b = os.stat(os.path.join(str(legacy), rel, name))
+                except OSError:
+                    return f"{legacy}/{rel}/{name}: missing from the legacy item"
+                if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                    continue
+                if a.st_size != b.st_size:
+                    return f"{child}/{rel}/{name}: not the legacy file's size"
+                other += 1
+    if other > reflinks:
+        return f"{other} data file(s) are no longer the legacy files (hard links replaced)"
+    return None
+
+
+def remove_legacy(
+    step_dir: epath.Path, *, linked: bool | None = None, specs: dict | None = None
+) -> list[str]:
     """Deletes the legacy items of a converted step, only once ``items`` verifies.
 
-    After an in-place conversion ``items`` holds hard links to the very same data
-    files, so the check is metadata plus stored-data presence; after a copy every
-    value is compared. A verified item is first renamed aside (atomic), then
-    deleted, so a kill mid-deletion never leaves a half-deleted legacy item that
-    reads as a checkpoint; a rerun finishes the deletion. A symlinked legacy item
-    loses only its link: nothing outside the step is ever deleted.
+    When every array byte of ``items`` is the legacy items' own (its data files shared
+    with them: hard links or reflinks, see `removal_check`), the check is metadata plus
+    stored-data presence; otherwise every value is compared. ``linked`` overrides that
+    decision. A verified item is first renamed aside (atomic), then deleted, so a kill
+    mid-deletion never leaves a half-deleted legacy item that reads as a checkpoint; a
+    rerun finishes the deletion. The shared data files stay readable through ``items``
+    (a hard link keeps the inode, a reflink its extents). A symlinked legacy item loses
+    only its link: nothing outside the step is ever deleted. ``specs``: the legacy items'
+    specs if the caller read them (`verify_step`'s ``source_specs``).
     """
     notes = _finish_removal(step_dir)
     present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
     if not present:
         _forget_item_handlers(step_dir)  # also after a run killed right after the removal
         return notes
-    result = verify_step(step_dir, quick=linked)
+    if linked is None:
+        linked, why = removal_check(step_dir)
+    else:
+        why = "as asked"
+    how = f"{'quick' if linked else 'full'} verification: {why}"
+    result = verify_step(step_dir, quick=linked, source_specs=specs)
     if not result.ok:
-        return [*notes, f"legacy items kept: verification failed: {result.problems[:3]}"]
+        return [*notes, f"legacy items kept: verification failed ({how}): {result.problems[:3]}"]
     for name in present:
         item = step_dir / name
         if objstore.is_remote(item):  # no rename: a marker says the deletion has begun
@@ -268,7 +351,7 @@ def remove_legacy(step_dir: epath.Path, *, linked: bool = False) -> list[str]:
             item.rename(step_dir / f"{name}{REMOVING}")
     _finish_removal(step_dir)
     _forget_item_handlers(step_dir)
-    return [*notes, f"removed legacy {', '.join(present)} after verifying items"]
+    return [*notes, f"removed legacy {', '.join(present)} after verifying items ({how})"]
 
 
 def _forget_item_handlers(step_dir: epath.Path) -> None:

@@ -126,7 +126,12 @@ class Target:
                 f"{path}: not a MaxText-layout checkpoint (no items/_METADATA).",
                 hint="Pass a MaxText step directory (holding items/) or its items/ directory.",
             )
-        specs = read_specs(items)
+        return cls.from_specs(read_specs(items))
+
+    @classmethod
+    def from_specs(cls, specs: Mapping[Path, LeafSpec]) -> Target:
+        """The target of a MaxText items tree known by its stored specs (`read_specs` of an
+        ``items`` directory), e.g. when the caller has read them already."""
         return cls._from_flat(specs, {p: s.abstract() for p, s in specs.items()})
 
     @classmethod

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,10 +19,10 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
-from . import objstore
+from . import objstore, sharing
 from .errors import CheckpointReadError
 from .moves import Move
-from .orbax_files import ItemFiles, param_name
+from .orbax_files import ItemFiles, count_io, param_name
 from .paths import Path
 
 # Source databases are cloned under the new item with this prefix, like Orbax's
@@ -128,6 +127,7 @@ def keys(kv: ts.KvStore, name: str) -> list[bytes]:
     """The stored keys of array ``name`` (its zarr metadata and chunks)."""
     prefix = name.encode() + b"/"
     rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=prefix[:-1] + b"0")
+    count_io("listing", kv)
     return list(kv.list(rng).result())
 
 
@@ -135,6 +135,7 @@ def keys_by_array(kv: ts.KvStore) -> dict[str, list[bytes]]:
     """Every stored key of a database, grouped by array name (one listing: on an object
     store each listing reads B-tree nodes through the client)."""
     out: dict[str, list[bytes]] = {}
+    count_io("listing", kv)
     for key in kv.list().result():
         name, sep, _ = key.partition(b"/")
         if sep:
@@ -332,28 +333,26 @@ def sub_kv(spec: dict, name: str) -> dict:
     return {**spec, "path": spec.get("path", "") + name + "/"}
 
 
-def clone_tree(src: epath.Path, dst: epath.Path, *, link: bool) -> None:
-    """Clones an item directory: hard links (``link``) or a streaming file copy.
+def clone_tree(src: epath.Path, dst: epath.Path, *, share: bool) -> sharing.Placement:
+    """Clones an item directory; returns how its files were placed (`sharing.Placement`).
 
-    Hard links are safe because OCDBT never modifies a data file once written and
-    the clone is only ever read; they fall back to copies across file systems.
-    On an object store (``gs://``) every object is copied server-side.
+    ``share``: each file is shared with the source (a reflink where the file system
+    supports it, else a hard link, else a copy, counted with its reason; see `sharing`).
+    Sharing is safe because Orbax never modifies a data file once written and the
+    clone is only ever read. Otherwise each file is a streaming copy. On an object
+    store (``gs://``) every object is copied server-side.
     """
     if objstore.is_remote(src):
         objstore.copy_tree(src, dst)  # server-side copies: no data through the client
-        return
+        return sharing.Placement(mode=sharing.SERVER_SIDE)
+    placed = sharing.Placement(mode=sharing.SHARE_MODE if share else sharing.COPY_MODE)
+    sharer = sharing.Sharer(placed, share=share)
     for root, _, files in os.walk(str(src)):
         rel = os.path.relpath(root, str(src))
         os.makedirs(os.path.join(str(dst), rel), exist_ok=True)
         for f in files:
-            a, b = os.path.join(root, f), os.path.join(str(dst), rel, f)
-            if link:
-                try:
-                    os.link(a, b)
-                    continue
-                except OSError:
-                    pass
-            shutil.copyfile(a, b)
+            sharer.place(os.path.join(root, f), os.path.normpath(os.path.join(str(dst), rel, f)))
+    return placed
 
 
 def write_array(dst_spec: dict, name: str, data: np.ndarray, *, use_zarr3: bool, context) -> None:

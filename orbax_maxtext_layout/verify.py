@@ -8,16 +8,17 @@ target, so a scan change verifies exactly like a plain conversion.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 from etils import epath
 
 from . import merge, tskv
 from .errors import LayoutMismatchError
+from .gcfreeze import frozen_heap
 from .layout import MAXTEXT_ITEM, read_provenance, tunix_items
-from .moves import Op, Plan, apply_op
-from .orbax_files import param_name
-from .paths import keystr
+from .moves import Move, Op, Plan, apply_op
+from .orbax_files import param_name, read_context
+from .paths import FlatTree, keystr
 from .plan import plan_step
 from .rescan import with_scan_axes
 from .spec import read_specs
@@ -32,26 +33,43 @@ class VerifyResult:
     problems: list[str] = dataclasses.field(default_factory=list)
 
 
-def replay_plan(step_dir: epath.PathLike) -> Plan:
+def replay_plan(
+    step_dir: epath.PathLike,
+    *,
+    specs: FlatTree | None = None,
+    source_specs: MutableMapping[str, FlatTree] | None = None,
+) -> Plan:
     """The plan a converted step was written from, rebuilt from its provenance and metadata.
 
     The converted items are themselves the target; what was dropped on purpose is
-    in the provenance record and is ignored by exact path.
+    in the provenance record and is ignored by exact path. ``specs``: `read_specs` of
+    the step's ``items``, if the caller has read them; ``source_specs``: of its legacy
+    items, by name (`plan_step`'s cache).
     """
     step_dir = epath.Path(step_dir)
     prov = read_provenance(step_dir) or {}
     dropped = [d["path"].split("/", 1)[1] for d in prov.get("dropped", [])]
-    target = Target.from_checkpoint(step_dir / MAXTEXT_ITEM)
+    if specs is None:
+        target = Target.from_checkpoint(step_dir / MAXTEXT_ITEM)
+    else:
+        target = Target.from_specs(specs)
     scan = prov.get("scan")
     if scan:
         target = with_scan_axes(target, dict(prov.get("scan_axes") or {}))
     ignore = [p.removesuffix("/value") for p in dropped] + dropped
+    optimizer = prov.get("optimizer", "convert")
     return plan_step(
-        step_dir, target, optimizer=prov.get("optimizer", "convert"), ignore=ignore, scan=scan
+        step_dir, target, optimizer=optimizer, ignore=ignore, scan=scan, specs=source_specs
     )
 
 
-def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResult:
+@frozen_heap()
+def verify_step(
+    step_dir: epath.PathLike,
+    *,
+    quick: bool = False,
+    source_specs: MutableMapping[str, FlatTree] | None = None,
+) -> VerifyResult:
     """Compares ``items`` with the legacy items it was converted from (or, for a merged
     LoRA step, with the base and adapters it was merged from).
 
@@ -60,24 +78,29 @@ def verify_step(step_dir: epath.PathLike, *, quick: bool = False) -> VerifyResul
     compared with its op applied to its sources: stored bytes where the op copied
     them, decoded values where it changed them (a cast, a layer slice or stack,
     fresh state, a zarr format change). Never raises: a failure is a result.
+    ``source_specs`` (item name -> `read_specs`) are the legacy items' specs if the
+    caller read them (e.g. `convert_step` planning the conversion it verifies).
     """
     step_dir = epath.Path(step_dir)
     try:
-        return _verify(step_dir, quick)
+        return _verify(step_dir, quick, source_specs)
     except LayoutMismatchError as e:
         return VerifyResult(str(step_dir), False, 0, [e.summary, *e.problems])
     except Exception as e:  # unreadable metadata or data: a failed check, not a crash
         return VerifyResult(str(step_dir), False, 0, [f"cannot read: {e}"])
 
 
-def _verify(step_dir: epath.Path, quick: bool) -> VerifyResult:
+def _verify(
+    step_dir: epath.Path, quick: bool, source_specs: MutableMapping[str, FlatTree] | None
+) -> VerifyResult:
     res = VerifyResult(str(step_dir), ok=True)
     prov = read_provenance(step_dir) or {}
+    got = read_specs(step_dir / MAXTEXT_ITEM)
     if prov.get("source_layout") == merge.SOURCE_LAYOUT:
         plan, sources = merge.replay_merge(step_dir, prov)
     else:
-        plan, sources = replay_plan(step_dir), tunix_items(step_dir)
-    got = read_specs(step_dir / MAXTEXT_ITEM)
+        plan = replay_plan(step_dir, specs=got, source_specs=source_specs)
+        sources = tunix_items(step_dir)
     for m in plan.moves:
         if got.get(m.dst) != m.out_spec:
             res.problems.append(f"{keystr(m.dst)}: items has {got.get(m.dst)}, plan {m.out_spec}")
@@ -93,19 +116,41 @@ def _verify(step_dir: epath.Path, quick: bool) -> VerifyResult:
 def _compare(
     step_dir: epath.Path, plan: Plan, sources: Mapping[str, epath.Path], quick: bool
 ) -> list[str]:
-    ctx = tskv.ts_context()
-    srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in sources.items()}
+    """Each move's stored keys and values against its sources'.
+
+    Each database is listed once (`tskv.keys_by_array`), and stored values are read in
+    batches of at most `BATCH_BYTES` (every read of a batch in flight at once), through
+    one bounded cache of the databases' indexes (`orbax_files.read_context`): the cost
+    per leaf does not grow with the number of leaves.
+    """
+    ctx = read_context()
     dst = tskv.SourceItem.open(step_dir / MAXTEXT_ITEM, ctx)
+    stored = tskv.keys_by_array(dst.kv)
+    if quick:
+        return [
+            f"{keystr(m.dst)}: no stored data in items"
+            for m in plan.moves
+            if not stored.get(param_name(m.dst))
+        ]
+    srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in sources.items()}
+    raw = [m for m in plan.moves if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3]
+    listed = {n: tskv.keys_by_array(srcs[n].kv) for n in sorted({m.item for m in raw})}
     problems = []
-    stored = tskv.keys_by_array(dst.kv) if quick else {}
-    for m in plan.moves:
-        if quick:
-            if not stored.get(param_name(m.dst)):
-                problems.append(f"{keystr(m.dst)}: no stored data in items")
+    pairs: list[tuple[Move, bytes, bytes]] = []
+    unequal: set[int] = set()
+    for m in raw:
+        sn, dn = param_name(m.src), param_name(m.dst)
+        skeys = sorted(listed[m.item].get(sn, []))
+        dkeys = sorted(stored.get(dn, []))
+        if not skeys or [k[len(sn) :] for k in skeys] != [k[len(dn) :] for k in dkeys]:
+            unequal.add(id(m))  # compared by value below, which names the difference
             continue
-        if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3:
-            if _raw_equal(srcs[m.item], m.src, dst, m.dst):
-                continue
+        pairs += [(m, a, b) for a, b in zip(skeys, dkeys, strict=True)]
+    unequal |= _unequal_values(pairs, srcs, dst)
+    copied = {id(m) for m in raw} - unequal
+    for m in plan.moves:
+        if id(m) in copied:
+            continue
         want = apply_op(m, lambda item, p: tskv.read_array(srcs[item], p, ctx))
         have = tskv.read_array(dst, m.dst, ctx)
         if want.dtype != have.dtype or want.shape != have.shape or want.tobytes() != have.tobytes():
@@ -113,13 +158,42 @@ def _compare(
     return problems
 
 
-def _raw_equal(src: tskv.SourceItem, sp, dst: tskv.SourceItem, dp) -> bool:
-    sn, dn = param_name(sp), param_name(dp)
-    skeys = tskv.keys(src.kv, sn)
-    dkeys = tskv.keys(dst.kv, dn)
-    if [k[len(sn) :] for k in skeys] != [k[len(dn) :] for k in dkeys]:
-        return False
-    return all(
-        src.kv.read(a).result().value == dst.kv.read(b).result().value
-        for a, b in zip(skeys, dkeys, strict=True)
-    )
+BATCH_BYTES = 256 << 20  # stored values held at once while comparing (both sides)
+
+
+def _unequal_values(
+    pairs: list[tuple[Move, bytes, bytes]],
+    srcs: Mapping[str, tskv.SourceItem],
+    dst: tskv.SourceItem,
+) -> set[int]:
+    """The moves (by ``id``) of which a stored value differs from its source's.
+
+    Reads go out in batches: every read of a batch is issued before any is awaited,
+    and a batch holds about `BATCH_BYTES` at most: a stored chunk is counted at its
+    decoded size (its array's bytes over its chunk keys; compression only shrinks it,
+    but for a few bytes of framing).
+    """
+    per_key: dict[int, int] = {}
+    for m, _, _ in pairs:
+        per_key[id(m)] = per_key.get(id(m), 0) + 1
+    unequal: set[int] = set()
+    batch: list[tuple[Move, bytes, bytes]] = []
+    held = 0
+
+    def flush() -> None:
+        reads = [(m, srcs[m.item].kv.read(a), dst.kv.read(b)) for m, a, b in batch]
+        for m, ra, rb in reads:
+            if ra.result().value != rb.result().value:
+                unequal.add(id(m))
+
+    for m, a, b in pairs:
+        chunks = max(1, per_key[id(m)] - 1)  # one of an array's keys is its zarr metadata
+        size = 2 * max(1, m.spec.nbytes // chunks)
+        if batch and held + size > BATCH_BYTES:
+            flush()
+            batch, held = [], 0
+        batch.append((m, a, b))
+        held += size
+    if batch:
+        flush()
+    return unequal

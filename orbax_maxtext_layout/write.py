@@ -3,8 +3,9 @@
 Per op (see `moves`):
 
 * ``copy`` from an OCDBT source in the same zarr format: the source database is
-  cloned inside the new item (hard links with ``in_place``, a streaming file copy
-  otherwise) and its arrays are grafted into the new root database under their
+  cloned inside the new item, its data files shared with the source (a reflink,
+  else a hard link, else a copy; private streaming copies with ``copy=True``; see
+  `sharing`), and its arrays are grafted into the new root database under their
   new names with ``experimental_copy_range_to``: only B-tree nodes are written,
   never array bytes. From a non-OCDBT source (Pathways style): stored chunks are
   copied under their new keys, in batches within ``budget``.
@@ -18,16 +19,25 @@ is committed (`stepdir.commit`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 from etils import epath
 
-from . import orbax_files, stepdir, tskv
+from . import orbax_files, sharing, stepdir, tskv
 from .errors import CheckpointReadError
 from .layout import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from .moves import Move, Op, Plan, apply_op, merge_layer
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
+
+
+class Written(NamedTuple):
+    """What `write_items` wrote: new bytes on disk, and how the source data files were
+    placed (`sharing.Placement.to_dict`: shared by reflink or hard link, or copied, and why)."""
+
+    bytes_written: int
+    data_files: dict[str, Any]
 
 
 def write_items(
@@ -39,16 +49,20 @@ def write_items(
     budget: int = DEFAULT_BUDGET,
     in_place: bool = False,
     use_zarr3: bool | None = None,
-    link: bool | None = None,
-) -> int:
-    """Writes ``<step_dir>/items`` for ``plan`` and commits it; returns bytes written.
+    copy: bool = False,
+) -> Written:
+    """Writes ``<step_dir>/items`` for ``plan`` and commits it.
 
     ``source_dirs`` maps item name to its directory. The destination keeps the
     source's zarr format unless ``use_zarr3`` says otherwise (then every array is
-    re-encoded). Source databases are cloned with hard links when ``link`` (default:
-    ``in_place``); OCDBT never modifies a data file, so a link is a safe copy. A
-    merge_lora move is computed and written one layer at a time. Nothing is
-    committed unless every array was written.
+    re-encoded). The data files of cloned source databases are shared with the
+    source (reflink, else hard link, else a copy of that file), or privately copied
+    with ``copy``; Orbax never modifies a data file, so a shared file is a safe copy.
+    A merge_lora move is computed and written one layer at a time. Nothing is
+    committed unless every array was written. The provenance records ``in_place``,
+    the bytes written, how the data files were placed (``data_files``) and which
+    arrays this writer wrote itself (``arrays_written``: chunk copies, and arrays
+    computed by their op), so that `stepdir.remove_legacy` knows what to verify.
     """
     ctx = tskv.ts_context()
     sources = {name: tskv.SourceItem.open(d, ctx) for name, d in source_dirs.items()}
@@ -61,9 +75,10 @@ def write_items(
         raw = [m for m in plan.moves if m.op is Op.COPY and sources[m.item].use_zarr3 == zarr3]
         graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
         children = {}
+        placed = sharing.Placement(mode=sharing.COPY_MODE if copy else sharing.SHARE_MODE)
         for name in sorted(graft):
             child_dir = tmp / f"{tskv.CHILD_PREFIX}{name}"
-            tskv.clone_tree(sources[name].dir, child_dir, link=in_place if link is None else link)
+            placed.merge(tskv.clone_tree(sources[name].dir, child_dir, share=not copy))
             children[name] = tskv.open_ocdbt(child_dir, ctx)
         parent = tskv.open_ocdbt(tmp, ctx, merge=bool(graft))
         tskv.graft([m for m in raw if m.item in graft], children, parent)
@@ -96,12 +111,23 @@ def write_items(
             gaps=orbax_files.list_gaps(m.dst for m in plan.moves),
         )
         _check_data(tmp, sources, chunked, ctx)
-        written = stepdir.disk_usage(tmp, new_only=True)
-        stepdir.commit(step_dir, tmp, provenance | {"bytes_written": written, "in_place": in_place})
+        # Shared files are not written: hard links have more than one name, reflinks are
+        # known by their inodes (they share the source's extents).
+        written = stepdir.disk_usage(tmp, new_only=True, shared=placed.reflinked)
+        computed: dict[str, int] = {}
+        for m in decoded:
+            computed[m.op.value] = computed.get(m.op.value, 0) + 1
+        record = {
+            "bytes_written": written,
+            "in_place": in_place,
+            "data_files": placed.to_dict(),
+            "arrays_written": {"chunks_copied": len(chunked), "computed": computed},
+        }
+        stepdir.commit(step_dir, tmp, provenance | record)
     except BaseException:
         stepdir.discard(tmp)
         raise
-    return written
+    return Written(written, placed.to_dict())
 
 
 def chunk_shape(m: Move) -> tuple[int, ...]:
@@ -155,7 +181,10 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
 
     Grafted values stay in the (cloned) source data files: every value the new item
     references must lie inside an existing file of the right size. Chunks copied from a
-    non-OCDBT source were read whole: each copied array is decoded once.
+    non-OCDBT source were read whole: each copied array is decoded once. This holds at
+    the commit; a hard-linked data file is the legacy file itself, so a later truncation
+    of the legacy file (which Orbax never does) truncates it under both names (a reflinked
+    or copied one is unaffected), and `verify` then reports the arrays it cut.
     """
     problems = []
     for rel, what in tskv.damaged_value_files(tmp).items():

@@ -270,6 +270,8 @@ def test_out_writes_a_separate_destination_and_leaves_the_source_alone(tmp_path)
         "convert", str(root), "--target-from", "x", "--out", str(out), "--in-place", check_rc=2
     )
     assert "--in-place" in res.stderr
+    res = cli("convert", str(root), "--target-from", "x", "--copy", "--in-place", check_rc=2)
+    assert "--copy" in res.stderr and "--in-place" in res.stderr
 
 
 def test_a_failed_out_leaves_no_step_a_stock_manager_lists(tmp_path):

@@ -104,6 +104,11 @@ def test_private_orbax_api_we_rely_on_is_still_there():
     assert tu.OcdbtWriteMode.MERGE is not None
     assert "ocdbt_write_options" in inspect.signature(tu.build_kvstore_tspec).parameters
     tu.OcdbtKvStoreWriteOptions(mode=tu.OcdbtWriteMode.MERGE)
+    # spec.read_specs parses each sharding as Orbax's metadata reader does (same failures).
+    from orbax.checkpoint._src.metadata import sharding
+
+    single = '{"sharding_type": "SingleDeviceSharding", "device_str": "cpu:0"}'
+    assert sharding.from_serialized_string(single) is not None
     # manager.CheckpointManager overrides these (no public hook for moving a legacy step
     # out of a save's way, or for finalize-time migration).
     for name, params in {

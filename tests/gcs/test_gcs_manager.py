@@ -85,6 +85,11 @@ def test_manager_on_gs_equals_the_manager_on_disk(gs_prefix, tmp_path, use_async
     want = json.loads((local / ACTOR / "1" / "_CHECKPOINT_METADATA").read_text())
     for m in (meta, want):  # B-tree nodes written (varies by a byte between runs)
         m["custom_metadata"]["orbax_maxtext_layout"].pop("bytes_written")
+    # How the data files were placed: server-side copies there, shared files on a disk.
+    assert meta["custom_metadata"]["orbax_maxtext_layout"].pop("data_files")["mode"] == (
+        "server-side"
+    )
+    assert want["custom_metadata"]["orbax_maxtext_layout"].pop("data_files")["mode"] == "share"
     assert meta["custom_metadata"] == want["custom_metadata"]
     assert meta["custom_metadata"][oml.TUNIX_STEP_KEY] == 2
     assert _leftovers(gs_prefix, "run/" + ACTOR) == []

@@ -326,12 +326,15 @@ def test_sweep_every_file(fixture, how, tmp_path):
 
 
 # -- two layouts that disagree ----------------------------------------------------------
-def _converted_root(tmp_path: Path) -> Path:
+def _converted_root(tmp_path: Path, *, copy: bool = True) -> Path:
+    """Two converted steps; with ``--copy`` unless told otherwise, so that items/ has data
+    files of its own and damage to one name does not reach the other."""
     root = tmp_path / "run"
     for n in (2, 3):
         shutil.copytree(S.FIXTURES / S.RL, root / "actor" / str(n))
     S.chmod_tree(root)
-    res = S.zygote().cli("convert", root, "--target-from", NATIVE, "-q")
+    mode = ["--copy"] if copy else []
+    res = S.zygote().cli("convert", root, "--target-from", NATIVE, "-q", *mode)
     assert res.rc == 0, res.stderr
     return root
 
@@ -398,13 +401,38 @@ def test_quick_verify_cannot_see_values(tmp_path):
     """Documented limit: ``verify --quick`` compares metadata and chunk presence only."""
     root = _converted_root(tmp_path)
     step = root / "actor" / "2"
-    db = step / "items" / "ocdbt.src_model_params"  # a copy, not hard links
+    db = step / "items" / "ocdbt.src_model_params"  # a copy (--copy), not shared
     values = S.ocdbt_values(db)
     S.flip(db / max(values, key=lambda f: (db / f).stat().st_size))
     quick = S.zygote().cli("verify", root, "--quick")
     full = S.zygote().cli("verify", root)
     assert quick.rc == 0 and f"{step}: ok" in quick.stdout
     assert full.rc == 1 and f"{step}: MISMATCH" in full.stdout
+    S.count("bad_inputs")
+
+
+def test_damage_to_a_shared_data_file_shows_under_both_names(tmp_path):
+    """Documented (README, docs/reliability.md): the default convert shares each data file
+    with the legacy item. Orbax never modifies a committed file; if something else does
+    later, a hard-linked file changes under both names: a flipped bit is then invisible to
+    `verify` (both names agree), a truncation makes both unreadable (verify reports it).
+    ``--copy`` keeps a second physical copy. (A reflink would keep items/ as it was.)"""
+    root = _converted_root(tmp_path, copy=False)
+    step = root / "actor" / "2"
+    prov = json.loads((step / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]
+    if not prov["orbax_maxtext_layout"]["data_files"]["hardlink"]["files"]:
+        pytest.skip("this file system shares data files by reflink, not by hard link")
+    values = S.ocdbt_values(step / "model_params")
+    rel = max(values, key=lambda f: (step / "model_params" / f).stat().st_size)
+    legacy, shared = step / "model_params" / rel, step / "items" / "ocdbt.src_model_params" / rel
+    assert legacy.stat().st_ino == shared.stat().st_ino
+    S.flip(legacy)
+    assert shared.read_bytes() == legacy.read_bytes()  # one file, two names
+    assert S.zygote().cli("verify", root).rc == 0  # nothing differs between the two names
+    other = root / "actor" / "3"
+    S.truncate(other / "model_params" / rel)
+    res = S.zygote().cli("verify", root)
+    assert res.rc == 1 and f"{other}: MISMATCH" in res.stdout and not res.traceback
     S.count("bad_inputs")
 
 

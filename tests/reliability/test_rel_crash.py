@@ -1,5 +1,5 @@
-"""SIGKILL during `convert` (copy, --in-place, --remove-legacy) and during the manager's lazy
-migration; after every kill the invariants, then a rerun, then the invariants again.
+"""SIGKILL during `convert` (the default, which shares the data files with the legacy items;
+--copy; --in-place; --remove-legacy) and during the manager's lazy migration; after every kill the invariants, then a rerun, then the invariants again.
 
 Two kinds of kill points:
   * random: after a delay drawn from ``random.Random(SEED)`` in ``[0, T]``, T the measured
@@ -14,7 +14,7 @@ Invariants after every kill (data safety):
   * every step reads as the legacy layout (legacy files bit-identical to before) or as the
     new one (``items/`` restores with stock Orbax to exactly the reference conversion), never
     as neither; an ``items/`` is never half-written; ``_CHECKPOINT_METADATA`` stays valid JSON;
-  * a copy conversion never modifies the legacy files.
+  * a conversion that keeps the legacy items (the default, --copy) never modifies them.
 After the rerun (the same command): exit 0 without a traceback, every step converted and
 equal to the reference, no ``items`` temporary directory left, and no legacy items for the
 removing modes. What a dead run leaves besides (its lock file, a metadata temp file) is
@@ -41,7 +41,12 @@ STEPS = [10, 11]
 SIZE = S.scale(16 << 20, 50 << 20)  # 2 steps: ~35 MB per run (~110 MB in the full run)
 MANAGER_SIZE = S.scale(8 << 20, 50 << 20)  # the manager also restores and saves in memory
 RANDOM_POINTS = S.scale(20, 150)
-MODES = {"copy": [], "in_place": ["--in-place"], "remove_legacy": ["--remove-legacy"]}
+MODES = {
+    "default": [],  # shares the data files (hard links here; reflinks where supported)
+    "copy": ["--copy"],
+    "in_place": ["--in-place"],
+    "remove_legacy": ["--remove-legacy"],
+}
 REMOVES_LEGACY = {"in_place", "remove_legacy"}
 LOCK = ".orbax-maxtext-layout.lock"
 
@@ -191,7 +196,7 @@ class Checker:
             if (step / "items").exists():
                 problems += self.items_ok(step, n)
                 if not intact and self.mode not in REMOVES_LEGACY:
-                    problems.append(f"{step}: a copy conversion modified the legacy items")
+                    problems.append(f"{step}: a {self.mode} conversion modified the legacy items")
                 if legacy and not intact:
                     S.count("crash.state.legacy_partly_removed")
             else:
@@ -220,7 +225,7 @@ class Checker:
             legacy = S.legacy_digest(step)
             if self.mode in REMOVES_LEGACY and legacy:
                 problems.append(f"{step}: legacy items left after the rerun ({len(legacy)} files)")
-            if self.mode == "copy" and legacy != self.pristine[n]:
+            if self.mode not in REMOVES_LEGACY and legacy != self.pristine[n]:
                 problems.append(f"{step}: legacy items changed")
             tmp = [c for c in S.leftovers(step) if "checkpoint-tmp" in c]
             if tmp:
@@ -321,9 +326,20 @@ FULL_RUN_HITS_EMPTY_LOCK = pytest.mark.xfail(
 
 
 @FULL_RUN_HITS_EMPTY_LOCK
+def test_sigkill_default(base, base1, reference, tmp_path):
+    """The default conversion: the data files shared with the legacy items."""
+    violations = _random_campaign("default", base, reference, tmp_path)
+    violations += _boundary_campaign("default", base1, reference, tmp_path, COPY_POINTS)
+    assert not violations, _report(violations)
+
+
+@FULL_RUN_HITS_EMPTY_LOCK
 def test_sigkill_copy(base, base1, reference, tmp_path):
-    violations = _random_campaign("copy", base, reference, tmp_path)
-    violations += _boundary_campaign("copy", base1, reference, tmp_path, COPY_POINTS)
+    """``--copy``: private copies of the data files (the boundaries; the random kills run in
+    the full campaign)."""
+    violations = _boundary_campaign("copy", base1, reference, tmp_path, COPY_POINTS)
+    if S.FULL:
+        violations += _random_campaign("copy", base, reference, tmp_path)
     assert not violations, _report(violations)
 
 
@@ -349,21 +365,21 @@ def _single_kill(mode, label, base1, reference, tmp_path) -> tuple[Path, S.Resul
 
 
 def test_rerun_clears_the_lock_of_a_run_killed_after_its_commit(base1, reference, tmp_path):
-    step, rerun = _single_kill("copy", "step_lock>unlink", base1, reference, tmp_path)
+    step, rerun = _single_kill("default", "step_lock>unlink", base1, reference, tmp_path)
     assert rerun.rc == 0 and detect_layout(step) is Layout.MAXTEXT
     assert S.restore_problem(step / "items", reference[STEPS[0]]) is None
     assert LOCK not in S.leftovers(step), S.leftovers(step)
 
 
 def test_rerun_after_a_kill_between_creating_and_writing_the_lock(base1, reference, tmp_path):
-    step, rerun = _single_kill("copy", "_create>io.open", base1, reference, tmp_path)
+    step, rerun = _single_kill("default", "_create>io.open", base1, reference, tmp_path)
     assert rerun.rc == 0, rerun.stderr[-400:]
     assert detect_layout(step) is Layout.MAXTEXT, rerun.stdout[-400:]
     assert S.restore_problem(step / "items", reference[STEPS[0]]) is None
 
 
 def test_rerun_clears_the_metadata_temp_file_of_a_killed_run(base1, reference, tmp_path):
-    step, rerun = _single_kill("copy", "_replace_json>replace", base1, reference, tmp_path)
+    step, rerun = _single_kill("default", "_replace_json>replace", base1, reference, tmp_path)
     assert rerun.rc == 0 and detect_layout(step) is Layout.MAXTEXT
     assert not [c for c in step.iterdir() if c.name.endswith(".tmp")], S.leftovers(step)
 

@@ -124,15 +124,16 @@ def _full_disk_case(base, mnt, mode, free_bytes, reference) -> list[str]:
                 problems.append(f"after the rerun: {why}")
     shutil.rmtree(run)
     S.count("faults")
-    return [f"[{' '.join(mode) or 'copy'} with {free_bytes} bytes free] {p}" for p in problems]
+    return [f"[{' '.join(mode) or 'shared'} with {free_bytes} bytes free] {p}" for p in problems]
 
 
 def test_disk_full_while_copying_the_data(base, disk, reference):
-    """Space runs out in the file copy of the clone: a clean OSError (ENOSPC)."""
-    need = _needed(base, disk, ())
+    """Space runs out in the file copy of the clone (``--copy``; the default shares the
+    files and writes no data): a clean OSError (ENOSPC)."""
+    need = _needed(base, disk, ("--copy",))
     problems = []
     for frac in (0.05, 0.4, 0.8):
-        problems += _full_disk_case(base, disk, (), int(need * frac), reference)
+        problems += _full_disk_case(base, disk, ("--copy",), int(need * frac), reference)
     assert not problems, "\n".join(problems)
 
 
@@ -142,18 +143,21 @@ def test_disk_full_before_the_lock_is_written(base, disk, reference):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("mode", [(), ("--in-place",)], ids=["copy", "in-place"])
+@pytest.mark.parametrize(
+    "mode", [("--copy",), (), ("--in-place",)], ids=["copy", "shared", "in-place"]
+)
 def test_disk_full_during_the_final_writes(mode, base, disk, reference):
     """Short of what the B-tree, metadata and commit writes need (every 4 KiB page of that
     window in the full run; a spread of pages in CI)."""
     need = _needed(base, disk, mode)
-    window = need if mode else 96 << 10
+    copies = mode == ("--copy",)  # the data is written first; the others write none
+    window = 96 << 10 if copies else need
     if S.FULL:
         pages = list(range(max(need - window, 4096), need, 4096))
     else:
-        # KiB free (in place) or KiB short (copy): each phase of the final writes once.
-        kib = (4, 8, 16, 64) if mode else (4, 16, 40, 44, 48, 52)
-        pages = sorted({k << 10 for k in kib} if mode else {need - (k << 10) for k in kib})
+        # KiB free (shared, in place) or KiB short (copy): each phase of the final writes once.
+        kib = (4, 16, 40, 44, 48, 52) if copies else (4, 8, 16, 64)
+        pages = sorted({need - (k << 10) for k in kib} if copies else {k << 10 for k in kib})
     problems = []
     for free in pages:
         problems += _full_disk_case(base, disk, mode, free, reference)
@@ -161,11 +165,11 @@ def test_disk_full_during_the_final_writes(mode, base, disk, reference):
 
 
 def test_file_size_limit(base, reference, tmp_path):
-    """RLIMIT_FSIZE below the size of a data file: the copy fails with EFBIG."""
+    """RLIMIT_FSIZE below the size of a data file: the copy (``--copy``) fails with EFBIG."""
     run = S.copy_root(base, tmp_path / "run")
     before = S.digest(run)
     env = S.child_env(S.template_step(base))
-    res = S.zygote().cli(*_argv(run), env=env, fsize_limit=256 << 10)
+    res = S.zygote().cli(*_argv(run, "--copy"), env=env, fsize_limit=256 << 10)
     assert res.rc == 1 and not res.traceback, res.stderr[-600:]
     assert "File too large" in res.stderr and "2 step(s) failed" in res.stderr, res.stderr
     assert S.digest(run) == before

@@ -304,7 +304,7 @@ def test_read_only_source_converts_to_a_separate_destination(read_only_run, targ
 def test_remove_legacy_keeps_legacy_items_that_do_not_verify(tmp_path):
     root = tmp_path / "run"
     step = put_step(root, "1")
-    assert convert(root).rc == 0  # a copy: items/ has its own data files
+    assert convert(root, "--copy").rc == 0  # a copy: items/ has its own data files
     db = step / "items" / "ocdbt.src_model_params"
     values = S.ocdbt_values(db)
     S.flip(db / max(values, key=lambda f: (db / f).stat().st_size))  # items/ now disagrees

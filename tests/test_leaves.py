@@ -1,0 +1,166 @@
+"""Cost per leaf: metadata is read once per item and each database is listed once per
+operation, however many leaves a step holds (`orbax_files.io_counts` counts them).
+
+`read_specs` reads an item's JSON files and every array's zarr metadata in one batch;
+it must return exactly what Orbax's own metadata reader gives (`spec.orbax_specs`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import writers as W
+from conftest import FIXTURES
+from etils import epath
+
+from orbax_maxtext_layout import CheckpointManager, Target, convert_step, read_specs, verify_step
+from orbax_maxtext_layout.orbax_files import io_counts
+from orbax_maxtext_layout.spec import orbax_specs
+
+REPO = Path(__file__).parent.parent
+EXAMPLES = REPO / "orbax_maxtext_layout" / "examples"
+ITEMS = sorted(m.parent for root in (FIXTURES, EXAMPLES) for m in root.rglob("_METADATA"))
+LAYERS = 6
+
+
+@pytest.mark.parametrize("item", ITEMS, ids=[str(p.relative_to(REPO)) for p in ITEMS])
+def test_read_specs_is_orbax_metadata(item):
+    """Same leaves, in the same order, with the same shapes, dtypes and key impls, for every
+    fixture (zarr2 and zarr3, OCDBT and Pathways-style, typed keys, None gaps)."""
+    with io_counts() as counts:
+        fast = read_specs(item)
+    assert list(fast.items()) == list(orbax_specs(item).items())
+    # One batch of zarr metadata reads and no listing: it did not fall back to Orbax's.
+    assert list(counts.values()) == [1] and next(iter(counts))[0] == "zarr metadata", counts
+
+
+def test_read_specs_of_unsorted_metadata_is_in_orbax_order(tmp_path):
+    item = tmp_path / "optimizer_state"
+    shutil.copytree(FIXTURES / "tunix017/dpo_run/checkpoints/1/optimizer_state", item)
+    meta = json.loads((item / "_METADATA").read_text())
+    entries = list(meta["tree_metadata"].items())
+    meta["tree_metadata"] = dict(entries[::-1])
+    (item / "_METADATA").write_text(json.dumps(meta))
+    assert list(read_specs(item).items()) == list(orbax_specs(item).items())
+
+
+def test_read_specs_of_numpy_scalar_and_string_leaves_is_orbax_metadata(tmp_path):
+    item = epath.Path(tmp_path / "item")
+    h = ocp.PyTreeCheckpointHandler()
+    tree = {"a": np.arange(3, dtype=np.int16), "s": "text", "n": 7, "x": 1.5, "e": {}, "z": None}
+    h.save(item, args=ocp.args.PyTreeSave(tree))
+    h.finalize(item)
+    with io_counts() as counts:
+        fast = read_specs(item)
+    assert list(fast.items()) == list(orbax_specs(item).items())
+    assert sorted(fast) == [("a",), ("n",), ("s",), ("x",)]
+    assert [k for k, _ in counts] == ["zarr metadata"]
+
+
+@pytest.fixture(scope="module")
+def many_leaves(tmp_path_factory):
+    """An unscanned RL step of many tiny leaves, and the full target of its converted form
+    (params, nnx_aux, opt_state and step)."""
+    root = tmp_path_factory.mktemp("leaves")
+    model = W.make_model(scanned=False, adapter=True, num_layers=LAYERS)
+    step = Path(W.write_tunix_step(root / "src", 3, model, W.make_optimizer(model, "rl")))
+    converted = root / "converted" / "3"
+    shutil.copytree(step, converted)
+    convert_step(converted, Target.from_nnx(model.base))
+    return step, Target.from_checkpoint(converted)
+
+
+def _by_kind(counts, kind: str) -> dict[str, int]:
+    return {where: n for (k, where), n in counts.items() if k == kind}
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_verify_lists_each_database_once_and_reads_its_metadata_once(many_leaves, tmp_path, quick):
+    src, target = many_leaves
+    step = tmp_path / "3"
+    shutil.copytree(src, step)
+    convert_step(step, target)
+    with io_counts() as counts:
+        result = verify_step(step, quick=quick)
+    assert result.ok and result.checked > 10 * LAYERS, result.problems
+    listed = _by_kind(counts, "listing")
+    items = [str(step / n) for n in ("items", "model_params", "optimizer_state")]
+    # Full: each source database and items/ once; quick: items/ only. Never once per leaf.
+    assert sorted(listed) == sorted(f"{d}/" for d in (items[:1] if quick else items)), listed
+    assert set(listed.values()) == {1}, listed
+    metadata = _by_kind(counts, "zarr metadata")
+    assert sorted(metadata) == sorted(f"{d}/" for d in items) and set(metadata.values()) == {1}
+
+
+def test_transparent_restore_plans_from_each_item_once(many_leaves, tmp_path):
+    """A partial restore plans twice (the restore, and whether it covers the whole step
+    for the migration): from one read of each item's metadata."""
+    src, target = many_leaves
+    shutil.copytree(src, tmp_path / "run" / "3")
+    with CheckpointManager(tmp_path / "run", item_names=("items",)) as mngr:
+        args = ocp.args.PyTreeRestore(item=target.items(), partial_restore=True)
+        with io_counts() as counts:
+            items = mngr.restore(2, args=ocp.args.Composite(items=args))["items"]
+    assert sorted(items) == ["nnx_aux", "opt_state", "params", "step"]
+    metadata = _by_kind(counts, "zarr metadata")
+    want = [f"{tmp_path / 'run' / '3' / n}/" for n in ("model_params", "optimizer_state")]
+    assert sorted(metadata) == want and set(metadata.values()) == {1}, metadata
+    assert not _by_kind(counts, "listing")
+
+
+def test_in_place_conversion_reads_each_item_once(many_leaves, tmp_path):
+    """Planning and the verification before the legacy removal share one read of each
+    legacy item's metadata; each database is listed at most once."""
+    src, target = many_leaves
+    step = tmp_path / "3"
+    shutil.copytree(src, step)
+    with io_counts() as counts:
+        report = convert_step(step, target, in_place=True)
+    assert report.status == "converted" and not (step / "model_params").exists(), report.notes
+    metadata = _by_kind(counts, "zarr metadata")
+    items = [str(step / n) for n in ("items", "model_params", "optimizer_state")]
+    assert sorted(metadata) == sorted(f"{d}/" for d in items) and set(metadata.values()) == {1}
+    assert set(_by_kind(counts, "listing").values()) == {1}, counts
+
+
+def test_frozen_heap_returns_what_it_froze_and_leaves_a_process_freeze_alone():
+    """Counts are compared with room for frozen objects freed meanwhile (a freed object
+    leaves the permanent generation), but not for the 1,000 objects made in between."""
+    import gc
+
+    from orbax_maxtext_layout.gcfreeze import frozen_heap
+
+    def made() -> list:
+        return [[i] for i in range(1000)]  # tracked by the collector
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000
+        alive = made()
+        with frozen_heap():  # nested: no second freeze
+            assert gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # the nested exit did not unfreeze
+        del alive
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the process's own freeze: never undone, never added to
+    try:
+        before = gc.get_freeze_count()
+        alive = made()
+        with frozen_heap():
+            assert gc.get_freeze_count() <= before
+        assert 0 < gc.get_freeze_count() <= before  # not undone
+        del alive
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with frozen_heap():
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
