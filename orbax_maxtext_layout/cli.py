@@ -24,14 +24,16 @@ from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
 from .layout import (
+    TUNIX_PARAMS_ITEM,
     Layout,
     StepInfo,
     find_step_roots,
     find_steps,
     maxtext_number,
+    read_step_metadata,
     tunix_step_number,
 )
-from .lora import LoraAdapterStepError
+from .lora import LoraAdapterStepError, adapters_of, model_paths
 from .merge import SOURCE_LAYOUT
 from .plan import plan_step
 from .spec import read_specs
@@ -324,19 +326,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         }
         items = ["items"] if info.layout is Layout.MAXTEXT else ["model_params", "optimizer_state"]
         groups: dict[str, dict[str, int]] = {}
+        specs = {}  # each item's metadata read once: for the groups, LoRA and the plan
         for item in items:
             if (info.path / item).is_dir():
-                for p, s in read_specs(info.path / item).items():
+                specs[item] = read_specs(info.path / item)
+                for p, s in specs[item].items():
                     g = groups.setdefault(f"{item}/{p[0]}", {"leaves": 0, "bytes": 0})
                     g["leaves"] += 1
                     g["bytes"] += s.nbytes
         entry["groups"] = groups
         entry["converted_by"] = converted_provenance(info.path)
-        lora = info.lora
+        lora = None
+        if info.layout is Layout.TUNIX and TUNIX_PARAMS_ITEM in specs:
+            custom = read_step_metadata(info.path).get("custom_metadata")
+            params = specs[TUNIX_PARAMS_ITEM]
+            lora = adapters_of(model_paths(params), params, custom)
         entry["lora"] = lora.to_dict() if lora is not None else None
         if target is not None and info.layout is Layout.TUNIX:
             try:
-                entry["plan"] = convert_step(info.path, target, dry_run=True).to_dict()
+                plan = plan_step(info.path, target, specs=specs)
+                entry["plan"] = convert_step(info.path, target, dry_run=True, plan=plan).to_dict()
             except LayoutMismatchError as e:
                 entry["mismatch"] = [e.summary, *e.problems, *([e.hint] if e.hint else [])]
         out.append(entry)

@@ -7,6 +7,8 @@ it must return exactly what Orbax's own metadata reader gives (`spec.orbax_specs
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -18,7 +20,14 @@ import writers as W
 from conftest import FIXTURES
 from etils import epath
 
-from orbax_maxtext_layout import CheckpointManager, Target, convert_step, read_specs, verify_step
+from orbax_maxtext_layout import (
+    CheckpointManager,
+    Target,
+    cli,
+    convert_step,
+    read_specs,
+    verify_step,
+)
 from orbax_maxtext_layout.orbax_files import io_counts
 from orbax_maxtext_layout.spec import orbax_specs
 
@@ -72,7 +81,7 @@ def many_leaves(tmp_path_factory):
     converted = root / "converted" / "3"
     shutil.copytree(step, converted)
     convert_step(converted, Target.from_nnx(model.base))
-    return step, Target.from_checkpoint(converted)
+    return step, Target.from_checkpoint(converted), converted
 
 
 def _by_kind(counts, kind: str) -> dict[str, int]:
@@ -81,7 +90,7 @@ def _by_kind(counts, kind: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("quick", [False, True])
 def test_verify_lists_each_database_once_and_reads_its_metadata_once(many_leaves, tmp_path, quick):
-    src, target = many_leaves
+    src, target, _ = many_leaves
     step = tmp_path / "3"
     shutil.copytree(src, step)
     convert_step(step, target)
@@ -100,7 +109,7 @@ def test_verify_lists_each_database_once_and_reads_its_metadata_once(many_leaves
 def test_transparent_restore_plans_from_each_item_once(many_leaves, tmp_path):
     """A partial restore plans twice (the restore, and whether it covers the whole step
     for the migration): from one read of each item's metadata."""
-    src, target = many_leaves
+    src, target, _ = many_leaves
     shutil.copytree(src, tmp_path / "run" / "3")
     with CheckpointManager(tmp_path / "run", item_names=("items",)) as mngr:
         args = ocp.args.PyTreeRestore(item=target.items(), partial_restore=True)
@@ -113,10 +122,37 @@ def test_transparent_restore_plans_from_each_item_once(many_leaves, tmp_path):
     assert not _by_kind(counts, "listing")
 
 
+@pytest.mark.parametrize("how", ["convert", "dry_run", "inspect"])
+def test_convert_dry_run_and_inspect_read_each_item_once(many_leaves, tmp_path, how):
+    """A conversion (which shares the data files and does not verify), its dry run and
+    `inspect` with a target (groups, LoRA detection and the plan) read each legacy item's
+    metadata once, and list a database at most once (the writer's graft)."""
+    src, target, converted = many_leaves
+    step = tmp_path / "3"
+    shutil.copytree(src, step)
+    with io_counts() as counts:
+        if how == "inspect":
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                rc = cli.main(["inspect", str(tmp_path), "--json", "--target-from", str(converted)])
+        else:
+            report = convert_step(step, target, dry_run=how == "dry_run")
+    if how == "inspect":
+        [entry] = json.loads(out.getvalue())
+        assert rc == 0 and entry["plan"]["status"] == "dry-run" and entry["lora"] is None, entry
+    else:
+        assert report.status == ("dry-run" if how == "dry_run" else "converted"), report.notes
+    # (inspect also reads the target's items, once, outside tmp_path)
+    metadata = {k: n for k, n in _by_kind(counts, "zarr metadata").items() if str(tmp_path) in k}
+    want = [f"{step / n}/" for n in ("model_params", "optimizer_state")]
+    assert sorted(metadata) == want and set(metadata.values()) == {1}, metadata
+    listed = _by_kind(counts, "listing")  # the writer lists each source it grafts, once
+    assert set(listed.values()) <= {1} and (how == "convert" or not listed), counts
+
+
 def test_in_place_conversion_reads_each_item_once(many_leaves, tmp_path):
     """Planning and the verification before the legacy removal share one read of each
     legacy item's metadata; each database is listed at most once."""
-    src, target = many_leaves
+    src, target, _ = many_leaves
     step = tmp_path / "3"
     shutil.copytree(src, step)
     with io_counts() as counts:
