@@ -90,7 +90,12 @@ def run_once(
     else:
         out = work / f"{mode}-out"
         shutil.rmtree(out, ignore_errors=True)
-        args = [mode, str(src), str(out), str(budget)]
+        source = src
+        if mode == "cp":  # copies a fresh legacy step too, prepared as the convert modes' is
+            source = work / "cp-src" / "actor" / src.name
+            shutil.rmtree(source.parent.parent, ignore_errors=True)
+            shutil.copytree(src, source)
+        args = [mode, str(source), str(out), str(budget)]
     # Every timed child starts with nothing dirty: the untimed preparation (a fresh legacy
     # step is a full copy) and earlier modes would otherwise throttle its writes by theirs.
     os.sync()

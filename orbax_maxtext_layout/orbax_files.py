@@ -16,6 +16,7 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -133,11 +134,18 @@ def read_context(cache_bytes: int = READ_CACHE_BYTES) -> ts.Context:
     of each grows with the database's size. Make one per operation (the cache lives
     as long as the context); the writer runs without caches (`tskv.ts_context`).
     """
-    spec = ocp.serialization.ts_utils.get_ts_context(use_ocdbt=True).spec.to_json()
+    spec = json.loads(_orbax_context_spec())  # a fresh copy to edit
     for name in list(spec):
         if name.startswith("cache_pool"):
             spec[name] = {"total_bytes_limit": cache_bytes}
     return ts.Context(spec)
+
+
+@functools.cache
+def _orbax_context_spec() -> str:
+    """Orbax's tensorstore context spec for OCDBT, as JSON text (built once per process:
+    every operation makes several contexts from it)."""
+    return json.dumps(ocp.serialization.ts_utils.get_ts_context(use_ocdbt=True).spec.to_json())
 
 
 def open_kvstore(item_dir: epath.Path, context: ts.Context, *, use_ocdbt: bool) -> ts.KvStore:

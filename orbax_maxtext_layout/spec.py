@@ -227,8 +227,13 @@ def _check_shardings(files: ItemFiles, names: list[str]) -> None:
 
 def _zarr_dtype(name: Any) -> np.dtype:
     """The dtype tensorstore opens a zarr array with (zarr2's ``<f4``, zarr3's ``float32``)."""
-    if not isinstance(name, str):
+    if not isinstance(name, str):  # e.g. a zarr2 structured dtype (a list)
         raise ValueError(f"unsupported zarr dtype {name!r}")
+    return _named_dtype(name)
+
+
+@functools.cache  # one per dtype name: an item has few, its leaves many
+def _named_dtype(name: str) -> np.dtype:
     if name[:1] in "<>|=":
         return np.dtype(jax.numpy.dtype(np.dtype(name).newbyteorder("=").name))
     return np.dtype(jax.numpy.dtype(name))

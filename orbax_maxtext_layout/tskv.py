@@ -15,14 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
 from . import objstore, sharing
 from .errors import CheckpointReadError
 from .moves import Move
-from .orbax_files import ItemFiles, count_io, param_name
+from .orbax_files import ItemFiles, count_io, param_name, read_context
 from .paths import Path
 
 # Source databases are cloned under the new item with this prefix, like Orbax's
@@ -36,11 +35,7 @@ def ts_context() -> ts.Context:
     Every byte is read once and written once, so a cache only costs memory: Orbax's
     100 MB OCDBT cache would sit on top of the memory budget.
     """
-    spec = ocp.serialization.ts_utils.get_ts_context(use_ocdbt=True).spec.to_json()
-    for name in list(spec):
-        if name.startswith("cache_pool"):
-            spec[name] = {"total_bytes_limit": 0}
-    return ts.Context(spec)
+    return read_context(0)  # Orbax's context, its caches off
 
 
 def open_ocdbt(item_dir: epath.Path, context: ts.Context, *, merge: bool = False) -> ts.KvStore:

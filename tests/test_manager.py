@@ -19,7 +19,14 @@ import pytest
 from conftest import MAXTEXT_NATIVE, copy_fixture, tree_digest
 from etils import epath
 
-from orbax_maxtext_layout import Layout, Target, convert_step, detect_layout, restore_as_items
+from orbax_maxtext_layout import (
+    Layout,
+    Target,
+    convert_step,
+    converted_provenance,
+    detect_layout,
+    restore_as_items,
+)
 from orbax_maxtext_layout.manager import TUNIX_STEP_KEY, CheckpointManager
 from orbax_maxtext_layout.paths import flatten, keystr, norm_key, unflatten
 
@@ -203,6 +210,9 @@ def test_resumed_maxtext_loop_saves_every_step_and_migrates(
     migrated = root / "1"
     assert detect_layout(migrated) is Layout.MAXTEXT
     assert (migrated / "model_params").exists() is not remove_legacy
+    files = converted_provenance(migrated)["data_files"]  # the migration shares the files
+    assert files["mode"] == "share" and files["copy"]["files"] == 0, files
+    assert files["hardlink"]["files"] + files["reflink"]["files"] > 0, files
     meta = json.loads((migrated / "_CHECKPOINT_METADATA").read_text())
     assert meta["custom_metadata"]["global_step"] == meta_before["custom_metadata"]["global_step"]
     assert meta["custom_metadata"][TUNIX_STEP_KEY] == 2

@@ -247,6 +247,9 @@ def test_save_after_load_moves_the_legacy_step_then_migrates_it(
     moved = root / "1"
     assert sorted(os.listdir(root)) == ["1", "2"]
     assert oml.detect_layout(moved) is oml.Layout.MAXTEXT
+    files = oml.converted_provenance(moved)["data_files"]  # the migration shares the files
+    assert files["mode"] == "share" and files["copy"]["files"] == 0, files
+    assert files["hardlink"]["files"] + files["reflink"]["files"] > 0, files
     meta = json.loads((moved / "_CHECKPOINT_METADATA").read_text())
     if remove_legacy:  # removed only after verifying; the step metadata follows the disk
         assert not (moved / "model_params").exists()
