@@ -296,6 +296,10 @@ class Zygote:
     def start(self, job: dict, *, env: dict | None = None, cwd: Path | None = None) -> tuple:
         self._n += 1
         out, err = self._logs / f"{self._n}.out", self._logs / f"{self._n}.err"
+        # Made here, not only by the child: a kill that lands right after the fork, before
+        # the child opened them, leaves empty output, not missing files.
+        out.touch()
+        err.touch()
         reply = self._ask(
             {
                 "op": "start",
