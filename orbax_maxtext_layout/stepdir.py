@@ -313,15 +313,12 @@ def _not_shared_now(step_dir: epath.Path, reflinks: int) -> str | None:
     return None
 
 
-def remove_legacy(
-    step_dir: epath.Path, *, linked: bool | None = None, specs: dict | None = None
-) -> list[str]:
+def remove_legacy(step_dir: epath.Path, *, specs: dict | None = None) -> list[str]:
     """Deletes the legacy items of a converted step, only once ``items`` verifies.
 
     When every array byte of ``items`` is the legacy items' own (its data files shared
     with them: hard links or reflinks, see `removal_check`), the check is metadata plus
-    stored-data presence; otherwise every value is compared. ``linked`` overrides that
-    decision. A verified item is first renamed aside (atomic), then deleted, so a kill
+    stored-data presence; otherwise every value is compared. A verified item is first renamed aside (atomic), then deleted, so a kill
     mid-deletion never leaves a half-deleted legacy item that reads as a checkpoint; a
     rerun finishes the deletion. The shared data files stay readable through ``items``
     (a hard link keeps the inode, a reflink its extents). A symlinked legacy item loses
@@ -333,10 +330,7 @@ def remove_legacy(
     if not present:
         _forget_item_handlers(step_dir)  # also after a run killed right after the removal
         return notes
-    if linked is None:
-        linked, why = removal_check(step_dir)
-    else:
-        why = "as asked"
+    linked, why = removal_check(step_dir)
     how = f"{'quick' if linked else 'full'} verification: {why}"
     result = verify_step(step_dir, quick=linked, source_specs=specs)
     if not result.ok:
