@@ -84,7 +84,7 @@ from .layout import (
     tunix_step_number,
     with_tunix_step,
 )
-from .lock import LOCK_NAME, step_lock
+from .lock import LOCK_NAME, break_stale_lock, step_lock
 from .orbax_files import absolute
 from .plan import plan_step
 from .restore import request_target, restore_request
@@ -129,7 +129,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
     def _finish_removals(self) -> None:
         """Finishes legacy removals a killed run left: migrated steps (with this
-        library's provenance) that still hold legacy items, or a half-deleted one."""
+        library's provenance) that still hold legacy items, or a half-deleted one; and the
+        lock of a run killed after its removal, before releasing the lock."""
         for info in find_steps(self.directory, roles=False):
             if info.layout is not Layout.MAXTEXT or read_provenance(info.path) is None:
                 continue
@@ -137,6 +138,8 @@ class CheckpointManager(ocp.CheckpointManager):
             if not names & {TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM} and not any(
                 n.endswith(REMOVING) for n in names
             ):
+                if LOCK_NAME in names and break_stale_lock(info.path):
+                    logger.info("Step %s: removed the lock of a dead run", info.path)
                 continue
             try:
                 with step_lock(info.path):  # verified as its record says (`removal_check`)

@@ -146,6 +146,8 @@ def _item_metadata(item_dir: epath.Path) -> dict:
         )
     try:
         meta = json.loads((item_dir / "_METADATA").read_text())
+    except OSError as e:  # gone since the check: e.g. moved by another converter meanwhile
+        raise CheckpointReadError(f"{item_dir}/_METADATA: cannot be read ({e}).") from e
     except ValueError as e:
         raise CheckpointReadError(f"{item_dir}/_METADATA: invalid JSON ({e}).") from e
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):

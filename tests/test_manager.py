@@ -359,3 +359,30 @@ def test_two_processes_restore_sharded_and_migrate(tmp_path):
 
 if __name__ == "__main__":  # a worker of test_two_processes_restore_sharded_and_migrate
     _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+def test_remove_legacy_manager_breaks_the_lock_a_killed_removal_left(tmp_path, caplog):
+    """A run killed after removing a migrated step's legacy items, before releasing the
+    step's lock, leaves the lock of a dead process: the next manager removes it; a live
+    process's lock stays."""
+    step = copy_fixture(RL, tmp_path)
+    convert_step(step, Target.from_checkpoint(MAXTEXT_NATIVE), remove_legacy=True)
+    assert not (step / "model_params").exists()
+    lock = step / ".orbax-maxtext-layout.lock"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    owner = {"pid": int(dead.stdout), "host": socket.gethostname()}
+    lock.write_text(json.dumps(owner))
+    caplog.set_level(logging.INFO, LOGGER)
+    with _manager(step.parent, remove_legacy=True):
+        pass
+    assert not lock.exists()
+    assert any("removed the lock of a dead run" in r.getMessage() for r in caplog.records)
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with _manager(step.parent, remove_legacy=True):
+        pass
+    assert lock.exists()  # held by a live process (this one): not broken
