@@ -193,6 +193,11 @@ def read_step_metadata(step_dir: epath.Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(f.read_text())
+    except FileNotFoundError as e:  # gone since the check: moved or removed meanwhile
+        raise CheckpointReadError(
+            f"{f}: disappeared while being read (another process moved or removed the step?)."
+            " Run again."
+        ) from e
     except ValueError as e:
         raise CheckpointReadError(
             f"{f}: invalid JSON ({e}). Fix or remove the file; the arrays are not affected."

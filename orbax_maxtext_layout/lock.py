@@ -59,11 +59,37 @@ def step_lock(step_dir: epath.Path, *, name: str = LOCK_NAME, wait: float = 0.0)
         raise StepLocked(
             f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
         )
+    _sweep_tmps(str(step_dir), name)
     try:
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _tmp_name(name: str, me: dict) -> str:
+    """The private file a lock is created from: ``<lock>.<host>.<pid>.tmp``."""
+    return f"{name}.{me['host']}.{me['pid']}.tmp"
+
+
+def _sweep_tmps(folder: str, name: str) -> None:
+    """Removes the private files of `_create` (``<lock>.<host>.<pid>.tmp``) whose creator
+    died on this host: a kill between writing one and linking it to the lock name leaves
+    it behind. Older releases named it ``<lock>.<pid>.tmp`` (no host); those are removed
+    when that pid is dead here. A live creator's file is left alone."""
+    here = socket.gethostname()
+    try:
+        children = os.listdir(folder)
+    except OSError:
+        return
+    for child in children:
+        if not (child.startswith(name + ".") and child.endswith(".tmp")):
+            continue
+        host, _, pid = child[len(name) + 1 : -len(".tmp")].rpartition(".")
+        if not pid.isdigit() or (host and host != here) or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, child))
 
 
 def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
@@ -73,7 +99,7 @@ def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
     name, so the lock never exists empty (a kill or a full disk between creating
     and writing it would otherwise leave a lock no one owns).
     """
-    tmp = f"{path}.{me['pid']}.tmp"
+    tmp = os.path.join(os.path.dirname(path), _tmp_name(os.path.basename(path), me))
     try:
         with open(tmp, "w") as f:
             json.dump(me, f)
@@ -164,6 +190,7 @@ def break_stale_lock(step_dir: epath.Path) -> bool:
         lock.unlink(missing_ok=True)
         objstore.refresh(lock)
         return True
+    _sweep_tmps(str(step_dir), LOCK_NAME)
     path = os.path.join(str(step_dir), LOCK_NAME)
     if not os.path.exists(path):
         return False

@@ -138,7 +138,7 @@ class CheckpointManager(ocp.CheckpointManager):
             if not names & {TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM} and not any(
                 n.endswith(REMOVING) for n in names
             ):
-                if LOCK_NAME in names and break_stale_lock(info.path):
+                if any(n.startswith(LOCK_NAME) for n in names) and break_stale_lock(info.path):
                     logger.info("Step %s: removed the lock of a dead run", info.path)
                 continue
             try:

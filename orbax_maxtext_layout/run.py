@@ -81,8 +81,11 @@ class Placement:
 
 
 def _taken_by(path: epath.Path) -> str:
-    if detect_layout(path) is Layout.TUNIX and tunix_step_number(path) == 0:
-        return "Tunix's initial state (0 updates), which has no MaxText number"
+    try:
+        if detect_layout(path) is Layout.TUNIX and tunix_step_number(path) == 0:
+            return "Tunix's initial state (0 updates), which has no MaxText number"
+    except OrbaxMaxTextLayoutError:  # moved or damaged meanwhile: the generic guess
+        pass
     return "a step of the same run in MaxText's numbering?"
 
 
@@ -153,8 +156,9 @@ def plan_moves(
         held: set[int] = set()  # directories another live process holds where they are
         todo = []
         for info in members:
-            tunix = tunix_step_number(info.path) if info.layout is Layout.TUNIX else None
-            tunix = known.get(info.path, tunix)
+            # The count read with the step's plan first: the directory may have been moved
+            # by another converter since (its metadata gone from this path).
+            tunix = known[info.path] if info.path in known else _tunix_of(info)
             if tunix is None or not info.path.name.isdigit():
                 out[info.path] = Placement(info, info.path)  # converted where it is, or skipped
             elif tunix < 1:

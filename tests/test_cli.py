@@ -184,6 +184,41 @@ def test_sigkill_mid_conversion_then_rerun_finishes(tmp_path):
         assert not [c for c in s.path.iterdir() if "tmp" in c.name or c.name.endswith(".lock")]
 
 
+def test_a_rerun_removes_the_lock_temp_files_a_kill_left(tmp_path):
+    """A kill between writing a lock's private file and linking it to the lock name leaves
+    ``.orbax-maxtext-layout.lock.<host>.<pid>.tmp`` (seen in CI): the rerun removes those
+    of dead processes on this host, on a step it converts and on one already converted,
+    and leaves a live process's and another host's alone."""
+    import socket
+
+    root = tmp_path / "checkpoints"
+    for n in (2, 3):
+        shutil.copytree(RL, root / "actor" / str(n))
+    keep = ("--keep-step-numbers", "--target-from", str(MAXTEXT_NATIVE))
+    cli("convert", str(root / "actor" / "2"), *keep)  # 2 done, 3 still legacy
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid, host, lock = int(dead.stdout), socket.gethostname(), ".orbax-maxtext-layout.lock"
+    names = {
+        "dead": f"{lock}.{host}.{dead_pid}.tmp",
+        "dead, older release": f"{lock}.{dead_pid}.tmp",
+        "live": f"{lock}.{host}.{os.getpid()}.tmp",
+        "other host": f"{lock}.elsewhere.example.{dead_pid}.tmp",
+    }
+    for n in (2, 3):
+        for name in names.values():
+            (root / "actor" / str(n) / name).write_text(json.dumps({"pid": 1, "host": host}))
+    out = json.loads(cli("convert", str(root), *keep, "--json").stdout)
+    assert [r["status"] for r in out] == ["skipped", "converted"]
+    for n in (2, 3):
+        left = {c.name for c in (root / "actor" / str(n)).iterdir() if ".lock" in c.name}
+        assert left == {names["live"], names["other host"]}, n
+
+
 def test_two_concurrent_converters_convert_each_step_once(tmp_path):
     root = _synth_root(tmp_path, 4, 8 << 20)
     env = {

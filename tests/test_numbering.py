@@ -336,3 +336,59 @@ def test_concurrent_renumbering_converters_never_fail_falsely(tmp_path, repeat):
         assert int(restore_flat(root / str(n) / "items")[("step",)]) == n + 1
         assert oml.tunix_step_number(root / str(n)) == n + 1
         assert oml.verify_step(root / str(n)).ok
+
+
+def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
+    """Another converter renumbers steps while this run plans (in CI this once ended the
+    CLI with a raw FileNotFoundError on a moved step's metadata): the run plan takes each
+    step's update count from its plan (no second read of a directory that may be gone),
+    and the moves planned again under the lock find each step where the other put it."""
+    from orbax_maxtext_layout import run
+
+    root = _run(tmp_path, [1, 2, 3])
+    target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
+
+    def plan_of(step_dir):
+        plan = oml.plan_step(step_dir, target, optimizer="drop")
+        if step_dir == root / "1" and not (root / "0").exists():
+            stepdir.move_step(step_dir, root / "0", 1)  # the other converter's moves: 1 -> 0,
+            stepdir.move_step(root / "2", root / "1", 2)  # then 2 -> 1
+        return plan
+
+    infos = oml.find_steps(root)
+    placed = run.plan_run(infos, plan_of)
+    # Outside the lock, 1's move sees 0 taken (by 1 itself) and 2 is gone: both are planned
+    # again under the lock, by their update counts.
+    assert [type(p.error).__name__ for p in placed] == [
+        "StepExistsError",
+        "CheckpointReadError",
+        "NoneType",
+    ]
+    assert [p.tunix for p in placed] == [1, 2, 3]
+    made = run.apply_moves(placed, plan_of)
+    assert [(p.error, p.locked) for p in made] == [(None, None)] * 3
+    assert [p.path.name for p in made] == ["0", "1", "2"]
+    assert made[0].move is None and "moved meanwhile by another converter" in made[0].notes[0]
+    assert sorted(p.name for p in root.iterdir()) == ["0", "1", "2"]
+    assert [oml.tunix_step_number(root / str(n)) for n in range(3)] == [1, 2, 3]
+
+
+def test_read_step_metadata_of_a_step_that_vanished_is_a_read_error(tmp_path):
+    """The metadata file removed between its existence check and its read (a step moved
+    meanwhile) is a CheckpointReadError naming it, which the run plan plans again, not a
+    raw FileNotFoundError that ended the CLI."""
+    from orbax_maxtext_layout import layout
+
+    step = _run(tmp_path, [1])
+    meta = step / "1" / "_CHECKPOINT_METADATA"
+
+    class Vanishing(type(oml.find_steps(step)[0].path)):
+        def exists(self):  # true when checked, then the step is moved away
+            alive = super().exists()
+            if alive and self.name == "_CHECKPOINT_METADATA":
+                os.rename(self.parent, self.parent.parent / "moved")
+            return alive
+
+    with pytest.raises(oml.CheckpointReadError, match="_CHECKPOINT_METADATA: disappeared"):
+        layout.read_step_metadata(Vanishing(step / "1"))
+    assert not meta.exists() and (step / "moved" / "_CHECKPOINT_METADATA").exists()
