@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 
 MODES = ("baseline", "cp", "naive", "convert", "copy", "inplace")
 RESTORE_MODES = ("restore_tunix", "restore_stock", "restore_tunix_v1", "restore_stock_v1")
-COMPARED = ("convert", "inplace", "restore_tunix")  # modes that run the package
+COMPARED = ("convert", "copy", "inplace", "restore_tunix")  # modes that run the package
 
 
 def _size(text: str) -> int:

@@ -34,6 +34,9 @@ import errno
 import os
 import shutil
 import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 REFLINK, HARDLINK, COPY = "reflink", "hardlink", "copy"
@@ -160,6 +163,27 @@ class Sharer:
         self._no_kernel_copy: set[tuple[int, int]] = set()
         self._probed: set[tuple[int, int]] = set()
         self._dirs: dict[str, int] = {}
+        self._lock = threading.Lock()  # the counts, when files are copied in parallel
+
+    def _add(self, kind: str, size: int, why: str | None = None) -> None:
+        with self._lock:
+            self.placed.add(kind, size, why)
+
+    def place_all(self, pairs: Sequence[tuple[str, str]], *, workers: int = 0) -> None:
+        """`place` for each ``(a, b)``. Once a file has been copied, the rest are placed by
+        ``workers`` threads (default: one per core, at most 4): a copy is in the kernel
+        (``copy_file_range``, ``sendfile``), which runs without the GIL, so copies overlap
+        where one stream leaves the disk or the cores idle; links are placed in order."""
+        workers = workers or min(4, os.cpu_count() or 1)
+        for i, (a, b) in enumerate(pairs):
+            copied = self.placed.files[COPY]
+            self.place(a, b)
+            rest = pairs[i + 1 :]
+            if self.placed.files[COPY] > copied and len(rest) > 1 and workers > 1:
+                with ThreadPoolExecutor(workers, thread_name_prefix="omtl-copy") as pool:
+                    for f in [pool.submit(self.place, *pair) for pair in rest]:
+                        f.result()
+                return
 
     def _dev(self, directory: str) -> int:
         if directory not in self._dirs:
@@ -189,7 +213,7 @@ class Sharer:
             self.copy(a, b, st.st_size, ASKED, pair)
             return
         if self._try_reflink(a, b, pair):
-            self.placed.add(REFLINK, st.st_size)
+            self._add(REFLINK, st.st_size)
             clone = os.stat(b)
             self.placed.reflinked.add((clone.st_dev, clone.st_ino))
             return
@@ -203,11 +227,11 @@ class Sharer:
                     self._failed[HARDLINK][pair] = why
             else:
                 if os.stat(b).st_ino == st.st_ino:
-                    self.placed.add(HARDLINK, st.st_size)
+                    self._add(HARDLINK, st.st_size)
                     return
                 # Some FUSE file systems "link" by copying: a new file, not to be trusted
                 # as the same bytes.
-                self.placed.add(COPY, st.st_size, COPIED_ON_LINK)
+                self._add(COPY, st.st_size, COPIED_ON_LINK)
                 return
         self.copy(a, b, st.st_size, why, pair)
 
@@ -216,11 +240,11 @@ class Sharer:
         no_clone = pair in self._failed[REFLINK] or not self._reflink
         if self._in_kernel and no_clone and pair not in self._no_kernel_copy:
             if _copy_in_kernel(a, b):
-                self.placed.add(COPY, size, why)
+                self._add(COPY, size, why)
                 return
             self._no_kernel_copy.add(pair)
         shutil.copyfile(a, b)  # sendfile on Linux
-        self.placed.add(COPY, size, why)
+        self._add(COPY, size, why)
 
 
 def _copy_in_kernel(a: str, b: str) -> bool:

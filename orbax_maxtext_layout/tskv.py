@@ -342,11 +342,12 @@ def clone_tree(src: epath.Path, dst: epath.Path, *, share: bool) -> sharing.Plac
         return sharing.Placement(mode=sharing.SERVER_SIDE)
     placed = sharing.Placement(mode=sharing.SHARE_MODE if share else sharing.COPY_MODE)
     sharer = sharing.Sharer(placed, share=share)
+    pairs = []
     for root, _, files in os.walk(str(src)):
         rel = os.path.relpath(root, str(src))
         os.makedirs(os.path.join(str(dst), rel), exist_ok=True)
-        for f in files:
-            sharer.place(os.path.join(root, f), os.path.normpath(os.path.join(str(dst), rel, f)))
+        pairs += [(os.path.join(root, f), os.path.join(str(dst), rel, f)) for f in files]
+    sharer.place_all([(a, os.path.normpath(b)) for a, b in pairs])
     return placed
 
 

@@ -278,3 +278,29 @@ def test_reflinks_where_the_file_system_has_them(target, tmp_path):
 def _used(mnt: Path) -> int:
     st = os.statvfs(mnt)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def test_copies_run_in_parallel_and_each_file_is_counted_once(tmp_path):
+    """After the first copy the rest are copied by worker threads: every file once, its
+    exact bytes, the counts added under a lock; a failure in a worker is raised."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    sizes = [0, 1, 4095, 4096, 1 << 20, (3 << 20) + 7] * 8
+    pairs = []
+    for i, n in enumerate(sizes):
+        (src / f"f{i}").write_bytes(os.urandom(n))
+        pairs.append((str(src / f"f{i}"), str(dst / f"f{i}")))
+    placed = sharing.Placement(mode=sharing.COPY_MODE)
+    sharing.Sharer(placed, share=False).place_all(pairs, workers=4)
+    for a, b in pairs:
+        assert Path(a).read_bytes() == Path(b).read_bytes()
+        assert os.stat(a).st_ino != os.stat(b).st_ino
+    assert placed.files[sharing.COPY] == len(sizes) and placed.bytes[sharing.COPY] == sum(sizes)
+    assert placed.why == {sharing.ASKED: len(sizes)}
+
+    bad = [*pairs[:5], (pairs[5][0], str(tmp_path / "missing" / "f5")), *pairs[6:]]
+    for _, b in pairs:
+        os.unlink(b)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        sharing.Sharer(sharing.Placement(), share=False).place_all(bad, workers=4)

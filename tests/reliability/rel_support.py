@@ -454,7 +454,7 @@ def make_synth_root(root: Path, steps: list[int], size: int, **kw: Any) -> list[
 def cached_synth_root(name: str, steps: list[int], size: int, **kw: Any) -> Path:
     """A synthetic run root built once per session (copy it before writing to it)."""
     key = f"{name}-{'-'.join(map(str, steps))}-{size}-{sorted(kw.items())}"
-    base = SESSION_DIR / hashlib.sha1(key.encode()).hexdigest()[:12]
+    base = session_dir() / hashlib.sha1(key.encode()).hexdigest()[:12]
     if not (base / "done").exists():
         shutil.rmtree(base, ignore_errors=True)
         make_synth_root(base / "run", steps, size, **kw)
@@ -465,8 +465,18 @@ def cached_synth_root(name: str, steps: list[int], size: int, **kw: Any) -> Path
     return base
 
 
-SESSION_DIR = Path(tempfile.mkdtemp(prefix="omtl-rel-session-"))
-atexit.register(shutil.rmtree, SESSION_DIR, True)
+_session: Path | None = None
+
+
+def session_dir() -> Path:
+    """This process's scratch directory, made on first use and removed at exit. Made
+    lazily: the forked and killed children that import this module (and never reach
+    their exit handlers) would otherwise each leave an empty directory behind."""
+    global _session
+    if _session is None:
+        _session = Path(tempfile.mkdtemp(prefix="omtl-rel-session-"))
+        atexit.register(shutil.rmtree, _session, True)
+    return _session
 
 
 def template_step(base: Path) -> Path:

@@ -44,7 +44,7 @@ from orbax_maxtext_layout.paths import flatten, keystr, unflatten
 # Hypothesis caches (constants, unicode data) go to a temporary directory, not into the
 # repository's .hypothesis/ (this suite writes only under tests/reliability). No other test
 # module uses hypothesis, so setting its home for the session changes nothing else.
-set_hypothesis_home_dir(S.SESSION_DIR / "hypothesis")
+set_hypothesis_home_dir(S.session_dir() / "hypothesis")
 
 SETTINGS = settings(
     max_examples=S.scale(150, 2000),
