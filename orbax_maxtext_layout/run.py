@@ -25,7 +25,6 @@ from .layout import (
     TUNIX_STEP_KEY,
     Layout,
     StepInfo,
-    detect_layout,
     find_steps,
     maxtext_number,
     read_step_metadata,
@@ -78,24 +77,6 @@ class Placement:
     locked: str | None = None
     notes: tuple[str, ...] = ()
     plan: Plan | None = None  # the step's conversion plan (metadata only)
-
-
-def _taken_by(path: epath.Path) -> str:
-    try:
-        if detect_layout(path) is Layout.TUNIX and tunix_step_number(path) == 0:
-            return "Tunix's initial state (0 updates), which has no MaxText number"
-    except OrbaxMaxTextLayoutError:  # moved or damaged meanwhile: the generic guess
-        pass
-    return "a step of the same run in MaxText's numbering?"
-
-
-def refusal(src: epath.Path, dst: epath.Path) -> StepExistsError:
-    """The error for a move into ``dst``, a directory that stays taken."""
-    return StepExistsError(
-        f"{src}: cannot renumber it to {dst.name}: {dst} already exists ({_taken_by(dst)}). "
-        "Nothing was moved. Move that directory out of the run, or convert with "
-        "--keep-step-numbers (renumber=False)."
-    )
 
 
 def plan_run(
@@ -177,7 +158,9 @@ def plan_moves(
                 why = f"{dst} is held by another process; a later run renumbers {info.path.name}"
                 out[info.path] = Placement(info, info.path, tunix, locked=why)
             elif home in occupied:
-                out[info.path] = Placement(info, info.path, tunix, error=refusal(info.path, dst))
+                out[info.path] = Placement(
+                    info, info.path, tunix, error=stepdir.renumber_refusal(info.path, dst)
+                )
             else:
                 occupied.discard(here)
                 occupied.add(home)

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from . import objstore, sharing, tskv
-from .errors import StepExistsError
+from .errors import OrbaxMaxTextLayoutError, StepExistsError
 from .layout import (
     MAXTEXT_ITEM,
     PROVENANCE_KEY,
@@ -133,6 +133,21 @@ def _replace_json(path: epath.Path, data: dict) -> None:
         raise
 
 
+def renumber_refusal(src: epath.Path, dst: epath.Path) -> StepExistsError:
+    """The error for renumbering ``src`` into ``dst``, a directory that stays taken."""
+    what = "a step of the same run in MaxText's numbering?"
+    try:
+        if detect_layout(dst) is Layout.TUNIX and tunix_step_number(dst) == 0:
+            what = "Tunix's initial state (0 updates), which has no MaxText number"
+    except OrbaxMaxTextLayoutError:  # moved or damaged meanwhile: the generic guess
+        pass
+    return StepExistsError(
+        f"{src}: cannot renumber it to {dst.name}: {dst} already exists ({what}). Nothing "
+        "was moved. Move that directory out of the run, or convert with "
+        "--keep-step-numbers (renumber=False)."
+    )
+
+
 def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
     """Renumbers a legacy Tunix step: records its update count, then renames it (atomic;
     on an object store, `objstore.move_dir`).
@@ -141,14 +156,7 @@ def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
     Refused if ``dst`` exists: nothing is moved or overwritten.
     """
     if dst.exists():
-        what = "a step of the same run in MaxText's numbering?"
-        if detect_layout(dst) is Layout.TUNIX and tunix_step_number(dst) == 0:
-            what = "Tunix's initial state (0 updates), which has no MaxText number"
-        raise StepExistsError(
-            f"{src}: cannot renumber it to {dst.name}: {dst} already exists ({what}). Nothing "
-            "was moved. Move that directory out of the run, or convert with "
-            "--keep-step-numbers (renumber=False)."
-        )
+        raise renumber_refusal(src, dst)
     with step_lock(src):
         update_step_metadata(src, lambda meta: with_tunix_step(meta, tunix_step))
         if objstore.is_remote(src):  # no rename: copies, markers ordered (`objstore.move_dir`)
