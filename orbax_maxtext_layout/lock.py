@@ -67,11 +67,6 @@ def step_lock(step_dir: epath.Path, *, name: str = LOCK_NAME, wait: float = 0.0)
             os.unlink(path)
 
 
-def _tmp_name(name: str, me: dict) -> str:
-    """The private file a lock is created from: ``<lock>.<host>.<pid>.tmp``."""
-    return f"{name}.{me['host']}.{me['pid']}.tmp"
-
-
 def _sweep_tmps(folder: str, name: str) -> None:
     """Removes the private files of `_create` (``<lock>.<host>.<pid>.tmp``) whose creator
     died on this host: a kill between writing one and linking it to the lock name leaves
@@ -99,7 +94,7 @@ def _create(path: str, me: dict, step_dir: epath.Path) -> bool:
     name, so the lock never exists empty (a kill or a full disk between creating
     and writing it would otherwise leave a lock no one owns).
     """
-    tmp = os.path.join(os.path.dirname(path), _tmp_name(os.path.basename(path), me))
+    tmp = f"{path}.{me['host']}.{me['pid']}.tmp"  # parsed back by `_sweep_tmps`
     try:
         with open(tmp, "w") as f:
             json.dump(me, f)

@@ -326,9 +326,10 @@ def remove_legacy(step_dir: epath.Path, *, specs: dict | None = None) -> list[st
 
     When every array byte of ``items`` is the legacy items' own (its data files shared
     with them: hard links or reflinks, see `removal_check`), the check is metadata plus
-    stored-data presence; otherwise every value is compared. A verified item is first renamed aside (atomic), then deleted, so a kill
-    mid-deletion never leaves a half-deleted legacy item that reads as a checkpoint; a
-    rerun finishes the deletion. The shared data files stay readable through ``items``
+    stored-data presence; otherwise every value is compared. A verified item is first
+    renamed aside (atomic), then deleted, so a kill mid-deletion never leaves a
+    half-deleted legacy item that reads as a checkpoint; a rerun finishes the deletion.
+    The shared data files stay readable through ``items``
     (a hard link keeps the inode, a reflink its extents). A symlinked legacy item loses
     only its link: nothing outside the step is ever deleted. ``specs``: the legacy items'
     specs if the caller read them (`verify_step`'s ``source_specs``).

@@ -346,8 +346,9 @@ def clone_tree(src: epath.Path, dst: epath.Path, *, share: bool) -> sharing.Plac
     for root, _, files in os.walk(str(src)):
         rel = os.path.relpath(root, str(src))
         os.makedirs(os.path.join(str(dst), rel), exist_ok=True)
-        pairs += [(os.path.join(root, f), os.path.join(str(dst), rel, f)) for f in files]
-    sharer.place_all([(a, os.path.normpath(b)) for a, b in pairs])
+        out = os.path.normpath(os.path.join(str(dst), rel))
+        pairs += [(os.path.join(root, f), os.path.join(out, f)) for f in files]
+    sharer.place_all(pairs)
     return placed
 
 
