@@ -24,7 +24,7 @@ from .handler import (
     MaxTextLayoutSave,
     load_params_from_path,
 )
-from .layout import TUNIX_STEP_KEY, Layout, StepInfo, detect_layout, find_steps, tunix_step_number
+from .layout import Layout, detect_layout, tunix_step_number
 from .lora import LoraAdapters, LoraAdapterStepError
 from .manager import CheckpointManager
 from .merge import plan_merge
@@ -42,6 +42,8 @@ from .scan import (
     unstack_layer,
 )
 from .spec import LeafSpec, read_specs
+from .stepmeta import TUNIX_STEP_KEY
+from .steps import StepInfo, find_steps
 from .target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
 from .verify import VerifyResult, replay_plan, verify_step
 

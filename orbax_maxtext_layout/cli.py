@@ -19,24 +19,22 @@ from pathlib import Path
 
 from etils import epath
 
-from . import objstore, run
+from . import run, stepmeta
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
 from .layout import (
     TUNIX_PARAMS_ITEM,
     Layout,
-    StepInfo,
-    find_step_roots,
-    find_steps,
     maxtext_number,
-    read_step_metadata,
     tunix_step_number,
 )
 from .lora import LoraAdapterStepError, adapters_of, model_paths
 from .merge import SOURCE_LAYOUT
 from .plan import plan_step
 from .spec import read_specs
+from .steps import StepInfo, find_step_roots, find_steps
+from .store import store_for
 from .target import Target
 from .verify import verify_step
 from .write import DEFAULT_BUDGET
@@ -267,11 +265,7 @@ def _dest(
 
 def _outside(root: epath.Path, step: epath.Path) -> bool:
     """A step reached through a symbolic link that leads outside ROOT (local paths only)."""
-    if objstore.is_remote(root):
-        return False
-    real_root = os.path.realpath(str(root))
-    real = os.path.realpath(str(step))
-    return real != real_root and not real.startswith(real_root + os.sep)
+    return store_for(root).is_outside(root, step)
 
 
 def _no_steps_hint(root: epath.Path) -> int | None:
@@ -338,7 +332,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         entry["converted_by"] = converted_provenance(info.path)
         lora = None
         if info.layout is Layout.TUNIX and TUNIX_PARAMS_ITEM in specs:
-            custom = read_step_metadata(info.path).get("custom_metadata")
+            custom = stepmeta.read(info.path).get("custom_metadata")
             params = specs[TUNIX_PARAMS_ITEM]
             lora = adapters_of(model_paths(params), params, custom)
         entry["lora"] = lora.to_dict() if lora is not None else None

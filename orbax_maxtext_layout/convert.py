@@ -6,6 +6,7 @@ The report, the provenance record and the progress total all come from the one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -15,7 +16,7 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from . import merge, objstore, run, sharing, stepdir
+from . import legacy, merge, placement, run, stepdir, stepmeta
 from ._version import __version__
 from .errors import (
     CheckpointReadError,
@@ -29,14 +30,10 @@ from .gcfreeze import frozen_heap
 from .layout import (
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
-    TUNIX_STEP_KEY,
     Layout,
     detect_layout,
-    find_steps,
     is_committed,
     maxtext_number,
-    read_provenance,
-    read_step_metadata,
     tunix_items,
     tunix_step_number,
 )
@@ -47,6 +44,8 @@ from .paths import flatten, keystr, norm_key
 from .plan import OptimizerMode, Plan, make_plan, plan_step
 from .restore import assemble
 from .spec import spec_of
+from .steps import find_steps
+from .store import COMMIT_MARKER, store_for
 from .target import Target
 from .write import DEFAULT_BUDGET, write_items
 
@@ -67,7 +66,7 @@ class StepReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     bytes_written: int = 0
     lora: dict[str, Any] | None = None  # a LoRA adapter step: what it holds (`LoraAdapters`)
-    # How the source data files were placed in items/ (`sharing.Placement.to_dict`): files
+    # How the source data files were placed in items/ (`placement.Placement.to_dict`): files
     # and bytes shared by reflink, by hard link, or copied, with the reasons for copies.
     data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -115,7 +114,7 @@ class StepReport:
             lines.append(f"  dropped {len(paths)} ({reason}): {shown}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.status == "converted":
-            if (files := sharing.describe(self.data_files)) is not None:
+            if (files := placement.describe(self.data_files)) is not None:
                 lines.append(f"  {files}")
             lines.append(f"  bytes written: {self.bytes_written:,}")
         return "\n".join(lines)
@@ -156,7 +155,7 @@ def convert_step(
     array. ``in_place`` shares the files and then removes the legacy items;
     ``remove_legacy`` removes them after the conversion. Legacy items are removed
     only after the new ``items`` has been verified (quickly when every data file is
-    shared, value by value otherwise; see `stepdir.removal_check`). A step that
+    shared, value by value otherwise; see `legacy.removal_check`). A step that
     already has ``items/`` is skipped; one being converted by another live process
     is reported as ``locked``. ``rescan="unroll"``/``"stack"`` writes the other scan
     form (the target is given in that form; see `rescan`), re-slicing each array
@@ -199,16 +198,17 @@ def convert_step(
             f"combined with a separate destination ({dest})."
         )
     moved: list[str] = []  # a killed renumbering into this directory, finished first
-    if objstore.is_remote(step_dir) and not dry_run and (step_dir / objstore.MOVING).exists():
+    store = store_for(step_dir)
+    if not dry_run and store.move_in_progress(step_dir):
         with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
-            moved += [n for n in [objstore.finish_move(step_dir)] if n]
+            moved += [n for n in [store.finish_move(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
         report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
-        prov = read_provenance(step_dir)
+        prov = stepmeta.read_provenance(step_dir)
         if not dry_run and break_stale_lock(done):
             report.notes.append("removed the lock of a dead run")
         if (in_place or remove_legacy) and not dry_run and prov:
@@ -217,13 +217,13 @@ def convert_step(
             try:
                 with step_lock(step_dir):
                     stepdir.clean_stale_tmp(step_dir)
-                    report.notes += stepdir.remove_legacy(step_dir)
+                    report.notes += legacy.remove_legacy(step_dir)
             except StepLocked as e:
                 return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
         return report
     if layout is Layout.UNKNOWN and not is_committed(step_dir):
         note = (
-            f"no {objstore.COMMIT_MARKER}: a save, move or conversion to it is in progress or "
+            f"no {COMMIT_MARKER}: a save, move or conversion to it is in progress or "
             "died; Orbax does not list it either"
         )
         return StepReport(str(step_dir), "skipped", "uncommitted", notes=[note])
@@ -235,9 +235,9 @@ def convert_step(
         raise UsageError(
             f"{step_dir}: in_place cannot change the scan form: every array is re-sliced."
         )
-    if renumber and (tunix_step_number(step_dir) or 0) < 1 and step_dir.name.isdigit():
+    meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
+    if renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[run.TUNIX_ZERO])
-    numbering = _numbering(step_dir, renumber)
     # Planned before anything is written: a step that does not fit the target stays as it is.
     specs: dict = {}  # the legacy items' metadata, read once: for the plan and for verify
     plan = plan or plan_step(step_dir, target, **opts, specs=specs)
@@ -245,42 +245,58 @@ def convert_step(
         report = StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
         report.notes = moved + report.notes
         return report
+    numbering = _numbering(step_dir, renumber, meta)
+    job = _Job(
+        step_dir, dest, plan, optimizer, use_zarr3, memory_budget, copy, in_place, meta, numbering
+    )
     if out is not None:
-        return _convert_to(
-            step_dir, dest, plan, optimizer, use_zarr3, memory_budget, numbering, copy=copy
-        )
+        return _convert_to(job)
     try:
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
             stepdir.clean_stale_tmp(dest)
-            args = (step_dir, dest, plan, optimizer, use_zarr3, memory_budget, in_place)
-            report = _write(*args, numbering, copy=copy)
+            report = _write(job, dest)
             report.notes = moved + report.notes
             if in_place or remove_legacy:
-                report.notes += stepdir.remove_legacy(step_dir, specs=specs)
+                report.notes += legacy.remove_legacy(step_dir, specs=specs)
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
 
 
-def _numbering(step_dir: epath.Path, renumber: bool) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One step's conversion once planned: what the writing helpers below share."""
+
+    src: epath.Path
+    dest: epath.Path
+    plan: Plan
+    optimizer: str
+    use_zarr3: bool | None
+    budget: int
+    copy: bool
+    in_place: bool
+    meta: dict  # the source's step metadata, as read for the plan
+    numbering: dict  # what the provenance records of the step's numbering (`_numbering`)
+
+
+def _numbering(step_dir: epath.Path, renumber: bool, meta: dict) -> dict[str, Any]:
     """What the provenance records of a step in MaxText's numbering.
 
     ``renumber`` (a copy under ``out``): the source's number becomes MaxText's. Otherwise,
     a step sits at MaxText's number if its directory is the one for the update count it
-    recorded when it was moved (`TUNIX_STEP_KEY`).
+    recorded when it was moved (`TUNIX_STEP_KEY`). ``meta``: the step's metadata.
     """
     if renumber:
-        if tunix_step_number(step_dir) is None:
+        if tunix_step_number(step_dir, meta) is None:
             raise CheckpointReadError(
                 f"{step_dir}: not a numbered step directory; convert it with renumber=False "
                 "(--keep-step-numbers)."
             )
         return {"numbering": "maxtext", "tunix_directory": step_dir.name}
-    custom = read_step_metadata(step_dir).get("custom_metadata") or {}
-    recorded = custom.get(TUNIX_STEP_KEY)
-    if isinstance(recorded, int) and step_dir.name == str(maxtext_number(recorded)):
+    recorded = stepmeta.recorded_tunix_step(meta)
+    if recorded is not None and step_dir.name == str(maxtext_number(recorded)):
         return {"numbering": "maxtext", "tunix_directory": str(recorded)}
     return {}
 
@@ -307,44 +323,48 @@ def convert_placed(
     return report
 
 
-def _convert_to(src, dest, plan, optimizer, use_zarr3, budget, numbering, *, copy) -> StepReport:
-    """Converts into a separate destination step, which appears only once complete."""
-    if dest.exists() and not objstore.is_remote(dest) and any(dest.iterdir()):
-        raise StepExistsError(
-            f"{dest}: exists and is not a converted step; nothing was written. Remove it or "
-            "choose another destination."
-        )
-    args = (src, dest, plan, optimizer, use_zarr3, budget, numbering)
-    if not objstore.is_remote(dest):
-        return _build_and_publish(*args, copy=copy)
-    try:  # in place on an object store: one converter at a time
-        with step_lock(dest):
-            if detect_layout(dest) is Layout.MAXTEXT:
-                return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
-            return _build_and_publish(*args, copy=copy)
-    except StepLocked as e:
-        return StepReport(str(dest), "locked", Layout.TUNIX.value, notes=[str(e)])
+def _convert_to(job: _Job) -> StepReport:
+    """Converts into a separate destination step, which appears only once complete.
 
-
-def _build_and_publish(src, dest, plan, optimizer, use_zarr3, budget, numbering, *, copy):
-    work = stepdir.new_step_dir(dest)
+    Where the store builds it in place (an object store), one converter at a time, under
+    the destination's lock."""
+    store = store_for(job.dest)
+    if not store.builds_in_place:
+        if store.dest_taken(job.dest):
+            raise StepExistsError(
+                f"{job.dest}: exists and is not a converted step; nothing was written. Remove "
+                "it or choose another destination."
+            )
+        return _build_and_publish(job)
     try:
-        tunix_step = tunix_step_number(src) if numbering else None
-        stepdir.seed_destination(src, work, tunix_step)
-        report = _write(src, work, plan, optimizer, use_zarr3, budget, False, numbering, copy=copy)
-        if not stepdir.publish_step(work, dest):
-            return StepReport(str(dest), "skipped", "maxtext", notes=["converted meanwhile"])
+        with step_lock(job.dest):
+            if detect_layout(job.dest) is Layout.MAXTEXT:
+                return StepReport(str(job.dest), "skipped", "maxtext", notes=["already has items/"])
+            return _build_and_publish(job)
+    except StepLocked as e:
+        return StepReport(str(job.dest), "locked", Layout.TUNIX.value, notes=[str(e)])
+
+
+def _build_and_publish(job: _Job) -> StepReport:
+    work = stepdir.new_step_dir(job.dest)
+    try:
+        tunix_step = tunix_step_number(job.src, job.meta) if job.numbering else None
+        stepdir.seed_destination(job.src, work, tunix_step, meta=job.meta)
+        report = _write(job, work)
+        if not stepdir.publish_step(work, job.dest):
+            return StepReport(str(job.dest), "skipped", "maxtext", notes=["converted meanwhile"])
     except BaseException:
         stepdir.discard_step_dir(work)
         raise
-    report.step_dir = str(dest)
+    report.step_dir = str(job.dest)
     return report
 
 
-def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra, *, copy) -> StepReport:
+def _write(job: _Job, dest: epath.Path) -> StepReport:
+    """Writes ``dest/items`` for ``job`` (``dest``: the step itself, or where a separate
+    destination is built); a tensorstore I/O failure becomes an `OSError` naming it."""
     try:
-        args = (src, dest, plan, optimizer, use_zarr3, budget, in_place, extra)
-        return _write_items(*args, copy=copy)
+        return _write_items(job, dest)
     except (LayoutMismatchError, CheckpointReadError):
         raise
     except ValueError as e:  # tensorstore reports I/O failures as ValueError
@@ -355,22 +375,26 @@ def _write(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra, *, co
         ) from e
 
 
-def _write_items(src, dest, plan, optimizer, use_zarr3, budget, in_place, extra, *, copy):
-    report = StepReport.from_plan(dest, plan, "converted", optimizer)
-    if use_zarr3 is not None and use_zarr3 != ItemFiles.read(src / TUNIX_PARAMS_ITEM).use_zarr3:
-        report.notes.append(f"re-encoded as {'zarr3' if use_zarr3 else 'zarr2'}")
+def _write_items(job: _Job, dest: epath.Path) -> StepReport:
+    src, plan = job.src, job.plan
+    report = StepReport.from_plan(dest, plan, "converted", job.optimizer)
+    zarr3 = job.use_zarr3
+    if zarr3 is not None and zarr3 != ItemFiles.read(src / TUNIX_PARAMS_ITEM).use_zarr3:
+        report.notes.append(f"re-encoded as {'zarr3' if zarr3 else 'zarr2'}")
     sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
     sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
-    prov = provenance(plan, optimizer) | extra | ({"source": str(src)} if src != dest else {})
+    prov = provenance(plan, job.optimizer) | job.numbering
+    prov |= {"source": str(src)} if src != dest else {}
     written = write_items(
         dest,
         plan,
         sources,
         provenance=prov,
-        budget=budget,
-        in_place=in_place,
-        use_zarr3=use_zarr3,
-        copy=copy,
+        budget=job.budget,
+        in_place=job.in_place,
+        use_zarr3=zarr3,
+        copy=job.copy,
+        step_meta=job.meta if src == dest else None,
     )
     report.bytes_written, report.data_files = written
     return report
@@ -394,7 +418,7 @@ def provenance(plan: Plan, optimizer: str) -> dict[str, Any]:
 
 def converted_provenance(step_dir: epath.PathLike) -> dict[str, Any] | None:
     """The provenance this library recorded for a converted step, or None for a native one."""
-    return read_provenance(step_dir)
+    return stepmeta.read_provenance(step_dir)
 
 
 def to_maxtext_items(
@@ -534,23 +558,15 @@ def merge_lora(
         return report
     prov = merge.merge_provenance(plan, adapters, alpha, adapter_dir, base, scan, scan_axis, target)
     sources = merge.merge_sources(adapter_step, base)
-    if not objstore.is_remote(dest):
-        _refuse_existing(dest)
-        report.bytes_written = _publish_merge(dest, plan, sources, prov, memory_budget)
-        return report
-    with step_lock(dest):  # written in place on an object store: one writer at a time
-        _refuse_existing(dest)
+    store = store_for(dest)
+    with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():
+        # Built in place on an object store: one writer at a time, under the lock.
+        if store.dest_taken(dest):
+            raise StepExistsError(
+                f"{dest}: exists; nothing was written. Remove it or choose another --out."
+            )
         report.bytes_written = _publish_merge(dest, plan, sources, prov, memory_budget)
     return report
-
-
-def _refuse_existing(dest: epath.Path) -> None:
-    remote = objstore.is_remote(dest)
-    taken = (dest / objstore.COMMIT_MARKER).exists() if remote else dest.exists()
-    if taken and (remote or any(dest.iterdir())):
-        raise StepExistsError(
-            f"{dest}: exists; nothing was written. Remove it or choose another --out."
-        )
 
 
 def _publish_merge(dest, plan, sources, prov, budget) -> int:

@@ -67,28 +67,26 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo, StepAlreadyExistsError
 
-from . import objstore, stepdir
+from . import legacy, stepmeta
 from .convert import convert_step
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
-    TUNIX_STEP_KEY,
     Layout,
     detect_layout,
-    find_steps,
     is_committed,
-    read_provenance,
-    read_step_metadata,
     tunix_step_number,
-    with_tunix_step,
 )
+from .legacy import REMOVING
 from .lock import LOCK_NAME, break_stale_lock, step_lock
 from .orbax_files import absolute
 from .plan import plan_step
 from .restore import request_target, restore_request
-from .stepdir import REMOVING, update_step_metadata
+from .stepmeta import TUNIX_STEP_KEY, read_provenance
+from .steps import find_steps
+from .store import store_for
 from .target import Target
 
 __all__ = ["TUNIX_STEP_KEY", "CheckpointManager"]
@@ -143,15 +141,16 @@ class CheckpointManager(ocp.CheckpointManager):
                 continue
             try:
                 with step_lock(info.path):  # verified as its record says (`removal_check`)
-                    notes = stepdir.remove_legacy(info.path)
+                    notes = legacy.remove_legacy(info.path)
                 logger.info("Step %s: %s", info.path, "; ".join(notes))
             except Exception as e:  # a failed removal leaves the step readable as it is
                 logger.error("Step %s: legacy removal not finished: %s", info.path, e)
 
     # -- listing -----------------------------------------------------------------------
     def _load_checkpoint_infos(self, skip_metadata_read: bool = False) -> list[CheckpointInfo]:
-        if objstore.is_remote(self.directory) and self._is_primary():
-            for note in objstore.finish_moves(self.directory):  # of a killed manager
+        if self._is_primary():
+            store = store_for(self.directory)
+            for note in store.finish_moves(self.directory):  # of a killed manager
                 logger.info("%s: %s.", self.directory, note)
         with self._lock:
             self._legacy = {}  # the stock scan must read directories under their own names
@@ -167,7 +166,7 @@ class CheckpointManager(ocp.CheckpointManager):
             self._hidden = set()
             for n, d in sorted(tunix.items()):
                 try:
-                    meta = read_step_metadata(d)
+                    meta = stepmeta.read(d)
                     p = (tunix_step_number(d, meta) or 0) - 1
                 except (CheckpointReadError, ValueError) as e:
                     meta, p, why = {}, -1, str(e)
@@ -241,14 +240,11 @@ class CheckpointManager(ocp.CheckpointManager):
                     f"Cannot move Tunix step {held} to {home}: that directory is taken."
                 )
             if self._is_primary() and held.exists():
-                update_step_metadata(held, lambda meta: with_tunix_step(meta, p + 1))
-                if objstore.is_remote(held):  # no rename there: ordered copies and markers
-                    objstore.finish_move(home)  # a killed move into it (after the listing)
-                    if not is_committed(home):
-                        objstore.remove_tree(home)  # what a dead client's requests left
-                    objstore.move_dir(held, home, skip=(LOCK_NAME,))
-                else:
-                    held.rename(home)
+                stepmeta.update(held, lambda meta: stepmeta.with_tunix_step(meta, p + 1))
+                store = store_for(held)
+                store.clear_for_move(home)  # a killed move into it, or a dead client's debris
+                store.move_step(held, home, keep=LOCK_NAME)
+                stepmeta.moved(held, home)
                 logger.info("Moved Tunix step %s to %s (MaxText step %d).", held, home, p)
         self._legacy[p] = home
 

@@ -14,14 +14,13 @@ provenance it records (`replay_merge`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import numpy as np
 from etils import epath
 
-from . import objstore
+from . import stepmeta
 from ._version import __version__
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
@@ -29,7 +28,6 @@ from .layout import (
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
-    read_step_metadata,
 )
 from .lora import (
     LoraAdapters,
@@ -46,6 +44,7 @@ from .rescan import stack_plan as _stack_plan
 from .rescan import unroll_plan
 from .scan import stack_target, unroll_target
 from .spec import read_specs
+from .store import store_for
 from .target import PARAMS_ROOT, Dest, Target
 
 LORA_ITEM = "lora"  # the adapter step's model_params, as a source of a merge plan
@@ -86,7 +85,7 @@ def base_source(base: epath.PathLike) -> tuple[epath.Path, str, epath.Path]:
 
 def read_adapters(adapter_dir: epath.Path, params_dir: epath.Path) -> LoraAdapters:
     """The adapters of a LoRA step, or a `LayoutMismatchError` naming what else it holds."""
-    custom = read_step_metadata(adapter_dir).get("custom_metadata") or {}
+    custom = stepmeta.custom(stepmeta.read(adapter_dir))
     specs = read_specs(params_dir)
     cur = model_paths(specs)
     found = adapters_of(cur, specs, custom)
@@ -327,7 +326,7 @@ def merge_sources(adapter_step: epath.PathLike, base: epath.PathLike) -> dict[st
 
 def _where(p: epath.PathLike) -> str:
     """A path as recorded: absolute on a disk, so a replay works from any directory."""
-    return str(p) if objstore.is_remote(p) else os.path.abspath(str(p))
+    return store_for(p).absolute(p)
 
 
 def merge_provenance(

@@ -7,7 +7,7 @@ existing object. So on an object store this package:
 * writes a new ``items/`` in place, data first, ``_METADATA`` after the files it relies
   on, and ``items/commit_success.txt`` last: that marker is the commit point, and an
   ``items/`` without it is incomplete (never MaxText layout; a rerun removes it);
-* replaces the step's ``_CHECKPOINT_METADATA`` with one write (a single object write
+* replaces the step's metadata file with one write (a single object write
   is atomic);
 * copies object data with the store's server-side copy (GCS rewrite), so no array
   byte travels through the client;
@@ -65,6 +65,20 @@ def refresh(path: epath.PathLike) -> None:
         instances = [fs, *getattr(type(fs), "_cache", {}).values()]
         for inst in {id(i): i for i in instances}.values():
             inst.invalidate_cache()
+
+
+def generation(path: epath.PathLike) -> Any:
+    """The object's generation (it changes with every write of it), None if it is missing.
+
+    Asked of the server, not of the client's cached listings (another process may have
+    written it meanwhile)."""
+    fs = _fs(path)
+    fs.invalidate_cache(str(path))
+    try:
+        info = fs.info(str(path))
+    except FileNotFoundError:
+        return None
+    return info.get("generation") or (info.get("updated"), info.get("size"))
 
 
 def _key(fs: Any, path: epath.PathLike) -> str:

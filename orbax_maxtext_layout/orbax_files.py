@@ -148,13 +148,23 @@ def _orbax_context_spec() -> str:
     return json.dumps(ocp.serialization.ts_utils.get_ts_context(use_ocdbt=True).spec.to_json())
 
 
-def open_kvstore(item_dir: epath.Path, context: ts.Context, *, use_ocdbt: bool) -> ts.KvStore:
-    """An item's key-value store for reading: its OCDBT database (with Orbax's own spec),
-    or the directory holding one zarr directory per array (Pathways style)."""
-    if use_ocdbt:
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tu  # see tskv
+def open_kvstore(
+    item_dir: epath.Path, context: ts.Context, *, use_ocdbt: bool, merge: bool = False
+) -> ts.KvStore:
+    """An item's key-value store: its OCDBT database (with Orbax's own spec; ``merge`` for
+    the root database of a new item that grafts others), or the directory holding one zarr
+    directory per array (Pathways style).
 
-        spec = tu.build_kvstore_tspec(str(absolute(item_dir)), use_ocdbt=True)
+    Private Orbax API (no public equivalent in 0.12.8): the MERGE write mode is what lets a
+    root database reference grafted sub-databases, exactly as Orbax merges per-process
+    databases. Pinned by tests/test_structure.py.
+    """
+    if use_ocdbt:
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+
+        opts = tu.OcdbtKvStoreWriteOptions(mode=tu.OcdbtWriteMode.MERGE) if merge else None
+        where = str(absolute(item_dir))
+        spec = tu.build_kvstore_tspec(where, use_ocdbt=True, ocdbt_write_options=opts)
         return ts.KvStore.open(spec, context=context).result()
     s = str(item_dir)
     url = s if "://" in s else f"file://{absolute(item_dir)}"
@@ -170,7 +180,8 @@ def io_counts() -> Iterator[collections.Counter]:
     """Counts, while active (in any thread), the reads that cost a pass over an item's
     index: ``("listing", database)`` for each key listing (`tskv.keys`,
     `tskv.keys_by_array`) and ``("zarr metadata", database)`` for each batch of
-    `read_zarr_metadata`. An operation should make each once per database, not once per
+    `read_zarr_metadata`, and ``("step metadata", step)`` for each read of a step's
+    metadata file (`stepmeta.read`). An operation should make each once per database, not once per
     array. Nothing is counted (or computed for it) while no counter is active."""
     counter: collections.Counter = collections.Counter()
     _COUNTERS.append(counter)
@@ -183,9 +194,13 @@ def io_counts() -> Iterator[collections.Counter]:
 def count_io(kind: str, kv: ts.KvStore) -> None:
     """Records one ``kind`` pass over ``kv`` in every active `io_counts`."""
     if _COUNTERS:
-        where = kv_location(kv)
-        for counter in list(_COUNTERS):
-            counter[(kind, where)] += 1
+        count(kind, kv_location(kv))
+
+
+def count(kind: str, where: str) -> None:
+    """Records one ``kind`` read of ``where`` in every active `io_counts`."""
+    for counter in list(_COUNTERS):
+        counter[(kind, where)] += 1
 
 
 def kv_location(kv: ts.KvStore) -> str:

@@ -19,19 +19,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from etils import epath
 
-from . import objstore, stepdir
+from . import stepdir, stepmeta
 from .errors import CheckpointReadError, OrbaxMaxTextLayoutError, StepExistsError, StepLocked
-from .layout import (
-    TUNIX_STEP_KEY,
-    Layout,
-    StepInfo,
-    find_steps,
-    maxtext_number,
-    read_step_metadata,
-    tunix_step_number,
-)
+from .layout import Layout, maxtext_number, tunix_step_number
 from .lock import RENUMBER_LOCK_NAME, holder, step_lock
 from .moves import Plan
+from .steps import StepInfo, find_steps
+from .store import store_for
 
 TUNIX_ZERO = (
     "Tunix directory 0 holds the state before any update; MaxText numbers a directory by the "
@@ -222,7 +216,7 @@ def _index(folder: epath.Path) -> dict[int, StepInfo]:
         if s.layout is Layout.TUNIX:
             t = tunix_step_number(s.path)
         else:
-            t = (read_step_metadata(s.path).get("custom_metadata") or {}).get(TUNIX_STEP_KEY)
+            t = stepmeta.recorded_tunix_step(stepmeta.read(s.path))
         if isinstance(t, int):
             out[t] = s
     return out
@@ -233,7 +227,7 @@ def _apply_in(
     planned: Sequence[Placement],
     plan_of: Callable[[epath.Path], Plan] | None,
 ) -> dict[epath.Path, Placement]:
-    notes = objstore.finish_moves(folder) if objstore.is_remote(folder) else []
+    notes = store_for(folder).finish_moves(folder)  # killed moves (an object store's)
 
     # Planned again here: the moves (a refusal planned outside the lock may be gone), and a
     # conversion whose metadata could not be read then (another converter was moving it).

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from . import objstore, sharing
+from . import placement
 from .errors import CheckpointReadError
-from .moves import Move
-from .orbax_files import ItemFiles, count_io, param_name, read_context
+from .orbax_files import ItemFiles, count_io, open_kvstore, param_name, read_context
 from .paths import Path
+from .store import store_for
 
 # Source databases are cloned under the new item with this prefix, like Orbax's
 # own per-process sub-databases (which it also grafts into the root database).
@@ -38,46 +37,39 @@ def ts_context() -> ts.Context:
     return read_context(0)  # Orbax's context, its caches off
 
 
-def open_ocdbt(item_dir: epath.Path, context: ts.Context, *, merge: bool = False) -> ts.KvStore:
-    """Opens an item's OCDBT database with Orbax's own spec (``merge`` for a graft target).
+class Rename(NamedTuple):
+    """Array ``src`` of source item ``item`` stored again as ``dst`` (Orbax names: keys
+    joined by dots); ``nbytes``: its decoded size, for the copy's read-ahead budget."""
 
-    Private Orbax API (no public equivalent in 0.12.8): the MERGE write mode is what
-    lets a root database reference grafted sub-databases, exactly as Orbax merges
-    per-process databases. Pinned by tests/test_orbax_private_api.py.
-    """
-    tu = _orbax_ts_utils()
-
-    opts = tu.OcdbtKvStoreWriteOptions(mode=tu.OcdbtWriteMode.MERGE) if merge else None
-    spec = tu.build_kvstore_tspec(str(_abs(item_dir)), use_ocdbt=True, ocdbt_write_options=opts)
-    return ts.KvStore.open(spec, context=context).result()
+    item: str
+    src: str
+    dst: str
+    nbytes: int = 0
 
 
-def _orbax_ts_utils() -> Any:
-    from orbax.checkpoint._src.serialization import tensorstore_utils
+class Read(NamedTuple):
+    """Array ``name`` of source item ``item``, of ``shape``, read whole by a conversion."""
 
-    return tensorstore_utils
-
-
-def _abs(p: epath.Path) -> str:
-    s = str(p)
-    return s if "://" in s else os.path.abspath(s)
+    item: str
+    name: str
+    shape: tuple[int, ...]
 
 
-def graft(moves: Sequence[Move], children: Mapping[str, ts.KvStore], parent: ts.KvStore) -> None:
-    """Adds each moved array of a cloned child database to ``parent`` under its new name.
+def graft(
+    renames: Sequence[Rename], children: Mapping[str, ts.KvStore], parent: ts.KvStore
+) -> None:
+    """Adds each renamed array of a cloned child database to ``parent`` under its new name.
 
     One atomic transaction; only B-tree nodes are written (the values stay in the
     child's data files, which the parent references by relative path).
     """
-    if not moves:
+    if not renames:
         return
     txn = ts.Transaction(atomic=True)
     target = parent.with_transaction(txn)
     futures = [
-        (children[m.item] / f"{param_name(m.src)}/").experimental_copy_range_to(
-            target / f"{param_name(m.dst)}/"
-        )
-        for m in moves
+        (children[r.item] / f"{r.src}/").experimental_copy_range_to(target / f"{r.dst}/")
+        for r in renames
     ]
     for f in futures:
         f.result()
@@ -106,16 +98,7 @@ class SourceItem:
     @classmethod
     def open(cls, item_dir: epath.Path, context: ts.Context) -> SourceItem:
         files = ItemFiles.read(item_dir)
-        if files.use_ocdbt:
-            kv = open_ocdbt(files.dir, context)
-        else:  # Pathways style: one zarr directory per array
-            kv = ts.KvStore.open(_url(files.dir) + "/", context=context).result()
-        return cls(files, kv)
-
-
-def _url(path: epath.Path) -> str:
-    s = str(path)
-    return s if "://" in s else f"file://{os.path.abspath(s)}"
+        return cls(files, open_kvstore(files.dir, context, use_ocdbt=files.use_ocdbt))
 
 
 def keys(kv: ts.KvStore, name: str) -> list[bytes]:
@@ -138,29 +121,27 @@ def keys_by_array(kv: ts.KvStore) -> dict[str, list[bytes]]:
     return out
 
 
-def check_complete(moves: Sequence[Move], sources: Mapping[str, SourceItem]) -> None:
-    """Every source array a move reads must have all its chunks stored; else nothing is written.
+def check_complete(reads: Sequence[Read], sources: Mapping[str, SourceItem]) -> None:
+    """Every source array a conversion reads must have all its chunks stored; else nothing
+    is written.
 
     Orbax stores every chunk (``store_array_data_equal_to_fill_value``), so a
     missing one means a truncated or damaged source. Copying it would silently
     turn the missing values into the fill value (zeros) in the converted step.
     """
     problems = []
-    listed = {n: keys_by_array(sources[n].kv) for n in {i for m in moves for i, _, _ in m.reads}}
-    for m in moves:
-        for item, path, spec in m.reads:
-            src = sources[item]
-            name = param_name(path)
-            chunk = (src.files.array_meta.get(name) or {}).get("chunk_shape") or list(spec.shape)
-            want = math.prod(-(-d // max(c, 1)) for d, c in zip(spec.shape, chunk, strict=False))
-            stored = sorted(listed[item].get(name, []))
-            meta_keys = [k for k in stored if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
-            if not meta_keys or len(stored) - len(meta_keys) < want:
-                problems.append(f"{name}: {len(stored) - len(meta_keys)} of {want} chunks stored")
+    listed = {n: keys_by_array(sources[n].kv) for n in {r.item for r in reads}}
+    for item, name, shape in reads:
+        src = sources[item]
+        chunk = (src.files.array_meta.get(name) or {}).get("chunk_shape") or list(shape)
+        want = math.prod(-(-d // max(c, 1)) for d, c in zip(shape, chunk, strict=False))
+        stored = sorted(listed[item].get(name, []))
+        meta_keys = [k for k in stored if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
+        if not meta_keys or len(stored) - len(meta_keys) < want:
+            problems.append(f"{name}: {len(stored) - len(meta_keys)} of {want} chunks stored")
     if problems:
-        item = next(m.item for m in moves if m.sources)
         raise CheckpointReadError(
-            f"{sources[item].dir.parent}: source arrays are incomplete (truncated or "
+            f"{sources[reads[0].item].dir.parent}: source arrays are incomplete (truncated or "
             "damaged files); nothing was written:\n  - " + "\n  - ".join(problems)
         )
 
@@ -175,7 +156,7 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
     Damage inside a value (a flipped bit) is not visible here: `verify` decodes.
     """
     item_dir = epath.Path(item_dir)
-    base = ts.KvStore.open(_url(item_dir) + "/").result()
+    base = open_kvstore(item_dir, ts.Context(), use_ocdbt=False)  # the directory itself
     bad: dict[str, str] = {}
     sizes: dict[str, int | None] = {}
 
@@ -268,56 +249,55 @@ _TUNED = False
 
 
 def copy_chunks(
-    moves: Sequence[Move],
+    renames: Sequence[Rename],
     sources: Mapping[str, SourceItem],
     dst: ts.KvStore,
     *,
     budget: int,
 ) -> int:
-    """Copies the stored keys of each moved array under its new name; returns bytes written.
+    """Copies the stored keys of each renamed array under its new name; returns bytes
+    written.
 
     Reads are batched so that at most ``budget`` bytes of stored values are read
     ahead; an array larger than that is copied alone. While a value is in flight
     it exists as the bytes read and as tensorstore's write buffer, so the peak is
     about ``budget`` plus two to three times the largest stored array.
     """
-    if not moves:
+    if not renames:
         return 0
     release_large_buffers()
     written = 0
-    batch: list[tuple[Move, list[bytes]]] = []
+    batch: list[tuple[Rename, list[bytes]]] = []
     held = 0
-    for m in moves:
-        stored = keys(sources[m.item].kv, param_name(m.src))
+    for r in renames:
+        stored = keys(sources[r.item].kv, r.src)
         if not stored:
             raise CheckpointReadError(
-                f"{sources[m.item].dir}: no stored data for {param_name(m.src)} "
-                "(truncated or damaged item)."
+                f"{sources[r.item].dir}: no stored data for {r.src} (truncated or damaged item)."
             )
-        if batch and held + m.spec.nbytes > budget:
+        if batch and held + r.nbytes > budget:
             written += _flush(batch, sources, dst)
             batch, held = [], 0
-        batch.append((m, stored))
-        held += m.spec.nbytes
+        batch.append((r, stored))
+        held += r.nbytes
     if batch:
         written += _flush(batch, sources, dst)
     return written
 
 
-def _flush(batch: list[tuple[Move, list[bytes]]], sources: Mapping[str, SourceItem], dst) -> int:
+def _flush(batch: list[tuple[Rename, list[bytes]]], sources: Mapping[str, SourceItem], dst) -> int:
     # All reads are issued before any is awaited, so tensorstore overlaps the I/O;
     # writes go out as each read lands, and the batch is awaited as a whole. The
     # OCDBT driver coalesces concurrent writes into few commits.
-    reads = [(m, key, sources[m.item].kv.read(key)) for m, stored in batch for key in stored]
+    reads = [(r, key, sources[r.item].kv.read(key)) for r, stored in batch for key in stored]
     writes = []
     written = 0
-    for m, key, fut in reads:
-        r = fut.result()
-        if r.state != "value":
-            raise CheckpointReadError(f"{sources[m.item].dir}: key {key!r} vanished while copying.")
-        new_key = param_name(m.dst).encode() + key[len(param_name(m.src)) :]
-        writes.append(dst.write(new_key, r.value))
-        written += len(r.value)
+    for r, key, fut in reads:
+        got = fut.result()
+        if got.state != "value":
+            raise CheckpointReadError(f"{sources[r.item].dir}: key {key!r} vanished while copying.")
+        writes.append(dst.write(r.dst.encode() + key[len(r.src) :], got.value))
+        written += len(got.value)
     for w in writes:
         w.result()
     return written
@@ -328,28 +308,16 @@ def sub_kv(spec: dict, name: str) -> dict:
     return {**spec, "path": spec.get("path", "") + name + "/"}
 
 
-def clone_tree(src: epath.Path, dst: epath.Path, *, share: bool) -> sharing.Placement:
-    """Clones an item directory; returns how its files were placed (`sharing.Placement`).
+def clone_tree(src: epath.Path, dst: epath.Path, *, share: bool) -> placement.Placement:
+    """Clones an item directory; returns how its files were placed (`placement.Placement`).
 
     ``share``: each file is shared with the source (a reflink where the file system
-    supports it, else a hard link, else a copy, counted with its reason; see `sharing`).
+    supports it, else a hard link, else a copy, counted with its reason; see `placement`).
     Sharing is safe because Orbax never modifies a data file once written and the
     clone is only ever read. Otherwise each file is a streaming copy. On an object
     store (``gs://``) every object is copied server-side.
     """
-    if objstore.is_remote(src):
-        objstore.copy_tree(src, dst)  # server-side copies: no data through the client
-        return sharing.Placement(mode=sharing.SERVER_SIDE)
-    placed = sharing.Placement(mode=sharing.SHARE_MODE if share else sharing.COPY_MODE)
-    sharer = sharing.Sharer(placed, share=share)
-    pairs = []
-    for root, _, files in os.walk(str(src)):
-        rel = os.path.relpath(root, str(src))
-        os.makedirs(os.path.join(str(dst), rel), exist_ok=True)
-        out = os.path.normpath(os.path.join(str(dst), rel))
-        pairs += [(os.path.join(root, f), os.path.join(out, f)) for f in files]
-    sharer.place_all(pairs)
-    return placed
+    return store_for(src).clone_tree(src, dst, share=share)
 
 
 def write_array(dst_spec: dict, name: str, data: np.ndarray, *, use_zarr3: bool, context) -> None:

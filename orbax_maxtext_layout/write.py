@@ -5,7 +5,7 @@ Per op (see `moves`):
 * ``copy`` from an OCDBT source in the same zarr format: the source database is
   cloned inside the new item, its data files shared with the source (a reflink,
   else a hard link, else a copy; private streaming copies with ``copy=True``; see
-  `sharing`), and its arrays are grafted into the new root database under their
+  `placement`), and its arrays are grafted into the new root database under their
   new names with ``experimental_copy_range_to``: only B-tree nodes are written,
   never array bytes. From a non-OCDBT source (Pathways style): stored chunks are
   copied under their new keys, in batches within ``budget``.
@@ -24,17 +24,18 @@ from typing import Any, NamedTuple
 import numpy as np
 from etils import epath
 
-from . import orbax_files, sharing, stepdir, tskv
+from . import orbax_files, placement, stepdir, tskv
 from .errors import CheckpointReadError
 from .layout import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from .moves import Move, Op, Plan, apply_op, merge_layer
+from .store import store_for
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
 
 class Written(NamedTuple):
     """What `write_items` wrote: new bytes on disk, and how the source data files were
-    placed (`sharing.Placement.to_dict`: shared by reflink or hard link, or copied, and why)."""
+    placed (`placement.Placement.to_dict`: shared by reflink or hard link, or copied, and why)."""
 
     bytes_written: int
     data_files: dict[str, Any]
@@ -50,6 +51,7 @@ def write_items(
     in_place: bool = False,
     use_zarr3: bool | None = None,
     copy: bool = False,
+    step_meta: dict | None = None,
 ) -> Written:
     """Writes ``<step_dir>/items`` for ``plan`` and commits it.
 
@@ -62,7 +64,8 @@ def write_items(
     committed unless every array was written. The provenance records ``in_place``,
     the bytes written, how the data files were placed (``data_files``) and which
     arrays this writer wrote itself (``arrays_written``: chunk copies, and arrays
-    computed by their op), so that `stepdir.remove_legacy` knows what to verify.
+    computed by their op), so that `legacy.remove_legacy` knows what to verify.
+    ``step_meta``: the step metadata of ``step_dir`` as the caller read it.
     """
     ctx = tskv.ts_context()
     sources = {name: tskv.SourceItem.open(d, ctx) for name, d in source_dirs.items()}
@@ -71,19 +74,20 @@ def write_items(
     zarr3 = src_zarr3 if use_zarr3 is None else use_zarr3
     tmp = stepdir.new_tmp_dir(step_dir)
     try:
-        tskv.check_complete([m for m in plan.moves if m.reads], sources)
+        reads = [(i, orbax_files.param_name(p), s.shape) for m in plan.moves for i, p, s in m.reads]
+        tskv.check_complete([tskv.Read(*r) for r in reads], sources)
         raw = [m for m in plan.moves if m.op is Op.COPY and sources[m.item].use_zarr3 == zarr3]
         graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
         children = {}
-        placed = sharing.Placement(mode=sharing.COPY_MODE if copy else sharing.SHARE_MODE)
+        placed = placement.Placement(mode=placement.COPY_MODE if copy else placement.SHARE_MODE)
         for name in sorted(graft):
             child_dir = tmp / f"{tskv.CHILD_PREFIX}{name}"
             placed.merge(tskv.clone_tree(sources[name].dir, child_dir, share=not copy))
-            children[name] = tskv.open_ocdbt(child_dir, ctx)
-        parent = tskv.open_ocdbt(tmp, ctx, merge=bool(graft))
-        tskv.graft([m for m in raw if m.item in graft], children, parent)
+            children[name] = orbax_files.open_kvstore(child_dir, ctx, use_ocdbt=True)
+        parent = orbax_files.open_kvstore(tmp, ctx, use_ocdbt=True, merge=bool(graft))
+        tskv.graft([_rename(m) for m in raw if m.item in graft], children, parent)
         chunked = [m for m in raw if m.item not in graft]
-        tskv.copy_chunks(chunked, sources, parent, budget=budget)
+        tskv.copy_chunks([_rename(m) for m in chunked], sources, parent, budget=budget)
         copied = {id(m) for m in raw}
         decoded = [m for m in plan.moves if id(m) not in copied]
         dst_json = parent.spec().to_json()
@@ -113,7 +117,7 @@ def write_items(
         _check_data(tmp, sources, chunked, ctx)
         # Shared files are not written: hard links have more than one name, reflinks are
         # known by their inodes (they share the source's extents).
-        written = stepdir.disk_usage(tmp, new_only=True, shared=placed.reflinked)
+        written = store_for(tmp).disk_usage(tmp, new_only=True, shared=placed.reflinked)
         computed: dict[str, int] = {}
         for m in decoded:
             computed[m.op.value] = computed.get(m.op.value, 0) + 1
@@ -123,11 +127,16 @@ def write_items(
             "data_files": placed.to_dict(),
             "arrays_written": {"chunks_copied": len(chunked), "computed": computed},
         }
-        stepdir.commit(step_dir, tmp, provenance | record)
+        stepdir.commit(step_dir, tmp, provenance | record, meta=step_meta)
     except BaseException:
         stepdir.discard(tmp)
         raise
     return Written(written, placed.to_dict())
+
+
+def _rename(m: Move) -> tskv.Rename:
+    name = orbax_files.param_name
+    return tskv.Rename(m.item, name(m.src), name(m.dst), m.spec.nbytes)
 
 
 def chunk_shape(m: Move) -> tuple[int, ...]:

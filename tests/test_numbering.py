@@ -377,18 +377,17 @@ def test_read_step_metadata_of_a_step_that_vanished_is_a_read_error(tmp_path):
     """The metadata file removed between its existence check and its read (a step moved
     meanwhile) is a CheckpointReadError naming it, which the run plan plans again, not a
     raw FileNotFoundError that ended the CLI."""
-    from orbax_maxtext_layout import layout
+    from orbax_maxtext_layout import stepmeta
 
     step = _run(tmp_path, [1])
     meta = step / "1" / "_CHECKPOINT_METADATA"
 
     class Vanishing(type(oml.find_steps(step)[0].path)):
-        def exists(self):  # true when checked, then the step is moved away
-            alive = super().exists()
-            if alive and self.name == "_CHECKPOINT_METADATA":
+        def read_text(self, *a, **k):  # found by the check, then the step is moved away
+            if self.name == "_CHECKPOINT_METADATA":
                 os.rename(self.parent, self.parent.parent / "moved")
-            return alive
+            return super().read_text(*a, **k)
 
     with pytest.raises(oml.CheckpointReadError, match="_CHECKPOINT_METADATA: disappeared"):
-        layout.read_step_metadata(Vanishing(step / "1"))
+        stepmeta.read(Vanishing(step / "1"))
     assert not meta.exists() and (step / "moved" / "_CHECKPOINT_METADATA").exists()

@@ -140,7 +140,7 @@ def _killed_move(tmp_path: Path, phase: str) -> Path:
     shutil.copytree(TUNIX_RUN, run)
     src, dst = run / ACTOR / "2", run / ACTOR / "1"
     meta = json.loads((src / "_CHECKPOINT_METADATA").read_text())
-    meta = oml.layout.with_tunix_step(meta, 2)
+    meta = oml.stepmeta.with_tunix_step(meta, 2)
     (src / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
     dst.mkdir()
     (dst / objstore.MOVING).write_text(json.dumps({"from": "2"}))

@@ -35,7 +35,7 @@ import pytest
 import rel_support as S
 
 from orbax_maxtext_layout import Layout, detect_layout
-from orbax_maxtext_layout.layout import read_step_metadata
+from orbax_maxtext_layout.stepmeta import read as read_step_metadata
 
 STEPS = [10, 11]
 SIZE = S.scale(16 << 20, 50 << 20)  # 2 steps: ~35 MB per run (~110 MB in the full run)

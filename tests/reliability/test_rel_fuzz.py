@@ -37,7 +37,7 @@ from orbax_maxtext_layout import (
     make_plan,
     to_maxtext_items,
 )
-from orbax_maxtext_layout.layout import read_step_metadata
+from orbax_maxtext_layout.stepmeta import read as read_step_metadata
 from orbax_maxtext_layout.orbax_files import key_impls
 from orbax_maxtext_layout.paths import flatten, keystr, unflatten
 

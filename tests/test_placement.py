@@ -19,7 +19,7 @@ from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_
 from etils import epath
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import sharing, stepdir
+from orbax_maxtext_layout import legacy, placement
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]
 ROOT = Path(__file__).parent.parent
@@ -83,7 +83,7 @@ def test_default_shares_every_data_file_and_leaves_the_legacy_items_identical(ta
     prov = oml.converted_provenance(step)
     assert prov["data_files"] == report.data_files
     assert prov["arrays_written"] == {"chunks_copied": 0, "computed": {"cast": 1}}
-    assert stepdir.removal_check(step) == (True, "every data file is shared with the legacy items")
+    assert legacy.removal_check(step) == (True, "every data file is shared with the legacy items")
 
 
 def test_copy_writes_private_copies(target, tmp_path):
@@ -97,11 +97,11 @@ def test_copy_writes_private_copies(target, tmp_path):
         assert new.stat().st_ino != old.stat().st_ino and new.read_bytes() == old.read_bytes()
     files = report.data_files
     assert files["mode"] == "copy" and files["copy"]["files"] == len(pairs)
-    assert files["copy"]["why"] == {sharing.ASKED: len(pairs)}
+    assert files["copy"]["why"] == {placement.ASKED: len(pairs)}
     assert files["reflink"]["files"] == files["hardlink"]["files"] == 0
     assert report.bytes_written >= _source_bytes(step)  # every data byte, plus the B-tree
     assert oml.verify_step(step).ok
-    assert stepdir.removal_check(step)[0] is False  # copied bytes are compared value by value
+    assert legacy.removal_check(step)[0] is False  # copied bytes are compared value by value
     with pytest.raises(oml.UsageError, match="in_place"):
         oml.convert_step(copy_fixture(RL, tmp_path / "again"), target, in_place=True, copy=True)
 
@@ -191,9 +191,9 @@ def test_a_copied_file_makes_the_removal_verify_every_value(target, tmp_path):
             and files["hardlink"]["files"] + files["reflink"]["files"] > 0
         ), files
         assert set(files["copy"]["why"]) == {"EXDEV: another file system"}
-        ok, why = stepdir.removal_check(step)
+        ok, why = legacy.removal_check(step)
         assert not ok and "copied, not shared" in why
-        notes = stepdir.remove_legacy(epath.Path(step))
+        notes = legacy.remove_legacy(epath.Path(step))
         assert any("full verification" in n for n in notes), notes
         assert not (step / "model_params").exists() and not (step / "optimizer_state").exists()
         assert tree_digest(shm / "model_params") == before  # only the link was removed
@@ -209,7 +209,7 @@ def test_a_replaced_hard_link_is_no_longer_trusted(target, tmp_path):
     data = new.read_bytes()
     new.unlink()
     new.write_bytes(data)  # the same bytes, another inode: a copy nothing verified
-    ok, why = stepdir.removal_check(step)
+    ok, why = legacy.removal_check(step)
     assert not ok and "no longer the legacy files" in why
     assert oml.verify_step(step).ok  # and the full verification that follows passes
 
@@ -260,7 +260,7 @@ def test_reflinks_where_the_file_system_has_them(target, tmp_path):
             f.write(b"\xff" * 16)
         assert new.read_bytes() == kept
         old.write_bytes(kept)  # undo, in place
-        assert stepdir.removal_check(step)[0]
+        assert legacy.removal_check(step)[0]
         report = oml.convert_step(step, target, remove_legacy=True)  # finishes the removal
         assert any("quick verification" in n for n in report.notes), report.notes
         assert not any((step / n).exists() for n in LEGACY)
@@ -291,16 +291,16 @@ def test_copies_run_in_parallel_and_each_file_is_counted_once(tmp_path):
     for i, n in enumerate(sizes):
         (src / f"f{i}").write_bytes(os.urandom(n))
         pairs.append((str(src / f"f{i}"), str(dst / f"f{i}")))
-    placed = sharing.Placement(mode=sharing.COPY_MODE)
-    sharing.Sharer(placed, share=False).place_all(pairs, workers=4)
+    placed = placement.Placement(mode=placement.COPY_MODE)
+    placement.Placer(placed, share=False).place_all(pairs, workers=4)
     for a, b in pairs:
         assert Path(a).read_bytes() == Path(b).read_bytes()
         assert os.stat(a).st_ino != os.stat(b).st_ino
-    assert placed.files[sharing.COPY] == len(sizes) and placed.bytes[sharing.COPY] == sum(sizes)
-    assert placed.why == {sharing.ASKED: len(sizes)}
+    assert placed.files[placement.COPY] == len(sizes) and placed.bytes[placement.COPY] == sum(sizes)
+    assert placed.why == {placement.ASKED: len(sizes)}
 
     bad = [*pairs[:5], (pairs[5][0], str(tmp_path / "missing" / "f5")), *pairs[6:]]
     for _, b in pairs:
         os.unlink(b)
     with pytest.raises(FileNotFoundError, match="missing"):
-        sharing.Sharer(sharing.Placement(), share=False).place_all(bad, workers=4)
+        placement.Placer(placement.Placement(), share=False).place_all(bad, workers=4)

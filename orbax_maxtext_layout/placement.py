@@ -24,7 +24,7 @@ A failure that holds for a whole pair of file systems (``EXDEV``, ``EOPNOTSUPP``
 ``ENOTTY``, ``EINVAL``, ``ENOSYS``, ``EPERM``) is remembered for that pair, so each
 kind is probed once per pair of file systems, not tried and failed once per file.
 ``copy=True`` (``--copy``) skips sharing: every file is a private, physical copy
-(never a clone: see `Sharer.copy`).
+(never a clone: see `Placer.copy`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _reflink(a: str, b: str) -> None:
         os.close(fd)
 
 
-class Sharer:
+class Placer:
     """Places files one at a time (`place`), remembering per pair of file systems which
     kinds of sharing failed for good, and counting into ``placed``.
 
