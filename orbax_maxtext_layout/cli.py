@@ -19,7 +19,7 @@ from pathlib import Path
 
 from etils import epath
 
-from . import run, stepmeta
+from . import renumbering, stepmeta
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
 from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
@@ -191,9 +191,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             step_dir, target, optimizer=args.optimizer, ignore=args.ignore, scan=args.rescan
         )
 
-    placed = run.plan_run(inside, plan_of, renumber=moves)
+    placed = renumbering.plan_run(inside, plan_of, renumber=moves)
     if moves and not args.dry_run:
-        placed = run.apply_moves(placed, plan_of)
+        placed = renumbering.apply_renumbering(placed, plan_of)
     show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
     bar = _progress(sum(p.plan.source_bytes() for p in placed if p.plan is not None), show)
     for p in placed:

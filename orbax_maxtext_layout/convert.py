@@ -16,8 +16,7 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from . import legacy, merge, placement, run, stepdir, stepmeta
-from ._version import __version__
+from . import legacy, merge, placement, renumbering, stepdir, stepmeta
 from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
@@ -42,6 +41,7 @@ from .moves import Op
 from .orbax_files import ItemFiles
 from .paths import flatten, keystr, norm_key
 from .plan import OptimizerMode, Plan, make_plan, plan_step
+from .provenance import record as provenance_record
 from .restore import assemble
 from .spec import spec_of
 from .steps import find_steps
@@ -186,9 +186,13 @@ def convert_step(
         )
     opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan)
     if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
-        [placed] = run.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
+        [placed] = renumbering.plan_run(
+            find_steps(step_dir), lambda d: plan_step(d, target, **opts)
+        )
         if not dry_run:
-            [placed] = run.apply_moves([placed], lambda d: plan_step(d, target, **opts))
+            [placed] = renumbering.apply_renumbering(
+                [placed], lambda d: plan_step(d, target, **opts)
+            )
         kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place, copy=copy)
         return convert_placed(placed, target, dry_run=dry_run, remove_legacy=remove_legacy, **kw)
     dest = epath.Path(out) if out is not None else step_dir
@@ -199,9 +203,9 @@ def convert_step(
         )
     moved: list[str] = []  # a killed renumbering into this directory, finished first
     store = store_for(step_dir)
-    if not dry_run and store.move_in_progress(step_dir):
+    if not dry_run and store.relocation_in_progress(step_dir):
         with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
-            moved += [n for n in [store.finish_move(step_dir)] if n]
+            moved += [n for n in [store.finish_relocation(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
@@ -211,6 +215,8 @@ def convert_step(
         prov = stepmeta.read_provenance(step_dir)
         if not dry_run and break_stale_lock(done):
             report.notes.append("removed the lock of a dead run")
+        if not dry_run:
+            report.notes += stepdir.sweep_dead_work(done)
         if (in_place or remove_legacy) and not dry_run and prov:
             # Finish a run killed between its commit and the legacy removal, under the
             # step lock (which also clears a dead run's lock).
@@ -237,7 +243,7 @@ def convert_step(
         )
     meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
     if renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
-        return StepReport(str(step_dir), "skipped", layout.value, notes=[run.TUNIX_ZERO])
+        return StepReport(str(step_dir), "skipped", layout.value, notes=[renumbering.TUNIX_ZERO])
     # Planned before anything is written: a step that does not fit the target stays as it is.
     specs: dict = {}  # the legacy items' metadata, read once: for the plan and for verify
     plan = plan or plan_step(step_dir, target, **opts, specs=specs)
@@ -302,9 +308,9 @@ def _numbering(step_dir: epath.Path, renumber: bool, meta: dict) -> dict[str, An
 
 
 def convert_placed(
-    placed: run.Placement, target: Target, *, dry_run: bool = False, **kwargs: Any
+    placed: renumbering.PlannedStep, target: Target, *, dry_run: bool = False, **kwargs: Any
 ) -> StepReport:
-    """Converts one step of a run plan (`run.plan_run`) where its moves put it.
+    """Converts one step of a run plan (`renumbering.plan_run`) where its moves put it.
 
     ``kwargs`` go to `convert_step`. A step the plan skips, refuses or found locked is
     reported so (a refusal raises its error, as the conversion would).
@@ -318,7 +324,7 @@ def convert_placed(
         raise placed.error
     where = placed.info.path if dry_run else placed.path  # a dry run moves nothing
     report = convert_step(where, target, dry_run=dry_run, plan=placed.plan, **kwargs)
-    would = [placed.move.note(done=False)] if dry_run and placed.move else []
+    would = [placed.renumbering.note(done=False)] if dry_run and placed.renumbering else []
     report.notes = [*placed.notes, *would, *report.notes]
     return report
 
@@ -402,18 +408,10 @@ def _write_items(job: _Job, dest: epath.Path) -> StepReport:
 
 def provenance(plan: Plan, optimizer: str) -> dict[str, Any]:
     """What a converted step records of its conversion: enough for `verify` to replay it."""
-    out: dict[str, Any] = {
-        "source_layout": Layout.TUNIX.value,
-        "converter_version": __version__,
-        "rules": list(plan.rules),
-        "optimizer": optimizer,
-        "step_source": plan.step_source,
-        "dropped": [{"path": f"{d.item}/{keystr(d.src)}", "reason": d.reason} for d in plan.drops],
-    }
-    if plan.scan:
-        out["scan"] = plan.scan
-        out["scan_axes"] = dict(plan.scan_axes)
-    return out
+    scan = {"scan": plan.scan, "scan_axes": dict(plan.scan_axes)} if plan.scan else {}
+    return provenance_record(
+        plan, Layout.TUNIX.value, optimizer=optimizer, step_source=plan.step_source, **scan
+    )
 
 
 def converted_provenance(step_dir: epath.PathLike) -> dict[str, Any] | None:
@@ -556,7 +554,16 @@ def merge_lora(
     )
     if dry_run:
         return report
-    prov = merge.merge_provenance(plan, adapters, alpha, adapter_dir, base, scan, scan_axis, target)
+    prov = merge.merge_provenance(
+        plan,
+        adapters,
+        alpha=alpha,
+        adapter_dir=adapter_dir,
+        base=base,
+        scan=scan,
+        scan_axis=scan_axis,
+        target=target,
+    )
     sources = merge.merge_sources(adapter_step, base)
     store = store_for(dest)
     with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
 import time
@@ -12,19 +11,11 @@ from collections.abc import Iterator
 from etils import epath
 
 from .errors import ReadOnlyStepError, StepLocked
-from .store import StepStore, read_only_error, store_for
+from .store import StepStore, alive, dead, read_only_error, store_for
 
 LOCK_NAME = ".orbax-maxtext-layout.lock"
 # Held on a directory of steps while one of them is renumbered (a short critical section).
 RENUMBER_LOCK_NAME = ".orbax-maxtext-layout.renumber.lock"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    return True
 
 
 @contextlib.contextmanager
@@ -54,17 +45,11 @@ def step_lock(step_dir: epath.Path, *, name: str = LOCK_NAME, wait: float = 0.0)
         raise StepLocked(
             f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
         )
-    store.sweep_lock_files(step_dir, name, _dead)
+    store.sweep_lock_files(step_dir, name, dead)
     try:
         yield
     finally:
         store.remove(path)
-
-
-def _dead(host: str | None, pid: int) -> bool:
-    """Whether process ``pid`` of ``host`` (None: this host, as older releases recorded it)
-    is known to be dead: only this host's processes can be checked."""
-    return host in (None, socket.gethostname()) and not _alive(pid)
 
 
 def _create(store: StepStore, path: epath.Path, me: dict, step_dir: epath.Path) -> bool:
@@ -88,7 +73,7 @@ def _stale(owner: dict) -> bool:
     """
     if not owner.get("pid"):
         return True
-    return owner.get("host") == socket.gethostname() and not _alive(owner["pid"])
+    return owner.get("host") == socket.gethostname() and not alive(owner["pid"])
 
 
 def holder(step_dir: epath.Path, *, name: str = LOCK_NAME) -> str | None:
@@ -105,7 +90,7 @@ def break_stale_lock(step_dir: epath.Path) -> bool:
     files of dead lockers; True if the lock was removed."""
     step_dir = epath.Path(step_dir)
     store, path = store_for(step_dir), step_dir / LOCK_NAME
-    store.sweep_lock_files(step_dir, LOCK_NAME, _dead)
+    store.sweep_lock_files(step_dir, LOCK_NAME, dead)
     owner = store.read_owner(path)
     if owner is None or not _stale(owner):
         return False

@@ -150,7 +150,7 @@ class CheckpointManager(ocp.CheckpointManager):
     def _load_checkpoint_infos(self, skip_metadata_read: bool = False) -> list[CheckpointInfo]:
         if self._is_primary():
             store = store_for(self.directory)
-            for note in store.finish_moves(self.directory):  # of a killed manager
+            for note in store.finish_relocations(self.directory):  # of a killed manager
                 logger.info("%s: %s.", self.directory, note)
         with self._lock:
             self._legacy = {}  # the stock scan must read directories under their own names
@@ -243,7 +243,7 @@ class CheckpointManager(ocp.CheckpointManager):
                 stepmeta.update(held, lambda meta: stepmeta.with_tunix_step(meta, p + 1))
                 store = store_for(held)
                 store.clear_for_move(home)  # a killed move into it, or a dead client's debris
-                store.move_step(held, home, keep=LOCK_NAME)
+                store.relocate_step(held, home, keep=LOCK_NAME)
                 stepmeta.moved(held, home)
                 logger.info("Moved Tunix step %s to %s (MaxText step %d).", held, home, p)
         self._legacy[p] = home

@@ -21,7 +21,6 @@ import numpy as np
 from etils import epath
 
 from . import stepmeta
-from ._version import __version__
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
@@ -40,6 +39,7 @@ from .lora import (
 from .moves import Drop, LoraFactor, Move, Op, Plan
 from .paths import Path, keystr
 from .plan import narrow, plan_step
+from .provenance import record as provenance_record
 from .rescan import stack_plan as _stack_plan
 from .rescan import unroll_plan
 from .scan import stack_target, unroll_target
@@ -332,6 +332,7 @@ def _where(p: epath.PathLike) -> str:
 def merge_provenance(
     plan: Plan,
     adapters: LoraAdapters,
+    *,
     alpha: float,
     adapter_dir: epath.Path,
     base: epath.PathLike,
@@ -341,21 +342,19 @@ def merge_provenance(
 ) -> dict[str, Any]:
     """What a merged step records: enough to say what it is and for `verify` to replay it."""
     axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
-    return {
-        "source_layout": SOURCE_LAYOUT,
-        "converter_version": __version__,
-        "rules": list(plan.rules),
-        "base": _where(base),
-        "adapter_step": _where(adapter_dir),
-        "alpha": alpha,
-        "rank": adapters.rank,
-        "scale": alpha / adapters.rank,
-        "modules": adapters.modules,
-        "scan_axis": axis if scan_axis is None else scan_axis,
-        "scan": scan,
-        "base_target": "given" if target is not None else None,
-        "dropped": [{"path": f"{d.item}/{keystr(d.src)}", "reason": d.reason} for d in plan.drops],
-    }
+    return provenance_record(
+        plan,
+        SOURCE_LAYOUT,
+        base=_where(base),
+        adapter_step=_where(adapter_dir),
+        alpha=alpha,
+        rank=adapters.rank,
+        scale=alpha / adapters.rank,
+        modules=adapters.modules,
+        scan_axis=axis if scan_axis is None else scan_axis,
+        scan=scan,
+        base_target="given" if target is not None else None,
+    )
 
 
 def replay_merge(

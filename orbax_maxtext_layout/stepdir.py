@@ -74,9 +74,9 @@ def renumber_refusal(src: epath.Path, dst: epath.Path) -> StepExistsError:
     )
 
 
-def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
+def renumber_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
     """Renumbers a legacy Tunix step: records its update count, then moves it (a rename on
-    a disk; ordered copies and markers on an object store: `store.StepStore.move_step`).
+    a disk; ordered copies and markers on an object store: `store.StepStore.relocate_step`).
 
     The recorded count keeps the step's meaning wherever it lives (`tunix_step_number`).
     Refused if ``dst`` exists: nothing is moved or overwritten.
@@ -85,7 +85,7 @@ def move_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
         raise renumber_refusal(src, dst)
     with step_lock(src):
         stepmeta.update(src, lambda meta: stepmeta.with_tunix_step(meta, tunix_step))
-        store_for(src).move_step(src, dst, keep=LOCK_NAME)
+        store_for(src).relocate_step(src, dst, keep=LOCK_NAME)
         stepmeta.moved(src, dst)
         release_moved_lock(dst)
 
@@ -100,9 +100,17 @@ def new_step_dir(dest: epath.Path) -> epath.Path:
     `publish_step` writes last. Either way a failed conversion leaves no step a stock
     manager would list.
     """
-    work = store_for(dest).new_step_dir(dest)
+    store = store_for(dest)
+    store.sweep_dead_work(dest)
+    work = store.new_step_dir(dest)
     clean_stale_tmp(work)
     return work
+
+
+def sweep_dead_work(dest: epath.Path) -> list[str]:
+    """Removes what killed builds of the separate destination ``dest`` left (a merge or an
+    ``--out`` conversion killed before its publication); notes for a report."""
+    return [f"removed {n}, left by a dead run" for n in store_for(dest).sweep_dead_work(dest)]
 
 
 def seed_destination(

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import json
 import os
+import socket
 import time
 import uuid
 from collections.abc import Container, Hashable
@@ -28,6 +29,21 @@ from . import objstore, placement
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # Orbax's marker of a directory being written
 COMMIT_MARKER = objstore.COMMIT_MARKER
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive."""
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    return True
+
+
+def dead(host: str | None, pid: int) -> bool:
+    """Whether process ``pid`` of ``host`` (None: this host, as older releases recorded it)
+    is known to be dead: only this host's processes can be checked."""
+    return host in (None, socket.gethostname()) and not alive(pid)
 
 
 def _marker_text() -> str:
@@ -91,6 +107,11 @@ class StepStore:
         """Removes an unpublished destination step (but the entry ``keep``, a lock)."""
         raise NotImplementedError
 
+    def sweep_dead_work(self, dest: epath.Path) -> list[str]:
+        """Removes the places where dead processes of this host were building ``dest``
+        (`new_step_dir`: a kill before `publish_step`); the names removed."""
+        return []
+
     def dest_taken(self, dest: epath.Path) -> bool:
         """Whether a separate destination already holds something a write must not replace."""
         raise NotImplementedError
@@ -126,21 +147,21 @@ class StepStore:
         return False
 
     # -- moves and removal ----------------------------------------------------------------
-    def move_step(self, src: epath.Path, dst: epath.Path, *, keep: str) -> None:
+    def relocate_step(self, src: epath.Path, dst: epath.Path, *, keep: str) -> None:
         """Moves the committed step directory ``src`` to its sibling ``dst`` (``keep``, this
         process's lock inside ``src``, is not carried along)."""
         raise NotImplementedError
 
-    def move_in_progress(self, step_dir: epath.Path) -> bool:
+    def relocation_in_progress(self, step_dir: epath.Path) -> bool:
         """Whether a killed move into ``step_dir`` waits to be finished or rolled back."""
         return False
 
-    def finish_move(self, step_dir: epath.Path) -> str | None:
+    def finish_relocation(self, step_dir: epath.Path) -> str | None:
         """Completes or rolls back a killed move into ``step_dir``; what was done, or None."""
         return None
 
-    def finish_moves(self, folder: epath.Path) -> list[str]:
-        """`finish_move` for every step directory directly in ``folder``."""
+    def finish_relocations(self, folder: epath.Path) -> list[str]:
+        """`finish_relocation` for every step directory directly in ``folder``."""
         return []
 
     def clear_for_move(self, dst: epath.Path) -> None:
@@ -204,10 +225,26 @@ class LocalStore(StepStore):
         path.rmtree(missing_ok=True)
 
     def new_step_dir(self, dest: epath.Path) -> epath.Path:
+        # Named by its builder (parsed back by `sweep_dead_work`), so a killed build is
+        # recognised as dead and removed by the next one.
         dest.parent.mkdir(parents=True, exist_ok=True)
-        work = dest.parent / f"{dest.name}{TMP_SUFFIX}{uuid.uuid4().hex[:12]}"
+        who = f"{uuid.uuid4().hex[:12]}.{socket.gethostname()}.{os.getpid()}"
+        work = dest.parent / f"{dest.name}{TMP_SUFFIX}{who}"
         work.mkdir()
         return work
+
+    def sweep_dead_work(self, dest: epath.Path) -> list[str]:
+        prefix, removed = f"{dest.name}{TMP_SUFFIX}", []
+        try:
+            children = os.listdir(str(dest.parent))
+        except OSError:
+            return removed
+        for child in children:
+            host, _, pid = child.removeprefix(prefix)[13:].rpartition(".")
+            if child.startswith(prefix) and host and pid.isdigit() and dead(host, int(pid)):
+                (dest.parent / child).rmtree(missing_ok=True)
+                removed.append(child)
+        return removed
 
     def publish_step(self, work: epath.Path, dest: epath.Path) -> bool:
         (work / COMMIT_MARKER).write_text(_marker_text())
@@ -273,7 +310,7 @@ class LocalStore(StepStore):
         real = os.path.realpath(str(path))
         return real != real_root and not real.startswith(real_root + os.sep)
 
-    def move_step(self, src: epath.Path, dst: epath.Path, *, keep: str) -> None:
+    def relocate_step(self, src: epath.Path, dst: epath.Path, *, keep: str) -> None:
         src.rename(dst)  # atomic; ``keep`` moves along (`release_moved_lock`)
 
     def set_aside(self, item: epath.Path, marker: epath.Path) -> None:
@@ -405,16 +442,16 @@ class ObjectStore(StepStore):
             for c in epath.Path(path).iterdir()
         )
 
-    def move_step(self, src: epath.Path, dst: epath.Path, *, keep: str) -> None:
+    def relocate_step(self, src: epath.Path, dst: epath.Path, *, keep: str) -> None:
         objstore.move_dir(src, dst, skip=(keep,))  # copies, markers ordered
 
-    def move_in_progress(self, step_dir: epath.Path) -> bool:
+    def relocation_in_progress(self, step_dir: epath.Path) -> bool:
         return (step_dir / objstore.MOVING).exists()
 
-    def finish_move(self, step_dir: epath.Path) -> str | None:
+    def finish_relocation(self, step_dir: epath.Path) -> str | None:
         return objstore.finish_move(step_dir)
 
-    def finish_moves(self, folder: epath.Path) -> list[str]:
+    def finish_relocations(self, folder: epath.Path) -> list[str]:
         return objstore.finish_moves(folder)
 
     def clear_for_move(self, dst: epath.Path) -> None:

@@ -166,6 +166,29 @@ def test_in_place_conversion_reads_each_item_once(many_leaves, tmp_path):
     assert set(_by_kind(counts, "listing").values()) == {1}, counts
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--keep-step-numbers"], ["--in-place"], ["--remove-legacy"], ["--out", "OUT"]],
+    ids=["renumber", "keep-numbers", "in-place", "remove-legacy", "out"],
+)
+def test_convert_reads_each_steps_metadata_once(many_leaves, tmp_path, flags):
+    """A run of three steps: whatever the options, each step's _CHECKPOINT_METADATA is
+    read once (its record then follows the step through its renumbering, commit and
+    legacy removal), not once per question asked of it."""
+    src, _, converted = many_leaves
+    root = tmp_path / "run"
+    for n in (1, 2, 3):
+        shutil.copytree(src, root / str(n))
+    flags = [str(tmp_path / "out") if f == "OUT" else f for f in flags]
+    with io_counts() as counts, contextlib.redirect_stdout(io.StringIO()) as out:
+        rc = cli.main(["convert", str(root), "--target-from", str(converted), "--json", *flags])
+    reports = json.loads(out.getvalue())
+    assert rc == 0 and [r["status"] for r in reports] == ["converted"] * 3, reports
+    reads = _by_kind(counts, "step metadata")
+    assert sorted(reads) == sorted(str(root / str(n)) for n in (1, 2, 3)), reads
+    assert set(reads.values()) == {1}, reads
+
+
 _FROZEN_HEAP_CHECK = """
 import gc
 

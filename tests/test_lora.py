@@ -432,7 +432,7 @@ def test_sigkill_during_merge_leaves_nothing_listed(tmp_path):
     work = float(proc.stdout.readline())  # seconds of merging, after the imports
     assert proc.wait() == 0
     rng = np.random.default_rng(0)
-    killed_before_commit = 0
+    killed_before_commit = left_behind = 0
     for n in range(8):
         out = tmp_path / f"out{n}"
         proc = _merge_child(a, b, out)
@@ -446,7 +446,12 @@ def test_sigkill_during_merge_leaves_nothing_listed(tmp_path):
         done = (out / "0" / "items" / "commit_success.txt").exists()
         assert steps == ([0] if done else []), steps
         killed_before_commit += not done
+        tmp = [c.name for c in out.iterdir() if ".orbax-checkpoint-tmp" in c.name]
+        left_behind += bool(tmp)
         if not done:  # the rerun completes over whatever the kill left
             oml.merge_lora(a, b, alpha=8, out=out)
         assert oml.verify_step(out / "0").ok
+        # ... and removes what the dead merge was building
+        assert not [c.name for c in out.iterdir() if ".orbax-checkpoint-tmp" in c.name], tmp
     assert killed_before_commit >= 2  # the kills did land inside the work
+    assert left_behind >= 1  # and some left a half-built step for the rerun to remove

@@ -128,7 +128,7 @@ def test_out_writes_maxtext_numbers_and_leaves_the_source(tmp_path):
 def test_a_step_moved_but_not_converted_is_converted_by_the_rerun(tmp_path):
     """The state a kill between the renumbering and the conversion leaves."""
     root = _run(tmp_path, [4])
-    stepdir.move_step(root / "4", root / "3", 4)
+    stepdir.renumber_step(root / "4", root / "3", 4)
     assert oml.detect_layout(root / "3") is oml.Layout.TUNIX
     assert not [p.name for p in (root / "3").iterdir() if p.name.endswith(".lock")]
     (report,) = json.loads(_convert(root).stdout)
@@ -343,7 +343,7 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
     CLI with a raw FileNotFoundError on a moved step's metadata): the run plan takes each
     step's update count from its plan (no second read of a directory that may be gone),
     and the moves planned again under the lock find each step where the other put it."""
-    from orbax_maxtext_layout import run
+    from orbax_maxtext_layout import renumbering
 
     root = _run(tmp_path, [1, 2, 3])
     target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
@@ -351,12 +351,12 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
     def plan_of(step_dir):
         plan = oml.plan_step(step_dir, target, optimizer="drop")
         if step_dir == root / "1" and not (root / "0").exists():
-            stepdir.move_step(step_dir, root / "0", 1)  # the other converter's moves: 1 -> 0,
-            stepdir.move_step(root / "2", root / "1", 2)  # then 2 -> 1
+            stepdir.renumber_step(step_dir, root / "0", 1)  # the other converter's moves: 1 -> 0,
+            stepdir.renumber_step(root / "2", root / "1", 2)  # then 2 -> 1
         return plan
 
     infos = oml.find_steps(root)
-    placed = run.plan_run(infos, plan_of)
+    placed = renumbering.plan_run(infos, plan_of)
     # Outside the lock, 1's move sees 0 taken (by 1 itself) and 2 is gone: both are planned
     # again under the lock, by their update counts.
     assert [type(p.error).__name__ for p in placed] == [
@@ -365,10 +365,12 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
         "NoneType",
     ]
     assert [p.tunix for p in placed] == [1, 2, 3]
-    made = run.apply_moves(placed, plan_of)
+    made = renumbering.apply_renumbering(placed, plan_of)
     assert [(p.error, p.locked) for p in made] == [(None, None)] * 3
     assert [p.path.name for p in made] == ["0", "1", "2"]
-    assert made[0].move is None and "moved meanwhile by another converter" in made[0].notes[0]
+    assert (
+        made[0].renumbering is None and "moved meanwhile by another converter" in made[0].notes[0]
+    )
     assert sorted(p.name for p in root.iterdir()) == ["0", "1", "2"]
     assert [oml.tunix_step_number(root / str(n)) for n in range(3)] == [1, 2, 3]
 

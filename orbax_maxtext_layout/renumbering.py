@@ -3,10 +3,10 @@
 Tunix directory ``N`` holds the state after ``N`` updates; MaxText keeps that state in
 directory ``N - 1``. Renumbering is a property of the run, not of one step: in a run of
 Tunix ``1, 2, 3``, ``2`` can move to ``1`` only once ``1`` has moved to ``0``. So the moves
-of a directory of steps are planned together (`plan_moves`, from directory names and step
+of a directory of steps are planned together (`plan_renumbering`, from directory names and step
 metadata only), in the order the real run makes them, and a move is refused only where its
 MaxText number stays taken (a MaxText step, Tunix's initial state ``0``, a step that cannot
-move). The dry run reports that plan; the real run makes it (`apply_moves`) under the
+move). The dry run reports that plan; the real run makes it (`apply_renumbering`) under the
 directory's renumber lock, planning again from what it finds there: another converter may
 have made some of the moves already, so any number of converters can run at once and each
 step is moved exactly once.
@@ -36,7 +36,7 @@ _LOCK_WAIT = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
-class StepMove:
+class Renumbering:
     """Tunix directory ``src`` (the state after ``tunix_step`` updates) moves to ``dst``."""
 
     src: epath.Path
@@ -53,8 +53,8 @@ class StepMove:
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
-    """One listed step and where it is converted: ``path``, once ``move`` (if any) is made.
+class PlannedStep:
+    """One listed step and where it is converted: ``path``, once ``renumbering`` (if any) is made.
 
     ``tunix`` is the update count of a Tunix step (its identity while it moves); ``skip``
     says why it is not converted (Tunix's initial state); ``error`` why its move is refused;
@@ -65,7 +65,7 @@ class Placement:
     info: StepInfo
     path: epath.Path
     tunix: int | None = None
-    move: StepMove | None = None
+    renumbering: Renumbering | None = None
     skip: str | None = None
     error: OrbaxMaxTextLayoutError | None = None
     locked: str | None = None
@@ -78,9 +78,9 @@ def plan_run(
     plan_of: Callable[[epath.Path], Plan],
     *,
     renumber: bool = True,
-) -> list[Placement]:
+) -> list[PlannedStep]:
     """The run plan: each Tunix step's conversion plan (``plan_of``, metadata only), then
-    the moves that give the steps MaxText's numbers (`plan_moves`).
+    the moves that give the steps MaxText's numbers (`plan_renumbering`).
 
     A step whose conversion cannot be planned (a wrong target, a LoRA adapter step, a
     damaged item) carries that error and does not move: planned before anything moves,
@@ -98,23 +98,23 @@ def plan_run(
     movable = [i for i in infos if i.path not in errors]
     if renumber:
         known = {d: p.step for d, p in plans.items()}  # the update count each plan was read for
-        placed = {p.info.path: p for p in plan_moves(movable, known)}
+        placed = {p.info.path: p for p in plan_renumbering(movable, known)}
     else:
-        placed = {i.path: Placement(i, i.path) for i in movable}
+        placed = {i.path: PlannedStep(i, i.path) for i in movable}
     out = []
     for info in infos:
         if info.path in errors:
             tunix = _tunix_of(info)
-            out.append(Placement(info, info.path, tunix, error=errors[info.path]))
+            out.append(PlannedStep(info, info.path, tunix, error=errors[info.path]))
         else:
             p = placed[info.path]
             out.append(dataclasses.replace(p, plan=plans.get(info.path)) if p.skip is None else p)
     return out
 
 
-def plan_moves(
+def plan_renumbering(
     infos: Sequence[StepInfo], known: Mapping[epath.Path, int | None] | None = None
-) -> list[Placement]:
+) -> list[PlannedStep]:
     """Where each step of ``infos`` is converted, and the moves that take it there.
 
     Metadata only (directory names, step metadata); nothing is moved. Steps are handled per
@@ -125,7 +125,7 @@ def plan_moves(
     step), so that a step and its plan stay one even if the directory changed meanwhile.
     """
     known = known or {}
-    out: dict[epath.Path, Placement] = {}
+    out: dict[epath.Path, PlannedStep] = {}
     for folder, members in _by_folder(infos).items():
         occupied = {s.step for s in find_steps(folder, roles=False)}
         held: set[int] = set()  # directories another live process holds where they are
@@ -135,30 +135,30 @@ def plan_moves(
             # by another converter since (its metadata gone from this path).
             tunix = known[info.path] if info.path in known else _tunix_of(info)
             if tunix is None or not info.path.name.isdigit():
-                out[info.path] = Placement(info, info.path)  # converted where it is, or skipped
+                out[info.path] = PlannedStep(info, info.path)  # converted where it is, or skipped
             elif tunix < 1:
-                out[info.path] = Placement(info, info.path, tunix, skip=TUNIX_ZERO)
+                out[info.path] = PlannedStep(info, info.path, tunix, skip=TUNIX_ZERO)
             elif (who := holder(info.path)) is not None:
                 held.add(int(info.path.name))
-                out[info.path] = Placement(info, info.path, tunix, locked=who)
+                out[info.path] = PlannedStep(info, info.path, tunix, locked=who)
             else:
                 todo.append((maxtext_number(tunix), tunix, info))
         for home, tunix, info in sorted(todo, key=lambda t: (t[0], t[2].step)):
             here, dst = int(info.path.name), folder / str(home)
             if here == home:
-                out[info.path] = Placement(info, info.path, tunix)
+                out[info.path] = PlannedStep(info, info.path, tunix)
             elif home in held:
                 held.add(here)  # waits where it is, and so do the steps behind it
                 why = f"{dst} is held by another process; a later run renumbers {info.path.name}"
-                out[info.path] = Placement(info, info.path, tunix, locked=why)
+                out[info.path] = PlannedStep(info, info.path, tunix, locked=why)
             elif home in occupied:
-                out[info.path] = Placement(
+                out[info.path] = PlannedStep(
                     info, info.path, tunix, error=stepdir.renumber_refusal(info.path, dst)
                 )
             else:
                 occupied.discard(here)
                 occupied.add(home)
-                out[info.path] = Placement(info, dst, tunix, StepMove(info.path, dst, tunix))
+                out[info.path] = PlannedStep(info, dst, tunix, Renumbering(info.path, dst, tunix))
     return [out[i.path] for i in infos]
 
 
@@ -179,10 +179,10 @@ def _by_folder(infos: Iterable[StepInfo]) -> dict[epath.Path, list[StepInfo]]:
     return out
 
 
-def apply_moves(
-    planned: Sequence[Placement], plan_of: Callable[[epath.Path], Plan] | None = None
-) -> list[Placement]:
-    """Makes the moves of a `plan_moves` plan, under each directory's renumber lock.
+def apply_renumbering(
+    planned: Sequence[PlannedStep], plan_of: Callable[[epath.Path], Plan] | None = None
+) -> list[PlannedStep]:
+    """Makes the moves of a `plan_renumbering` plan, under each directory's renumber lock.
 
     Plans again under the lock from what is there now: a step another converter has moved
     meanwhile is found by its update count (and its note says so); a step another process
@@ -192,8 +192,8 @@ def apply_moves(
     again there with ``plan_of``. Returns the placements as made, in the order of
     ``planned``, each with its listed ``info``.
     """
-    out: dict[epath.Path, Placement] = {}
-    folders: dict[epath.Path, list[Placement]] = {}
+    out: dict[epath.Path, PlannedStep] = {}
+    folders: dict[epath.Path, list[PlannedStep]] = {}
     for p in planned:
         folders.setdefault(p.info.path.parent, []).append(p)
     for folder, mine in folders.items():
@@ -203,7 +203,7 @@ def apply_moves(
         except StepLocked as e:
             for p in mine:
                 out[p.info.path] = dataclasses.replace(
-                    p, path=p.info.path, move=None, locked=str(e)
+                    p, path=p.info.path, renumbering=None, locked=str(e)
                 )
     return [out[p.info.path] for p in planned]
 
@@ -224,14 +224,14 @@ def _index(folder: epath.Path) -> dict[int, StepInfo]:
 
 def _apply_in(
     folder: epath.Path,
-    planned: Sequence[Placement],
+    planned: Sequence[PlannedStep],
     plan_of: Callable[[epath.Path], Plan] | None,
-) -> dict[epath.Path, Placement]:
-    notes = store_for(folder).finish_moves(folder)  # killed moves (an object store's)
+) -> dict[epath.Path, PlannedStep]:
+    notes = store_for(folder).finish_relocations(folder)  # killed moves (an object store's)
 
     # Planned again here: the moves (a refusal planned outside the lock may be gone), and a
     # conversion whose metadata could not be read then (another converter was moving it).
-    def again(p: Placement) -> bool:
+    def again(p: PlannedStep) -> bool:
         return isinstance(p.error, StepExistsError) or (
             plan_of is not None and isinstance(p.error, CheckpointReadError) and bool(p.tunix)
         )
@@ -242,7 +242,7 @@ def _apply_in(
         if p.skip is not None or (p.error is not None and not again(p))
     }
     where = _index(folder)
-    live: list[Placement] = []
+    live: list[PlannedStep] = []
     now: list[StepInfo] = []
     seen: dict[epath.Path, str] = {}
     for p in planned:
@@ -263,20 +263,22 @@ def _apply_in(
         now.append(here)
     blocked: set[epath.Path] = set()  # directories another process holds where they are
     known = {i.path: p.tunix for p, i in zip(live, now, strict=True) if i.layout is Layout.TUNIX}
-    for p, q in zip(live, plan_moves(now, known), strict=True):
+    for p, q in zip(live, plan_renumbering(now, known), strict=True):
         extra = [*notes, *([seen[q.info.path]] if q.info.path in seen else [])]
         notes = []  # the folder's notes go with its first step
-        if q.move is not None and q.move.dst in blocked:
-            why = f"{q.move.dst} is held by another process; a later run renumbers this step"
-            q = dataclasses.replace(q, path=q.info.path, move=None, locked=why)
-        elif q.move is not None:
+        if q.renumbering is not None and q.renumbering.dst in blocked:
+            why = f"{q.renumbering.dst} is held by another process; a later run renumbers this step"
+            q = dataclasses.replace(q, path=q.info.path, renumbering=None, locked=why)
+        elif q.renumbering is not None:
             try:
-                stepdir.move_step(q.move.src, q.move.dst, q.move.tunix_step)
+                stepdir.renumber_step(
+                    q.renumbering.src, q.renumbering.dst, q.renumbering.tunix_step
+                )
             except StepLocked as e:
-                blocked.add(q.move.src)
-                q = dataclasses.replace(q, path=q.info.path, move=None, locked=str(e))
+                blocked.add(q.renumbering.src)
+                q = dataclasses.replace(q, path=q.info.path, renumbering=None, locked=str(e))
             else:
-                extra.append(q.move.note(done=True))
+                extra.append(q.renumbering.note(done=True))
         result[p.info.path] = dataclasses.replace(
             q, info=p.info, plan=p.plan, notes=(*q.notes, *extra)
         )
