@@ -22,7 +22,13 @@ from etils import epath
 from . import renumbering, stepmeta
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
-from .errors import CheckpointReadError, LayoutMismatchError, OrbaxMaxTextLayoutError, UsageError
+from .errors import (
+    CheckpointReadError,
+    LayoutMismatchError,
+    OrbaxMaxTextLayoutError,
+    ReadOnlyStepError,
+    UsageError,
+)
 from .layout import (
     TUNIX_PARAMS_ITEM,
     Layout,
@@ -31,7 +37,9 @@ from .layout import (
 )
 from .lora import LoraAdapterStepError, adapters_of, model_paths
 from .merge import SOURCE_LAYOUT
-from .plan import plan_step
+from .options import FLAGS, ConvertOptions
+from .options import check as check_options
+from .plan import Plan, plan_step
 from .spec import read_specs
 from .steps import StepInfo, find_step_roots, find_steps
 from .store import store_for
@@ -132,120 +140,177 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr)
 
 
+def print_error(message: object) -> None:
+    """``error: <message>`` on stderr: how the commands, and the MaxText runner
+    (`orbax_maxtext_layout.maxtext.run`), report a refusal."""
+    print(f"error: {message}", file=sys.stderr)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
-    if args.rescan and args.in_place:
-        print("error: --unroll/--stack re-slice every array; --in-place cannot", file=sys.stderr)
-        return 2
-    if args.copy and args.in_place:
-        print(
-            "error: --in-place shares the legacy data files; --copy makes private copies "
-            "(--copy --remove-legacy copies, then removes the legacy items)",
-            file=sys.stderr,
-        )
-        return 2
-    if args.out and (args.in_place or args.remove_legacy):
-        print(
-            "error: --out leaves the source untouched; it cannot be combined with "
-            "--in-place or --remove-legacy",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        target = _load_target(args)
-    except (LayoutMismatchError, CheckpointReadError, ImportError, AttributeError) as e:
-        print(f"error: cannot build the target: {e}", file=sys.stderr)
-        return 2
-    if target is None:
-        print(
-            "error: convert needs --target-from DIR, --target MODULE:FUNCTION or "
-            "--maxtext-config CONFIG [KEY=VALUE ...]",
-            file=sys.stderr,
-        )
-        return 2
+    """``convert``: checks the options, plans the run, converts each step, reports."""
+    _check_convert_options(args)
+    target = _convert_target(args)
     wanted = _parse_steps(args.steps)
     root = epath.Path(args.root)
     if (hint := _no_steps_hint(root)) is not None:
         return hint
     steps = [s for s in find_steps(root) if wanted is None or s.step in wanted]
-    reports, failures = [], []
-    inside = []
-    for info in steps:
-        if not args.follow_symlinks and _outside(root, info.path):
-            note = (
-                f"a link to {os.path.realpath(str(info.path))}, outside {root}: converted only "
-                "with --follow-symlinks (then where it lives)"
-            )
-            reports.append(StepReport(str(info.path), "skipped", info.layout.value, notes=[note]))
-            if not args.json and not args.quiet:
-                print(f"{info.path}: skipped ({note})", flush=True)
-        else:
-            inside.append(info)
-    # The run plan: every step's conversion plan, then the renumbering moves, in the order
-    # the real run makes them; the dry run reports it, the real run makes the moves under
-    # each directory's lock (planning them again there) and converts each step where it lands.
-    renumber = not args.keep_step_numbers
-    moves = renumber and args.out is None
+    reports, inside = _skip_outside_links(args, root, steps)
+    failures = _convert_all(args, target, root, _plan_run(args, target, inside), reports)
+    _print_run_report(args, reports)
+    if failures:
+        _print_failures(failures)
+        return 1
+    return 0
 
-    def plan_of(step_dir):
+
+def _check_convert_options(args: argparse.Namespace) -> None:
+    """`convert_step`'s own option checks (`options.check`), naming the flags: a refusal
+    is a usage error (exit 2)."""
+    asked = ConvertOptions(
+        in_place=args.in_place,
+        copy=args.copy,
+        remove_legacy=args.remove_legacy,
+        out=args.out,
+        rescan=args.rescan,
+    )
+    try:
+        check_options(asked, args.root, FLAGS)
+    except ReadOnlyStepError as e:  # --out with --in-place/--remove-legacy
+        raise UsageError(str(e)) from e
+
+
+def _target_for(args: argparse.Namespace) -> Target | None:
+    """`_load_target`; a target that cannot be built is a usage error (exit 2)."""
+    try:
+        return _load_target(args)
+    except (LayoutMismatchError, CheckpointReadError, ImportError, AttributeError) as e:
+        raise UsageError(f"cannot build the target: {e}") from e
+
+
+def _convert_target(args: argparse.Namespace) -> Target:
+    if (target := _target_for(args)) is None:
+        raise UsageError(
+            "convert needs --target-from DIR, --target MODULE:FUNCTION or "
+            "--maxtext-config CONFIG [KEY=VALUE ...]"
+        )
+    return target
+
+
+def _skip_outside_links(
+    args: argparse.Namespace, root: epath.Path, steps: list[StepInfo]
+) -> tuple[list[StepReport], list[StepInfo]]:
+    """The reports of steps that are links leading outside ROOT (skipped unless
+    ``--follow-symlinks``), and the steps to convert."""
+    reports, inside = [], []
+    for info in steps:
+        if args.follow_symlinks or not _outside(root, info.path):
+            inside.append(info)
+            continue
+        note = (
+            f"a link to {os.path.realpath(str(info.path))}, outside {root}: converted only "
+            "with --follow-symlinks (then where it lives)"
+        )
+        reports.append(StepReport(str(info.path), "skipped", info.layout.value, notes=[note]))
+        if not args.json and not args.quiet:
+            print(f"{info.path}: skipped ({note})", flush=True)
+    return reports, inside
+
+
+def _plan_run(
+    args: argparse.Namespace, target: Target, steps: list[StepInfo]
+) -> list[renumbering.PlannedStep]:
+    """The run plan: every step's conversion plan, then the renumbering moves, in the order
+    the real run makes them; the dry run reports it, the real run makes the moves under each
+    directory's lock (planning them again there) and converts each step where it lands."""
+    moves = not args.keep_step_numbers and args.out is None
+
+    def plan_of(step_dir: epath.Path) -> Plan:
         return plan_step(
             step_dir, target, optimizer=args.optimizer, ignore=args.ignore, scan=args.rescan
         )
 
-    placed = renumbering.plan_run(inside, plan_of, renumber=moves)
+    placed = renumbering.plan_run(steps, plan_of, renumber=moves)
     if moves and not args.dry_run:
         placed = renumbering.apply_renumbering(placed, plan_of)
+    return placed
+
+
+def _convert_all(
+    args: argparse.Namespace,
+    target: Target,
+    root: epath.Path,
+    placed: list[renumbering.PlannedStep],
+    reports: list[StepReport],
+) -> list[tuple[StepInfo, Exception]]:
+    """Converts each placed step, appending its report to ``reports`` (and printing it);
+    returns the steps that failed, with their errors."""
     show = sys.stderr.isatty() and not args.json and not args.quiet and not args.dry_run
     bar = _progress(sum(p.plan.source_bytes() for p in placed if p.plan is not None), show)
+    failures = []
     for p in placed:
-        try:
-            report = convert_placed(
-                p,
-                target,
-                dry_run=args.dry_run,
-                optimizer=args.optimizer,
-                ignore=args.ignore,
-                memory_budget=args.memory_budget,
-                in_place=args.in_place,
-                remove_legacy=args.remove_legacy,
-                copy=args.copy,
-                out=_dest(root, p.info, args.out, renumber=renumber),
-                rescan=args.rescan,
-                renumber=renumber and args.out is not None,
-            )
-        except (OrbaxMaxTextLayoutError, OSError) as e:
-            failures.append((p.info, e))
-            report = StepReport(str(p.info.path), "failed", p.info.layout.value, notes=[str(e)])
-            if isinstance(e, LoraAdapterStepError):
-                report.lora = e.adapters.to_dict()
+        report, error = _convert_one(args, target, root, p)
+        if error is not None:
+            failures.append((p.info, error))
         reports.append(report)
         if bar is not None and p.plan is not None:
             bar.update(p.plan.source_bytes())
         if not args.json and not args.quiet:
-            print(
-                report
-                if args.verbose or report.status != "skipped"
-                else f"{report.step_dir}: skipped ({'; '.join(report.notes) or 'nothing to do'})",
-                flush=True,
-            )
+            shown = args.verbose or report.status != "skipped"
+            why = "; ".join(report.notes) or "nothing to do"
+            print(report if shown else f"{report.step_dir}: skipped ({why})", flush=True)
     if bar is not None:
         bar.close()
+    return failures
+
+
+def _convert_one(
+    args: argparse.Namespace, target: Target, root: epath.Path, p: renumbering.PlannedStep
+) -> tuple[StepReport, Exception | None]:
+    """One step's report, and its error if it failed (a refusal, or a failed write)."""
+    renumber = not args.keep_step_numbers
+    try:
+        report = convert_placed(
+            p,
+            target,
+            dry_run=args.dry_run,
+            optimizer=args.optimizer,
+            ignore=args.ignore,
+            memory_budget=args.memory_budget,
+            in_place=args.in_place,
+            remove_legacy=args.remove_legacy,
+            copy=args.copy,
+            out=_dest(root, p.info, args.out, renumber=renumber),
+            rescan=args.rescan,
+            renumber=renumber and args.out is not None,
+        )
+    except (OrbaxMaxTextLayoutError, OSError) as e:
+        report = StepReport(str(p.info.path), "failed", p.info.layout.value, notes=[str(e)])
+        if isinstance(e, LoraAdapterStepError):
+            report.lora = e.adapters.to_dict()
+        return report, e
+    return report, None
+
+
+def _print_run_report(args: argparse.Namespace, reports: list[StepReport]) -> None:
+    """``--json``: every report; else (unless ``--quiet``) a summary of the statuses."""
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     elif not args.quiet:
-        counts = {}
+        counts: dict[str, int] = {}
         for r in reports:
             counts[r.status] = counts.get(r.status, 0) + 1
         print(
             "summary: "
             + (", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no steps found")
         )
-    if failures:
-        print(f"{len(failures)} step(s) failed:", file=sys.stderr)
-        for info, e in failures:
-            first = str(e).splitlines()[0]
-            print(f"  {info.path}: {type(e).__name__}: {first}", file=sys.stderr)
-        return 1
-    return 0
+
+
+def _print_failures(failures: list[tuple[StepInfo, Exception]]) -> None:
+    print(f"{len(failures)} step(s) failed:", file=sys.stderr)
+    for info, e in failures:
+        first = str(e).splitlines()[0]
+        print(f"  {info.path}: {type(e).__name__}: {first}", file=sys.stderr)
 
 
 def _dest(
@@ -275,11 +340,10 @@ def _no_steps_hint(root: epath.Path) -> int | None:
     below = find_step_roots(root)
     if not below:
         return None
-    print(
-        f"error: no steps found in {root}; steps were found in "
+    print_error(
+        f"no steps found in {root}; steps were found in "
         + ", ".join(str(d) for d in below)
-        + ". Point the command at that directory.",
-        file=sys.stderr,
+        + ". Point the command at that directory."
     )
     return 1
 
@@ -374,11 +438,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
-    try:
-        target = _load_target(args)
-    except (LayoutMismatchError, CheckpointReadError, ImportError, AttributeError) as e:
-        print(f"error: cannot build the target: {e}", file=sys.stderr)
-        return 2
+    target = _target_for(args)
     try:
         report = merge_lora(
             args.adapter_step,
@@ -394,7 +454,7 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
     except UsageError:
         raise
     except (OrbaxMaxTextLayoutError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
     print(report.to_json() if args.json else report)
     return 0
@@ -414,33 +474,75 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_convert(ns)
 
 
+_Subparsers = argparse._SubParsersAction  # the type of `add_subparsers`' result
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbax-maxtext-layout", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_add_convert, _add_verify, _add_inspect, _add_merge_lora, _add_demo):
+        add(sub)
+    return p
 
-    def add_target(sp: argparse.ArgumentParser) -> None:
-        g = sp.add_mutually_exclusive_group()
-        g.add_argument(
-            "--target-from", metavar="DIR", help="a MaxText-layout checkpoint of the same model"
-        )
-        g.add_argument(
-            "--target",
-            metavar="MODULE:FUNCTION",
-            help="returns an abstract nnx.Module/State, a Target, or MaxText abstract items",
-        )
-        g.add_argument(
-            "--maxtext-config",
-            nargs="+",
-            action=_MaxTextConfigValues,
-            metavar=("CONFIG", "KEY=VALUE"),
-            help="MaxText 0.2.5 builds the target from its config, given as its commands take "
-            "it: the config file (e.g. .../maxtext/configs/base.yml), then KEY=VALUE overrides "
-            "(metadata only; needs maxtext installed)",
+
+def _add_target(sp: argparse.ArgumentParser) -> None:
+    """``--target-from`` | ``--target`` | ``--maxtext-config`` (convert, inspect, merge-lora)."""
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument(
+        "--target-from", metavar="DIR", help="a MaxText-layout checkpoint of the same model"
+    )
+    g.add_argument(
+        "--target",
+        metavar="MODULE:FUNCTION",
+        help="returns an abstract nnx.Module/State, a Target, or MaxText abstract items",
+    )
+    g.add_argument(
+        "--maxtext-config",
+        nargs="+",
+        action=_MaxTextConfigValues,
+        metavar=("CONFIG", "KEY=VALUE"),
+        help="MaxText 0.2.5 builds the target from its config, given as its commands take "
+        "it: the config file (e.g. .../maxtext/configs/base.yml), then KEY=VALUE overrides "
+        "(metadata only; needs maxtext installed)",
+    )
+
+
+def _add_scan_form(sp: argparse.ArgumentParser, *, target_note: bool) -> None:
+    """``--unroll`` | ``--stack`` (convert, merge-lora); ``target_note``: the help says the
+    target is given in the written form."""
+    form = sp.add_mutually_exclusive_group()
+    for flag, const, form_help, note in (
+        ("--unroll", "unroll", "the unscanned form (layers_<i>)", "; the target is unscanned"),
+        ("--stack", "stack", "the scanned form (layers)", "; the target is scanned"),
+    ):
+        form.add_argument(
+            flag,
+            dest="rescan",
+            action="store_const",
+            const=const,
+            help=f"write {form_help}" + (note if target_note else ""),
         )
 
+
+def _add_memory_budget(sp: argparse.ArgumentParser, help_note: str = "") -> None:
+    sp.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        default=DEFAULT_BUDGET,
+        metavar="SIZE",
+        help=f"bytes held at once, e.g. 2GiB{help_note}",
+    )
+
+
+def _add_json(sp: argparse.ArgumentParser, *, described: bool = True) -> None:
+    help_text = "machine-readable report on stdout" if described else None
+    sp.add_argument("--json", action="store_true", help=help_text)
+
+
+def _add_convert(sub: _Subparsers) -> None:
     c = sub.add_parser("convert", help="convert every Tunix-layout step under ROOT")
     c.add_argument("root")
-    add_target(c)
+    _add_target(c)
     c.add_argument("--optimizer", choices=["convert", "drop"], default="convert")
     c.add_argument(
         "--dry-run", action="store_true", help="report only; reads metadata, writes nothing"
@@ -453,28 +555,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GLOB",
         help="drop model leaves matching GLOB as intermediates (repeatable)",
     )
-    c.add_argument(
-        "--memory-budget",
-        type=parse_size,
-        default=DEFAULT_BUDGET,
-        metavar="SIZE",
-        help="bytes held at once, e.g. 2GiB (peak is this plus the largest array)",
-    )
-    form = c.add_mutually_exclusive_group()
-    form.add_argument(
-        "--unroll",
-        dest="rescan",
-        action="store_const",
-        const="unroll",
-        help="write the unscanned form (layers_<i>); the target is unscanned",
-    )
-    form.add_argument(
-        "--stack",
-        dest="rescan",
-        action="store_const",
-        const="stack",
-        help="write the scanned form (layers); the target is scanned",
-    )
+    _add_memory_budget(c, " (peak is this plus the largest array)")
+    _add_scan_form(c, target_note=True)
+    _add_convert_destination(c)
+    _add_json(c)
+    c.add_argument("-q", "--quiet", action="store_true")
+    c.add_argument("-v", "--verbose", action="store_true")
+    c.set_defaults(fn=cmd_convert)
+
+
+def _add_convert_destination(c: argparse.ArgumentParser) -> None:
+    """Where convert writes, which steps it follows, and what it does to the source."""
     c.add_argument(
         "--out",
         metavar="DIR",
@@ -511,23 +602,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete model_params/optimizer_state once items/ verifies",
     )
-    c.add_argument("--json", action="store_true", help="machine-readable report on stdout")
-    c.add_argument("-q", "--quiet", action="store_true")
-    c.add_argument("-v", "--verbose", action="store_true")
-    c.set_defaults(fn=cmd_convert)
 
+
+def _add_verify(sub: _Subparsers) -> None:
     v = sub.add_parser("verify", help="check converted steps against their legacy items")
     v.add_argument("root")
     v.add_argument("--quick", action="store_true", help="compare metadata only")
-    v.add_argument("--json", action="store_true")
+    _add_json(v, described=False)
     v.set_defaults(fn=cmd_verify)
 
+
+def _add_inspect(sub: _Subparsers) -> None:
     i = sub.add_parser("inspect", help="show layout, role and tree summary (metadata only)")
     i.add_argument("path")
-    add_target(i)
-    i.add_argument("--json", action="store_true")
+    _add_target(i)
+    _add_json(i, described=False)
     i.set_defaults(fn=cmd_inspect)
 
+
+def _add_merge_lora(sub: _Subparsers) -> None:
     m = sub.add_parser(
         "merge-lora",
         help="merge a Tunix LoRA adapter step into its base: a MaxText param-only step "
@@ -548,45 +641,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's lora.lora_alpha (required unless the step records it)",
     )
     m.add_argument("--out", required=True, metavar="DIR", help="writes DIR/0/items")
-    add_target(m)
-    mform = m.add_mutually_exclusive_group()
-    mform.add_argument(
-        "--unroll",
-        dest="rescan",
-        action="store_const",
-        const="unroll",
-        help="write the unscanned form (layers_<i>)",
-    )
-    mform.add_argument(
-        "--stack",
-        dest="rescan",
-        action="store_const",
-        const="stack",
-        help="write the scanned form (layers)",
-    )
+    _add_target(m)
+    _add_scan_form(m, target_note=False)
     m.add_argument(
         "--scan-axis",
         type=int,
         choices=[0, 1],
         help="the model's param_scan_axis, only where the shapes fit both",
     )
-    m.add_argument(
-        "--memory-budget",
-        type=parse_size,
-        default=DEFAULT_BUDGET,
-        metavar="SIZE",
-        help="bytes held at once, e.g. 2GiB",
-    )
+    _add_memory_budget(m)
     m.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
-    m.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    _add_json(m)
     m.set_defaults(fn=cmd_merge_lora)
 
+
+def _add_demo(sub: _Subparsers) -> None:
     d = sub.add_parser(
         "demo", help="convert the shipped example into a temp dir and print the report"
     )
     d.add_argument("--out", help="directory to copy the example into (default: a new temp dir)")
     d.set_defaults(fn=cmd_demo)
-    return p
 
 
 def _positionals_first(argv: Sequence[str]) -> list[str]:
@@ -616,10 +690,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.fn(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     except OrbaxMaxTextLayoutError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
 
 

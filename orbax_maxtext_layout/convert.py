@@ -20,10 +20,8 @@ from . import legacy, merge, placement, renumbering, stepdir, stepmeta
 from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
-    ReadOnlyStepError,
     StepExistsError,
     StepLocked,
-    UsageError,
 )
 from .gcfreeze import frozen_heap
 from .layout import (
@@ -38,6 +36,8 @@ from .layout import (
 )
 from .lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
 from .moves import Op
+from .options import ConvertOptions
+from .options import check as check_options
 from .orbax_files import ItemFiles
 from .paths import flatten, keystr, norm_key
 from .plan import OptimizerMode, Plan, make_plan, plan_step
@@ -176,14 +176,13 @@ def convert_step(
       CheckpointReadError: the step is not a readable Tunix-layout step.
       ReadOnlyStepError: the step directory cannot be written (use ``out``), or
         ``in_place``/``remove_legacy`` were asked together with ``out``.
-      UsageError: ``in_place`` with ``copy`` (in place means sharing the files).
+      UsageError: ``in_place`` with ``copy`` (in place means sharing the files), or with
+        ``rescan``. The option checks (`options.check`) come first, before anything is read
+        or moved.
     """
     step_dir = epath.Path(step_dir)
-    if in_place and copy:
-        raise UsageError(
-            f"{step_dir}: in_place shares the legacy data files; copy makes private copies. "
-            "Choose one (copy with remove_legacy copies, then removes the legacy items)."
-        )
+    asked = dict(in_place=in_place, copy=copy, remove_legacy=remove_legacy, out=out, rescan=rescan)
+    check_options(ConvertOptions(**asked), step_dir)  # before anything is read or moved
     opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan)
     if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
         [placed] = renumbering.plan_run(
@@ -196,11 +195,6 @@ def convert_step(
         kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place, copy=copy)
         return convert_placed(placed, target, dry_run=dry_run, remove_legacy=remove_legacy, **kw)
     dest = epath.Path(out) if out is not None else step_dir
-    if out is not None and (in_place or remove_legacy):
-        raise ReadOnlyStepError(
-            f"{step_dir}: in_place/remove_legacy modify the source step; they cannot be "
-            f"combined with a separate destination ({dest})."
-        )
     moved: list[str] = []  # a killed renumbering into this directory, finished first
     store = store_for(step_dir)
     if not dry_run and store.relocation_in_progress(step_dir):
@@ -236,10 +230,6 @@ def convert_step(
     if layout is Layout.UNKNOWN:
         raise CheckpointReadError(
             f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
-        )
-    if rescan is not None and in_place:
-        raise UsageError(
-            f"{step_dir}: in_place cannot change the scan form: every array is re-sliced."
         )
     meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
     if renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():

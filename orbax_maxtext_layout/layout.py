@@ -13,13 +13,24 @@ from typing import Any
 from etils import epath
 
 from . import stepmeta
+from .names import MAXTEXT_ITEM, ROLES, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from .stepmeta import recorded_tunix_step
 from .store import store_for
 
-MAXTEXT_ITEM = "items"
-TUNIX_PARAMS_ITEM = "model_params"
-TUNIX_OPT_ITEM = "optimizer_state"
-ROLES = ("actor", "critic")
+__all__ = [  # the item names are re-exported: layout is where a reader looks for them
+    "MAXTEXT_ITEM",
+    "ROLES",
+    "TUNIX_OPT_ITEM",
+    "TUNIX_PARAMS_ITEM",
+    "Layout",
+    "detect_layout",
+    "is_committed",
+    "maxtext_number",
+    "step_dir_of",
+    "tunix_items",
+    "tunix_step_number",
+]
+
 STEP_NAME = re.compile(r"^\d+$")
 TMP_MARKER = ".orbax-checkpoint-tmp"
 

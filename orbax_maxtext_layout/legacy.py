@@ -14,7 +14,7 @@ import os
 from etils import epath
 
 from . import placement, stepmeta, tskv
-from .layout import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
+from .names import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from .store import store_for
 from .verify import verify_step
 

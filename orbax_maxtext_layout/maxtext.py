@@ -7,6 +7,10 @@ calls them), e.g.::
     python -m orbax_maxtext_layout.maxtext maxtext.trainers.pre_train.train \\
         base.yml run_name=resume base_output_directory=gs://... load_parameters_path=...
 
+A refusal of this library raised inside ``MODULE`` (an `OrbaxMaxTextLayoutError`, e.g. a
+LoRA adapter step resumed as a model) is printed as the CLI prints it, one ``error:
+<message>`` on stderr, and the runner exits 1; other exceptions keep their traceback.
+
 `install()` changes two functions of ``maxtext.common.checkpointing``, and nothing else:
 
 * ``create_orbax_checkpoint_manager`` builds `orbax_maxtext_layout.training.Checkpointer`
@@ -34,12 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
+from .cli import print_error
+from .errors import OrbaxMaxTextLayoutError
 from .layout import MAXTEXT_ITEM, Layout, detect_layout, step_dir_of
 
 if TYPE_CHECKING:
     pass
 
-__all__ = ["install", "main"]
+__all__ = ["install", "main", "run"]
 
 logger = logging.getLogger(__name__)
 _MARK = "_orbax_maxtext_layout_original"
@@ -143,8 +149,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         file=sys.stderr,
     )
     module, *rest = argv
-    sys.argv = [module, *rest]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    run(module, rest)
+
+
+def run(module: str, args: Sequence[str]) -> None:
+    """Runs ``module`` as ``__main__`` with ``args`` (`main`'s work once MaxText is patched).
+
+    A refusal of this library (an `OrbaxMaxTextLayoutError`, e.g. a LoRA adapter step asked
+    for as a model) is printed as the CLI prints it, one ``error: <message>`` on stderr, and
+    the process exits 1; any other exception keeps its traceback.
+    """
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except OrbaxMaxTextLayoutError as e:
+        print_error(e)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

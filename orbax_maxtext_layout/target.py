@@ -17,7 +17,7 @@ import jax
 from etils import epath
 
 from .errors import LayoutMismatchError
-from .layout import MAXTEXT_ITEM
+from .names import MAXTEXT_ITEM
 from .paths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 from .spec import LeafSpec, read_specs, spec_of
 

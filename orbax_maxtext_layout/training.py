@@ -55,8 +55,8 @@ from orbax.checkpoint.experimental import v1 as ocp1
 from orbax.checkpoint.experimental.v1._src.context import context as context_lib
 
 from .errors import UsageError
-from .layout import MAXTEXT_ITEM
 from .manager import CheckpointManager
+from .names import MAXTEXT_ITEM
 
 __all__ = ["Checkpointer"]
 

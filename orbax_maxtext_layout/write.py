@@ -26,8 +26,8 @@ from etils import epath
 
 from . import orbax_files, placement, stepdir, tskv
 from .errors import CheckpointReadError
-from .layout import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from .moves import Move, Op, Plan, apply_op, merge_layer
+from .names import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from .store import store_for
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB

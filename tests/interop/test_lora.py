@@ -23,8 +23,9 @@ What proves what:
 - *MaxText trains from it*: its pre-training main starts from ``load_parameters_path=<out>/0/items``
   and runs a step; the probe of maxtext_loop_support shows the weights it started from are the
   merged ones, bit for bit;
-- *the refusal*: the runner over a run whose latest step is the LoRA step exits non-zero with
-  this library's LoRA message and leaves the step as it was.
+- *the refusal*: the runner over a run whose latest step is the LoRA step exits 1 with this
+  library's LoRA message, printed as one ``error: <message>`` without a traceback, and leaves
+  the step as it was.
 """
 
 from __future__ import annotations
@@ -540,9 +541,13 @@ def assert_lora_refusal(message: str) -> None:
 @pytest.mark.parametrize("name", ("refuse_plain", "refuse_lora_keys"))
 def test_runner_refuses_a_run_whose_latest_step_is_lora(name, runs):
     run = runs[name]
-    assert run.returncode != 0, run.why()
+    assert run.returncode == 1, run.why()
     assert L.RUNNER_BANNER in run.log
     assert_lora_refusal(run.log)
+    # One message, as the CLI prints it, and no traceback through MaxText's trainer.
+    errors = [line for line in run.log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "LoRA adapter step" in errors[0], run.why()
+    assert "Traceback" not in run.log, run.why()
     assert run.saved == []
     # The Tunix step is left at 2 (not renumbered to 1), untouched, and nothing was added.
     assert L.step_dirs(run.checkpoints) == [2]
