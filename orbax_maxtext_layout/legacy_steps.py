@@ -6,7 +6,8 @@ under which MaxText number and where each is now (`list_steps`, `where`, `held`)
 restoring one as MaxText items (`restore_items`), moving legacy steps out of a save's way
 (`make_room`, `release`), migrating the restored ones once a save has committed
 (`after_save`), and finishing the legacy removals a killed run left (`finish_removals`).
-The rules it implements are in `manager`'s module docstring.
+The rules it implements are in `manager`'s module docstring. `load_requested` is what the
+v0 ``restore`` and the v1 ``load_checkpointables`` do alike with a legacy step.
 
 A manager owns one `LegacySteps` and calls it from its Orbax hooks; everything it needs of
 the manager comes in as two callables: ``home(step)``, the directory Orbax saves ``step``
@@ -18,7 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from etils import epath
@@ -28,6 +29,7 @@ from . import objstore, stepdir
 from .convert import convert_step
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
+    MAXTEXT_ITEM,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
     Layout,
@@ -45,7 +47,7 @@ from .restore import request_target, restore_request
 from .stepdir import REMOVING, update_step_metadata
 from .target import Target
 
-__all__ = ["LegacySteps", "check_migrate"]
+__all__ = ["LegacySteps", "check_migrate", "load_requested"]
 
 # The manager's logger: these records were always the manager's, and users (and the
 # tests) set its level to see the moves and migrations.
@@ -327,6 +329,39 @@ class LegacySteps:
         if held != home and _tunix_step_of(held) != p + 1:
             return home
         return held
+
+
+def load_requested(
+    step: int,
+    held: epath.Path,
+    requested: Mapping[str, Any],
+    load_items: Callable[[Any], Any],
+    load_stock: Callable[[dict[str, Any]], Mapping[str, Any]],
+    *,
+    kind: str,
+    log: logging.Logger,
+) -> dict[str, Any]:
+    """Legacy step ``step`` (in ``held``) loaded as ``requested`` asks: {name: request}, a
+    name being an item (v0) or a checkpointable (v1), as ``kind`` says in the warning.
+
+    ``items`` comes from ``load_items(its request)`` (the caller's `LegacySteps.restore_items`
+    call); the other names the step holds come from one ``load_stock({name: request})``
+    (the stock way); a name it lacks comes back as None, with a warning on ``log`` (the
+    stock managers raise instead). Returns ``{name: result}`` in ``requested``'s order.
+    """
+    out: dict[str, Any] = {}
+    stock: dict[str, Any] = {}
+    for name, request in requested.items():
+        if name == MAXTEXT_ITEM:
+            out[name] = load_items(request)
+        elif (held / name).exists():
+            stock[name] = request
+        else:
+            log.warning("Step %d (%s) has no %r %s; returning None for it.", step, held, name, kind)
+            out[name] = None
+    if stock:
+        out.update(load_stock(stock))
+    return {name: out[name] for name in requested}
 
 
 def _covers_step(

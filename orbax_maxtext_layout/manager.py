@@ -69,7 +69,7 @@ from orbax.checkpoint.checkpoint_manager import CheckpointInfo
 from . import objstore
 from .errors import UsageError
 from .layout import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, TUNIX_STEP_KEY
-from .legacy_steps import LegacySteps
+from .legacy_steps import LegacySteps, load_requested
 from .orbax_files import absolute
 
 __all__ = ["TUNIX_STEP_KEY", "CheckpointManager"]
@@ -169,22 +169,16 @@ class CheckpointManager(ocp.CheckpointManager):
         if args is None:
             return self._restore_as_stored(step, held)
         composite = isinstance(args, ocp.args.Composite)
-        requested = dict(args.items()) if composite else {MAXTEXT_ITEM: args}
-        out: dict[str, Any] = {}
-        stock: dict[str, Any] = {}
-        for name, a in requested.items():
-            if name == MAXTEXT_ITEM:
-                out[name] = self._restore_items(step, held, a)
-            elif (held / name).exists():
-                stock[name] = a
-            else:
-                logger.warning(
-                    "Step %d (%s) has no %r item; returning None for it.", step, held, name
-                )
-                out[name] = None
-        if stock:
-            out.update(super().restore(step, args=ocp.args.Composite(**stock)).items())
-        result = {name: out[name] for name in requested}
+        stock_restore = super().restore
+        result = load_requested(
+            step,
+            held,
+            dict(args.items()) if composite else {MAXTEXT_ITEM: args},
+            lambda a: self._restore_items(step, held, a),
+            lambda stock: stock_restore(step, args=ocp.args.Composite(**stock)),
+            kind="item",
+            log=logger,
+        )
         return ocp.args.Composite(**result) if composite else result[MAXTEXT_ITEM]
 
     def _legacy_dir(self, step: int | None, directory: epath.PathLike | None) -> epath.Path | None:

@@ -56,7 +56,7 @@ from orbax.checkpoint.experimental.v1._src.context import context as context_lib
 
 from .errors import UsageError
 from .layout import MAXTEXT_ITEM
-from .legacy_steps import LegacySteps, check_migrate
+from .legacy_steps import LegacySteps, check_migrate, load_requested
 from .manager import CheckpointManager
 
 __all__ = ["Checkpointer"]
@@ -162,24 +162,15 @@ class Checkpointer(ocp1.training.Checkpointer):
                     held,
                 )
                 return ocp1.load_checkpointables(held)
-            out: dict[str, Any] = {}
-            stock: dict[str, Any] = {}
-            for name, abstract in abstract_checkpointables.items():
-                if name == MAXTEXT_ITEM:
-                    out[name] = self._load_items(number, held, abstract, context)
-                elif (held / name).exists():
-                    stock[name] = abstract
-                else:
-                    logger.warning(
-                        "Step %d (%s) has no %r checkpointable; returning None for it.",
-                        number,
-                        held,
-                        name,
-                    )
-                    out[name] = None
-            if stock:
-                out.update(ocp1.load_checkpointables(held, stock))
-        return {name: out[name] for name in abstract_checkpointables}
+            return load_requested(
+                number,
+                held,
+                abstract_checkpointables,
+                lambda abstract: self._load_items(number, held, abstract, context),
+                lambda stock: ocp1.load_checkpointables(held, stock),
+                kind="checkpointable",
+                log=logger,
+            )
 
     def load(
         self,
