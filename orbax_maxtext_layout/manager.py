@@ -54,6 +54,10 @@ file systems. Object stores have no rename: there a move is `objstore.move_dir` 
 copies; the destination's ``commit_success.txt`` makes it a step, then the source's is
 deleted first), a step directory counts only with its ``commit_success.txt`` (as for
 Orbax), and the primary process finishes or rolls back a killed move when it lists.
+
+Code: the legacy-step logic is `legacy_steps.LegacySteps` (shared with
+`training.Checkpointer`, whose inner manager this is); this class calls it from the
+Orbax hooks it overrides.
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ class CheckpointManager(ocp.CheckpointManager):
         **kwargs: Any,
     ) -> None:
         # Before Orbax's constructor, which lists the steps through _load_checkpoint_infos.
+        # The two bound methods work from then on: Orbax sets the directory, step name
+        # format and multiprocessing options they read before it lists.
         self._legacy_steps = LegacySteps(
             self._home, self._is_primary, migrate=migrate, remove_legacy=remove_legacy
         )
