@@ -16,7 +16,7 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from . import legacy, merge, placement, renumbering, stepdir, stepmeta
+from . import legacy_removal, merge, placement, renumbering, stepdir, stepmeta
 from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
@@ -155,7 +155,7 @@ def convert_step(
     array. ``in_place`` shares the files and then removes the legacy items;
     ``remove_legacy`` removes them after the conversion. Legacy items are removed
     only after the new ``items`` has been verified (quickly when every data file is
-    shared, value by value otherwise; see `legacy.removal_check`). A step that
+    shared, value by value otherwise; see `legacy_removal.removal_check`). A step that
     already has ``items/`` is skipped; one being converted by another live process
     is reported as ``locked``. ``rescan="unroll"``/``"stack"`` writes the other scan
     form (the target is given in that form; see `rescan`), re-slicing each array
@@ -217,7 +217,7 @@ def convert_step(
             try:
                 with step_lock(step_dir):
                     stepdir.clean_stale_tmp(step_dir)
-                    report.notes += legacy.remove_legacy(step_dir)
+                    report.notes += legacy_removal.remove_legacy(step_dir)
             except StepLocked as e:
                 return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
         return report
@@ -255,7 +255,7 @@ def convert_step(
             report = _write(job, dest)
             report.notes = moved + report.notes
             if in_place or remove_legacy:
-                report.notes += legacy.remove_legacy(step_dir, specs=specs)
+                report.notes += legacy_removal.remove_legacy(step_dir, specs=specs)
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])

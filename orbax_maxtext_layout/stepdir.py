@@ -1,7 +1,7 @@
 """A step directory as a unit of work: temporary item, atomic commit, moves, destinations.
 
 Everything that changes a step directory's entries goes through here (the lock is in
-`lock`, the step metadata in `stepmeta`, the legacy removal in `legacy`): the temporary
+`lock`, the step metadata in `stepmeta`, the legacy removal in `legacy_removal`): the temporary
 directory for a new ``items``, the single commit point, the renumbering move, and the
 separate destination step that appears only once complete. How each is done on a disk or
 an object store is the root's `store.StepStore`'s business.

@@ -55,6 +55,7 @@ from orbax.checkpoint.experimental import v1 as ocp1
 from orbax.checkpoint.experimental.v1._src.context import context as context_lib
 
 from .errors import UsageError
+from .legacy_steps import LegacySteps, check_migrate, load_requested
 from .manager import CheckpointManager
 from .names import MAXTEXT_ITEM
 
@@ -101,8 +102,7 @@ class Checkpointer(ocp1.training.Checkpointer):
         remove_legacy: bool = False,
         **kwargs: Any,
     ) -> None:
-        if migrate not in ("on_save", "off"):
-            raise UsageError(f"migrate must be 'on_save' or 'off', not {migrate!r}")
+        check_migrate(migrate)  # before building the stock manager
         logger = logger or ocp.logging.StandardLogger()  # one logger for v1 and v0, as stock
         if _TAKES_LOGGER:  # orbax-checkpoint >= 0.12.8; older v1 Checkpointers build their own
             kwargs["logger"] = logger
@@ -135,7 +135,7 @@ class Checkpointer(ocp1.training.Checkpointer):
             migrate=migrate,
             remove_legacy=remove_legacy,
         )
-        self._step_name_format = _WhereTheStepIs(self._step_name_format, self._manager)
+        self._step_name_format = _WhereTheStepIs(self._step_name_format, self._manager.legacy_steps)
 
     # -- loading -----------------------------------------------------------------------
     def load_checkpointables(
@@ -146,7 +146,7 @@ class Checkpointer(ocp1.training.Checkpointer):
         """Stock v1 ``load_checkpointables``; a Tunix-layout step's ``items`` come back as
         MaxText items, converted against (and placed like) the abstract tree given."""
         number = self._number(step)
-        held = None if number is None else self._manager._legacy_dir(number, None)
+        held = None if number is None else self._manager.legacy_steps.held(number)
         if held is None:
             return super().load_checkpointables(step, abstract_checkpointables)
         assert number is not None
@@ -162,24 +162,15 @@ class Checkpointer(ocp1.training.Checkpointer):
                     held,
                 )
                 return ocp1.load_checkpointables(held)
-            out: dict[str, Any] = {}
-            stock: dict[str, Any] = {}
-            for name, abstract in abstract_checkpointables.items():
-                if name == MAXTEXT_ITEM:
-                    out[name] = self._load_items(number, held, abstract, context)
-                elif (held / name).exists():
-                    stock[name] = abstract
-                else:
-                    logger.warning(
-                        "Step %d (%s) has no %r checkpointable; returning None for it.",
-                        number,
-                        held,
-                        name,
-                    )
-                    out[name] = None
-            if stock:
-                out.update(ocp1.load_checkpointables(held, stock))
-        return {name: out[name] for name in abstract_checkpointables}
+            return load_requested(
+                number,
+                held,
+                abstract_checkpointables,
+                lambda abstract: self._load_items(number, held, abstract, context),
+                lambda stock: ocp1.load_checkpointables(held, stock),
+                kind="checkpointable",
+                log=logger,
+            )
 
     def load(
         self,
@@ -191,7 +182,7 @@ class Checkpointer(ocp1.training.Checkpointer):
         """Stock v1 ``load``; MaxText's items of any step load with
         ``checkpointable_name="items"``."""
         number = self._number(step)
-        held = None if number is None else self._manager._legacy_dir(number, None)
+        held = None if number is None else self._manager.legacy_steps.held(number)
         if (
             held is not None
             and checkpointable_name != MAXTEXT_ITEM
@@ -212,7 +203,7 @@ class Checkpointer(ocp1.training.Checkpointer):
                 "<abstract items>})."
             )
         partial = bool(context.pytree_options.loading.partial_load)
-        return self._manager._restore_legacy_items(step, held, abstract, partial=partial)
+        return self._manager.legacy_steps.restore_items(step, held, abstract, partial=partial)
 
     def _number(self, step: int | ocp1.training.CheckpointMetadata | None) -> int | None:
         if step is None:
@@ -231,9 +222,10 @@ class Checkpointer(ocp1.training.Checkpointer):
         # v1 deletes ``<dir>/<step>`` through the v0 deleter, which finds steps by their
         # own number: a legacy step is moved there first (as the v0 manager's delete does).
         number = step.step if isinstance(step, ocp1.training.CheckpointMetadata) else step
-        if isinstance(number, int) and self._manager._legacy_dir(number, None) is not None:
+        legacy = self._manager.legacy_steps
+        if isinstance(number, int) and legacy.held(number) is not None:
             self._manager.wait_until_finished()
-            self._manager._release(number, forget=checkpointable_name is None)
+            legacy.release(number, forget=checkpointable_name is None)
             if jax.process_count() > 1:  # the primary moved it; every process checks the path
                 ocp.multihost.sync_global_processes(f"orbax_maxtext_layout_delete_{number}")
         return super().delete_async(
@@ -249,15 +241,13 @@ class _WhereTheStepIs:
     ``N - 1`` lives in ``N`` until a save moves it.
     """
 
-    def __init__(self, inner: Any, manager: CheckpointManager) -> None:
+    def __init__(self, inner: Any, legacy: LegacySteps) -> None:
         self._inner = inner
-        self._manager = manager
+        self._legacy = legacy
 
     def build_name(self, step: int) -> str:
-        with self._manager._lock:
-            if step in self._manager._legacy:
-                return self._manager._where(step).name
-        return self._inner.build_name(step)
+        held = self._legacy.where(step)
+        return self._inner.build_name(step) if held is None else held.name
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

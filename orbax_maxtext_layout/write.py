@@ -64,7 +64,7 @@ def write_items(
     committed unless every array was written. The provenance records ``in_place``,
     the bytes written, how the data files were placed (``data_files``) and which
     arrays this writer wrote itself (``arrays_written``: chunk copies, and arrays
-    computed by their op), so that `legacy.remove_legacy` knows what to verify.
+    computed by their op), so that `legacy_removal.remove_legacy` knows what to verify.
     ``step_meta``: the step metadata of ``step_dir`` as the caller read it.
     """
     ctx = tskv.ts_context()

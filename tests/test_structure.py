@@ -95,6 +95,14 @@ def test_readme_tests_and_bench_use_public_names_only():
     ]
 
 
+def test_training_uses_the_manager_through_its_interface_only():
+    """training.Checkpointer reaches our v0 manager's legacy steps through
+    `CheckpointManager.legacy_steps`, never through the manager's private members."""
+    src = (PKG / "training.py").read_text()
+    assert not re.findall(r"_manager\._[a-z]\w*", src)
+    assert "_manager.legacy_steps" in src
+
+
 def test_private_orbax_api_we_rely_on_is_still_there():
     """No public equivalent exists in orbax-checkpoint 0.12.8 for these; when Orbax changes
     them this fails first, naming what to port."""

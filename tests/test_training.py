@@ -173,13 +173,13 @@ def test_params_only_request_under_partial_load_returns_just_the_params(tmp_path
     params = {"params": _abstract()["params"]}
     with _ours(step.parent) as ckptr:
         got = ckptr.load_checkpointables(1, {"items": params})["items"]
-        assert not ckptr._manager._pending  # a partial load is not migrated
+        assert not ckptr._manager.legacy_steps.pending  # a partial load is not migrated
         some_aux = {
             "model": {"decoder": {"rngs": _abstract()["nnx_aux"]["model"]["decoder"]["rngs"]}}
         }
         part = ckptr.load_checkpointables(1, {"items": {**params, "nnx_aux": some_aux}})["items"]
         assert set(_flat(part["nnx_aux"])) == set(_flat(some_aux))
-        assert not ckptr._manager._pending  # names nnx_aux, but not all of it
+        assert not ckptr._manager.legacy_steps.pending  # names nnx_aux, but not all of it
         with pytest.warns(DeprecationWarning):
             pytree = ckptr.load_pytree(1, params, checkpointable_name="items")
     with _stock(b.parent) as stock:
@@ -319,7 +319,7 @@ def test_maxtext_layout_steps_behave_as_with_the_stock_checkpointer(tmp_path):
                 assert [x.step for x in c.checkpoints] == [1, 2]
     left = ["1", "2"] if HAS_DELETE else ["0", "1", "2"]
     assert sorted(os.listdir(a)) == sorted(os.listdir(b)) == left
-    assert not ours._manager._pending
+    assert not ours._manager.legacy_steps.pending
 
 
 # -- two processes ------------------------------------------------------------------------

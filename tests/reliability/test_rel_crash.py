@@ -52,23 +52,23 @@ LOCK = ".orbax-maxtext-layout.lock"
 
 # Boundary kill points for CI: (call label, which occurrence, 0 = before it / 1 = right after).
 COPY_POINTS = [
-    ("new_tmp_dir>mkdir", "first", 1),  # an empty temporary directory
+    ("new_item_dir>mkdir", "first", 1),  # an empty temporary directory
     ("clone_tree>mkdir", "mid", 0),  # half the source databases cloned
     ("write_metadata>mkdir", "first", 0),  # grafted, no Orbax metadata yet
-    ("_replace_json>replace", "last", 0),  # provenance written aside, not yet in place
-    ("commit>rename", "first", 0),  # provenance in place, items/ not yet renamed
-    ("step_lock>unlink", "last", 0),  # committed, lock still held
+    ("replace_file>replace", "last", 0),  # provenance written aside, not yet in place
+    ("publish_item>rename", "first", 0),  # provenance in place, items/ not yet renamed
+    ("remove>unlink", "last", 0),  # committed, lock still held
 ]
 REMOVAL_POINTS = [
-    ("commit>rename", "first", 1),  # committed, legacy items all there
-    ("_finish_removal>rmdir", "mid", 0),  # the first legacy item is gone, the second is not
-    ("step_lock>unlink", "last", 0),
+    ("publish_item>rename", "first", 1),  # committed, legacy items all there
+    ("finish_set_aside>rmdir", "mid", 0),  # the first legacy item is gone, the second is not
+    ("remove>unlink", "last", 0),
 ]
 MANAGER_POINTS = [
-    ("_place>rename", "first", 1),  # the Tunix step moved to its own number
+    ("relocate_step>rename", "first", 1),  # the Tunix step moved to its own number
     ("rename>rename", "last", 0),  # Orbax about to commit the new save
-    ("commit>rename", "first", 0),  # the migration about to commit
-    ("_finish_removal>rmdir", "mid", 0),  # the migration removing the legacy items
+    ("publish_item>rename", "first", 0),  # the migration about to commit
+    ("finish_set_aside>rmdir", "mid", 0),  # the migration removing the legacy items
 ]
 BUG_LEGACY_REMOVAL = (
     "BUG: convert.py _remove_legacy deletes model_params/optimizer_state in place with "
