@@ -161,11 +161,11 @@ def test_second_converter_leaves_a_step_whose_owner_is_alive(base, target, tmp_p
     )
     assert calls.rc == 0
     labels = json.loads(count.read_text())
-    rmdirs = [c for c in labels if c == "_finish_removal>rmdir"]
+    rmdirs = [c for c in labels if c == "finish_set_aside>rmdir"]
     assert rmdirs, labels
     pause = {  # before the middle rmdir of the legacy removal: half of it is gone
         "calls": S.MUTATIONS,
-        "at_label": "_finish_removal>rmdir",
+        "at_label": "finish_set_aside>rmdir",
         "occurrence": len(rmdirs) // 2 + 1,
         "signal": "SIGSTOP",
     }
