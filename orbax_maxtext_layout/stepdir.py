@@ -35,7 +35,12 @@ def discard(tmp: epath.Path) -> None:
 
 
 def commit(
-    step_dir: epath.Path, tmp: epath.Path, provenance: dict, *, meta: dict | None = None
+    step_dir: epath.Path,
+    tmp: epath.Path,
+    provenance: dict,
+    *,
+    meta: dict | None = None,
+    custom: dict | None = None,
 ) -> None:
     """The single commit point of a new ``items``, with the provenance in step metadata.
 
@@ -45,13 +50,14 @@ def commit(
     on an object store ``items/commit_success.txt``, the last object: until it exists the
     item is incomplete (`layout.detect_layout`), and stock Orbax reads nothing missing
     (``_METADATA`` was written after the files it relies on). The metadata is rolled back
-    if publishing fails. ``meta``: the step metadata as this operation read it.
+    if publishing fails. ``meta``: the step metadata as this operation read it; ``custom``:
+    entries for its custom metadata beside the provenance (MaxText's ``scan_layers``).
     """
     store = store_for(step_dir)
     old = stepmeta.read(step_dir) if meta is None else meta
     store.seal_item(tmp)
     typestr = ocp.PyTreeCheckpointHandler.typestr()
-    stepmeta.write(step_dir, stepmeta.with_item(old, MAXTEXT_ITEM, typestr, provenance))
+    stepmeta.write(step_dir, stepmeta.with_item(old, MAXTEXT_ITEM, typestr, provenance, custom))
     try:
         store.publish_item(tmp, step_dir / MAXTEXT_ITEM)
     except BaseException:

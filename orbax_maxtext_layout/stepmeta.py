@@ -139,10 +139,16 @@ def with_tunix_step(meta: dict[str, Any], tunix_step: int) -> dict[str, Any]:
 
 
 def with_item(
-    meta: dict[str, Any], item: str, handler: str, provenance: dict[str, Any]
+    meta: dict[str, Any],
+    item: str,
+    handler: str,
+    provenance: dict[str, Any],
+    custom: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``meta`` naming the new ``item`` (read by ``handler``) and recording ``provenance``."""
+    """``meta`` naming the new ``item`` (read by ``handler``) and recording ``provenance``
+    and the ``custom`` entries MaxText reads (``scan_layers``) beside it."""
     meta = dict(meta) or {"item_handlers": {}, "metrics": {}, "performance_metrics": {}}
     handlers = dict(meta.get("item_handlers") or {})
     handlers[item] = handler
-    return with_custom({**meta, "item_handlers": handlers}, **{PROVENANCE_KEY: provenance})
+    entries = {**(custom or {}), PROVENANCE_KEY: provenance}
+    return with_custom({**meta, "item_handlers": handlers}, **entries)

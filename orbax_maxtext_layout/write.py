@@ -28,6 +28,7 @@ from . import orbax_files, placement, stepdir, tskv
 from .errors import CheckpointReadError
 from .moves import Move, Op, Plan, apply_op, merge_layer
 from .names import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
+from .provenance import SCAN_LAYERS_KEY, scan_layers
 from .store import store_for
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
@@ -127,7 +128,9 @@ def write_items(
             "data_files": placed.to_dict(),
             "arrays_written": {"chunks_copied": len(chunked), "computed": computed},
         }
-        stepdir.commit(step_dir, tmp, provenance | record, meta=step_meta)
+        scan = scan_layers(plan)  # recorded as MaxText's own saves record it
+        custom = {SCAN_LAYERS_KEY: scan} if scan is not None else {}
+        stepdir.commit(step_dir, tmp, provenance | record, meta=step_meta, custom=custom)
     except BaseException:
         stepdir.discard(tmp)
         raise

@@ -216,6 +216,7 @@ def test_resumed_maxtext_loop_saves_every_step_and_migrates(
     meta = json.loads((migrated / "_CHECKPOINT_METADATA").read_text())
     assert meta["custom_metadata"]["global_step"] == meta_before["custom_metadata"]["global_step"]
     assert meta["custom_metadata"][TUNIX_STEP_KEY] == 2
+    assert meta["custom_metadata"]["scan_layers"] is True  # as MaxText's saves record it
     assert detect_layout(root / "0") is Layout.TUNIX  # not restored, so only moved
 
     with ocp.CheckpointManager(root, item_names=("items",)) as stock:
