@@ -25,6 +25,7 @@ from .gcfreeze import frozen_heap
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
 from .moves import Drop, Move, Op, Plan
 from .paths import FlatTree, Path, keystr
+from .rng import is_rng
 from .spec import LeafSpec, read_specs
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
@@ -423,7 +424,7 @@ def plan_step(
         unrolled = rescan.unrolled_form(target)
         # Unscanned models store a shared RNG stream once; the other layers' copies
         # are initialised fresh, and the plan's notes say which.
-        base = plan_against(unrolled, unnamed=unnamed, allow_missing=rescan.is_rng)
+        base = plan_against(unrolled, unnamed=unnamed, allow_missing=is_rng)
         return rescan.stack_plan(base, unrolled, target)
     raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
 

@@ -18,14 +18,10 @@ from . import scan
 from .errors import LayoutMismatchError
 from .moves import Drop, Move, Op, Plan
 from .paths import Path, keystr
+from .rng import is_rng
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
-
-
-def is_rng(path: Path) -> bool:
-    """RNG state: ``.../rngs/<stream>/{count,key}`` (a model path, no ``value`` level)."""
-    return len(path) >= 3 and path[-3] == "rngs" and path[-1] in ("count", "key")
 
 
 def stacked_form(target: Target) -> Target:
@@ -161,7 +157,12 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
     for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had
         if AUX_ROOT + p not in produced and is_rng(p):
             note = "initialised fresh (not in the unscanned checkpoint)"
-            moves.append(Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, note=note))
+            a = axes.get(AUX_ROOT + p)
+            # In a block, each layer is derived as a missing layer of a stack is (and as
+            # `scan.stack` derives it), unless the target holds one value for all layers.
+            a = a if a is not None and len(spec.shape) - bool(spec.key_impl) > a else None
+            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, axis=a, note=note)
+            moves.append(fresh)
     problems = []
     for dst, layers in families.items():
         a = axes.get(dst)
