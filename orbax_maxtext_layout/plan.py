@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from etils import epath
 
-from . import lora, rescan
+from . import lora, rescan, scan
 from . import rules as R
 from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
@@ -194,12 +194,13 @@ def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
 
 
 def _scan_form(paths: Iterable[Path]) -> str | None:
-    """'stacked' ('layers'), 'unrolled' ('layers_<i>'), or None (neither, or both)."""
+    """'stacked' (a scan group key, e.g. 'layers'), 'unrolled' ('layers_<i>'), or None
+    (neither, or both)."""
     stacked = unrolled = False
     for p in paths:
         for k in p:
-            stacked |= k == "layers"
-            unrolled |= str(k).startswith("layers_") and str(k)[7:].isdigit()
+            stacked |= k in scan.SCAN_GROUPS
+            unrolled |= scan.layer_of(k) is not None
     if stacked == unrolled:
         return None
     return "stacked" if stacked else "unrolled (layers_<i>)"

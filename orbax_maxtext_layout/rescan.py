@@ -49,16 +49,8 @@ def with_scan_axes(target: Target, axes: Mapping[str, int]) -> Target:
 
 
 def _stacked_key(k: str | int) -> str | int:
-    hit = _layer_of(k)
+    hit = scan.layer_of(k)
     return hit[0] if hit else k
-
-
-def _layer_of(key: str | int) -> tuple[str, int] | None:
-    s = str(key)
-    for g in scan.SCAN_GROUPS:
-        if s.startswith(g + "_") and s[len(g) + 1 :].isdigit():
-            return g, int(s[len(g) + 1 :])
-    return None
 
 
 def _full_paths(t: Target) -> set[Path]:
@@ -146,12 +138,11 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
     families: dict[Path, dict[int, Move]] = defaultdict(dict)
     moves: list[Move] = []
     for m in plan.moves:
-        hit = next(((i, k) for i, k in enumerate(m.dst) if _layer_of(k)), None)
+        hit = next(((j, g) for j, k in enumerate(m.dst) if (g := scan.layer_of(k))), None)
         if hit is None:
             moves.append(m)
             continue
-        pos, key = hit
-        group, i = _layer_of(key)  # type: ignore[misc]
+        pos, (group, i) = hit
         families[m.dst[:pos] + (group,) + m.dst[pos + 1 :]][i] = m
     produced = set(families) | {m.dst for m in moves}
     for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had

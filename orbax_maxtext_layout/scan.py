@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import rules as R
 from .errors import LayoutMismatchError
 from .paths import FlatTree, Path, flatten, keystr, unflatten
 from .rng import fresh_rng, is_rng
@@ -45,6 +46,7 @@ from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, Target
 __all__ = [
     "SCAN_GROUPS",
     "StackReport",
+    "layer_of",
     "scan_axes",
     "stack",
     "stack_target",
@@ -55,6 +57,13 @@ __all__ = [
 
 SCAN_GROUPS: tuple[str, ...] = ("layers", "dense_layers", "moe_layers", "scanned_blocks")
 _UNROLLED = re.compile(rf"^({'|'.join(SCAN_GROUPS)})_(\d+)$")
+
+
+def layer_of(key: str | int) -> tuple[str, int] | None:
+    """``(group, i)`` of an unrolled layer key ``<group>_<i>`` (``layers_0``,
+    ``moe_layers_3``), or None for any other key: the one parser of layer keys."""
+    m = _UNROLLED.match(key) if isinstance(key, str) else None
+    return (m[1], int(m[2])) if m else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,22 +179,6 @@ class _Hit:
     frame: tuple[Path, Path]  # tree keys before the model path, 'value' levels after it
 
 
-def _kept(paths: Collection[Path]) -> dict[Path, tuple[int, ...]]:
-    """Positions of each path's keys left once serialised-Variable ``value`` levels go.
-
-    The `rules.unwrap_value` rule: a ``value`` key is a level only where it is its
-    parent's sole child, so an attention ``value`` projection stays.
-    """
-    kids: dict[Path, set] = defaultdict(set)
-    for p in paths:
-        for i in range(len(p)):
-            kids[p[:i]].add(p[i])
-    return {
-        p: tuple(i for i, k in enumerate(p) if not (k == "value" and kids[p[:i]] == {"value"}))
-        for p in paths
-    }
-
-
 def _hit(path: Path, kept: tuple[int, ...], leaves: Mapping[Path, _Leaf]) -> _Hit | None:
     """The longest model path the (unwrapped) tree path ends in."""
     u = tuple(path[i] for i in kept)
@@ -204,9 +197,8 @@ def _rename(path: Path, at: int, name: str) -> Path:
 def _unrolled_key(path: Path, kept: tuple[int, ...]) -> tuple[int, str, int] | None:
     """(position, group, layer) of the first ``<group>_<i>`` key of a path."""
     for pos in kept:
-        m = _UNROLLED.match(path[pos]) if isinstance(path[pos], str) else None
-        if m:
-            return pos, m[1], int(m[2])
+        if hit := layer_of(path[pos]):
+            return pos, *hit
     return None
 
 
@@ -286,7 +278,7 @@ def _unroll_flat(
     tree: Any, target: Target, num_layers: int | None, param_scan_axis: int, only: int | None
 ) -> FlatTree:
     flat = _flat(tree)
-    kept = _kept(flat)
+    kept = R.unwrapped_positions(flat)
     leaves = _model_leaves(target, param_scan_axis)
     lengths = _lengths(leaves, num_layers)
     out: FlatTree = {}
@@ -397,7 +389,7 @@ class _Stacking:
     def sort(self, flat: FlatTree) -> tuple[_Parts, _Seen]:
         """Leaves outside blocks go to ``out`` as they are; per-layer leaves are grouped
         under their stacked path."""
-        kept = _kept(flat)
+        kept = R.unwrapped_positions(flat)
         parts: _Parts = {}
         seen: _Seen = defaultdict(set)
         for p, x in flat.items():
