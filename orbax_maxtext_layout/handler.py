@@ -27,7 +27,7 @@ from .layout import (
     step_dir_of,
 )
 from .orbax_files import METADATA_FILE
-from .paths import flatten, keystr, norm_key
+from .paths import flatten, keystr
 from .plan import OptimizerMode
 from .restore import asks_for_items, is_request_leaf, restore_request
 from .spec import read_specs, spec_of
@@ -42,10 +42,6 @@ __all__ = [
 ]
 
 _is_leaf = is_request_leaf
-
-
-def _norm(flat: dict) -> dict:
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
 
 
 class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
@@ -282,7 +278,7 @@ def _check_items(items_dir: epath.Path, collection: Any) -> None:
     """
     have = read_specs(items_dir)
     problems = []
-    for p, leaf in _norm(flatten(collection, is_leaf=_is_leaf)).items():
+    for p, leaf in flatten(collection, is_leaf=_is_leaf).items():
         got = have.get(("params", *p))
         if leaf is ocp.PLACEHOLDER:
             continue

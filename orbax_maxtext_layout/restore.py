@@ -150,10 +150,6 @@ def is_request_leaf(x: Any) -> bool:
     return x is ocp.PLACEHOLDER or isinstance(x, ocp.RestoreArgs) or hasattr(x, "dtype")
 
 
-def _norm(flat: FlatTree) -> FlatTree:
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
-
-
 def asks_for_items(item: Any) -> bool:
     """True unless ``item`` is a tree in some other layout (e.g. Tunix's own NNX form).
 
@@ -192,8 +188,8 @@ def request_target(item: Any, restore_args: Any = None) -> tuple[Target, set[Pat
             "A Tunix-layout step can only be restored against a target: pass item=.",
             hint="e.g. item={'params': {'params': abstract_params}} (MaxText's items layout).",
         )
-    items = _norm(flatten(item, is_leaf=is_request_leaf))
-    rargs = _norm(flatten(restore_args, is_leaf=is_request_leaf)) if restore_args else {}
+    items = flatten(item, is_leaf=is_request_leaf)
+    rargs = flatten(restore_args, is_leaf=is_request_leaf) if restore_args else {}
     skipped = {p for p, v in items.items() if v is ocp.PLACEHOLDER}
     abstract = {p: _abstract_leaf(v, rargs.get(p)) for p, v in items.items() if p not in skipped}
     return Target.from_items(unflatten(abstract)) if abstract else Target({}, {}), skipped
@@ -246,11 +242,9 @@ def restore_request(
     plan = plan_request(
         step_dir, target, optimizer=optimizer_mode, ignore=ignore, partial=partial, specs=specs
     )
-    flat = _norm(
-        flatten(
-            assemble(plan, read_sources(step_dir, plan, target.abstract, restore)),
-            is_leaf=is_request_leaf,
-        )
+    flat = flatten(
+        assemble(plan, read_sources(step_dir, plan, target.abstract, restore)),
+        is_leaf=is_request_leaf,
     )
     for p, x in flat.items():  # leaves made on the host (e.g. a step from the directory name)
         sharding = getattr(target.abstract.get(p), "sharding", None)
