@@ -29,7 +29,7 @@ from .layout import (
 from .orbax_files import METADATA_FILE
 from .paths import flatten, keystr
 from .plan import OptimizerMode
-from .restore import asks_for_items, is_request_leaf, restore_request
+from .restore import RestoreRequest, asks_for_items, is_request_leaf
 from .spec import read_specs, spec_of
 from .target import PARAMS_ROOT
 
@@ -116,16 +116,15 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
             # multiprocessing_options, type registry) apply.
             return ocp.PyTreeCheckpointHandler.restore(self, d, args=a)
 
-        return restore_request(
-            step_dir,
+        request = RestoreRequest.of(
             args.item,
             args.restore_args,
             partial_restore=bool(args.partial_restore),
             transforms=args.transforms,
             optimizer=getattr(args, "optimizer", None),
             ignore=getattr(args, "ignore", ()),
-            restore=restore,
         )
+        return request.restore(step_dir, restore=restore)
 
 
 @ocp.args.register_with_handler(MaxTextLayoutHandler, for_save=True)

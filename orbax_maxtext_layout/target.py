@@ -109,8 +109,12 @@ class Target:
         "opt_state": ..., "step": ...}`` with ShapeDtypeStruct or array leaves, the
         restore target MaxText builds.
         """
-        flat = flatten(abstract_items, is_leaf=_is_array_like)
-        return cls._from_flat({p: spec_of(v) for p, v in flat.items()}, flat)
+        return cls.from_flat_items(flatten(abstract_items, is_leaf=_is_array_like))
+
+    @classmethod
+    def from_flat_items(cls, abstract: Mapping[Path, Any]) -> Target:
+        """`from_items` of a tree already flattened: ``{items path: abstract leaf}``."""
+        return cls._from_flat({p: spec_of(v) for p, v in abstract.items()}, abstract)
 
     @classmethod
     def from_checkpoint(cls, path: epath.PathLike) -> Target:
