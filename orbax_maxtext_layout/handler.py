@@ -82,12 +82,16 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
         self,
         directory: epath.Path,
         item: Any = None,
+        *,
         restore_args: Any = None,
         transforms: Any = None,
         transforms_default_to_original: bool = True,
         legacy_transform_fn: Any = None,
         args: ocp.args.PyTreeRestore | None = None,
     ) -> Any:
+        # Orbax calls restore(directory, args=...); the legacy keywords are keyword-only
+        # here (stock PyTreeCheckpointHandler takes them positionally too), and ``item``
+        # stays positional for the legacy ``restore(directory, item)`` form.
         directory = epath.Path(directory)
         if args is None:
             args = MaxTextLayoutRestore(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import inspect
 import json
 import os
 import shutil
@@ -205,6 +206,15 @@ def test_a_restore_flattens_its_request_once_and_stays_flat(tmp_path, abstract_i
     params = abstract_items["params"]
     load_params_from_path(step / "model_params", params)
     assert [n for n, _ in calls] == ["flatten", "flatten", "unflatten"]
+
+
+def test_handler_restore_takes_only_directory_and_item_positionally():
+    """Orbax calls ``restore(directory, args=...)``; the legacy options are keyword-only."""
+    params = inspect.signature(MaxTextLayoutHandler.restore).parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == ["self", "directory", "item"]
+    with pytest.raises(TypeError):
+        MaxTextLayoutHandler().restore(epath.Path("/nonexistent"), None, None)
 
 
 def test_params_only_restore_never_reads_the_optimizer(tmp_path, abstract_items):
