@@ -187,7 +187,7 @@ def _abstract_leaf(leaf: Any, arg: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # item holds arrays: compared by identity
 class RestoreRequest:
     """A restore of a Tunix-layout step as the MaxText items ``item`` asks for.
 
