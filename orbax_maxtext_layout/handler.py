@@ -27,9 +27,9 @@ from .layout import (
     step_dir_of,
 )
 from .orbax_files import METADATA_FILE
-from .paths import flatten, keystr, norm_key
+from .paths import flatten, keystr
 from .plan import OptimizerMode
-from .restore import asks_for_items, is_request_leaf, restore_request
+from .restore import RestoreRequest, asks_for_items, is_request_leaf
 from .spec import read_specs, spec_of
 from .target import PARAMS_ROOT
 
@@ -42,10 +42,6 @@ __all__ = [
 ]
 
 _is_leaf = is_request_leaf
-
-
-def _norm(flat: dict) -> dict:
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
 
 
 class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
@@ -86,12 +82,16 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
         self,
         directory: epath.Path,
         item: Any = None,
+        *,
         restore_args: Any = None,
         transforms: Any = None,
         transforms_default_to_original: bool = True,
         legacy_transform_fn: Any = None,
         args: ocp.args.PyTreeRestore | None = None,
     ) -> Any:
+        # Orbax calls restore(directory, args=...); the legacy keywords are keyword-only
+        # here (stock PyTreeCheckpointHandler takes them positionally too), and ``item``
+        # stays positional for the legacy ``restore(directory, item)`` form.
         directory = epath.Path(directory)
         if args is None:
             args = MaxTextLayoutRestore(
@@ -120,16 +120,15 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
             # multiprocessing_options, type registry) apply.
             return ocp.PyTreeCheckpointHandler.restore(self, d, args=a)
 
-        return restore_request(
-            step_dir,
+        request = RestoreRequest.of(
             args.item,
             args.restore_args,
             partial_restore=bool(args.partial_restore),
             transforms=args.transforms,
             optimizer=getattr(args, "optimizer", None),
             ignore=getattr(args, "ignore", ()),
-            restore=restore,
         )
+        return request.restore(step_dir, restore=restore)
 
 
 @ocp.args.register_with_handler(MaxTextLayoutHandler, for_save=True)
@@ -282,7 +281,7 @@ def _check_items(items_dir: epath.Path, collection: Any) -> None:
     """
     have = read_specs(items_dir)
     problems = []
-    for p, leaf in _norm(flatten(collection, is_leaf=_is_leaf)).items():
+    for p, leaf in flatten(collection, is_leaf=_is_leaf).items():
         got = have.get(("params", *p))
         if leaf is ocp.PLACEHOLDER:
             continue

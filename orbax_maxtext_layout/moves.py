@@ -13,7 +13,8 @@ constant ``value``, no source (``step`` from the step directory's number)
 slice    layer ``index`` of a stacked source, taken on ``axis`` (unroll)
 stack    the sources (one per layer) joined on ``axis`` (stack); a ``None``
          layer is RNG state the source never had, initialised fresh
-fresh    no source: RNG state initialised fresh (count 0, a derived key)
+fresh    no source: RNG state initialised fresh (count 0, a derived key; with
+         ``axis``, a stacked leaf whose layers are derived one by one, as for stack)
 merge_lora  a base weight plus its LoRA delta, per layer ``l``:
          ``W_l + scale * reshape(A_l @ B_l, W_l.shape)`` (``lora``: the factors of
          each layer, in another item); the base layer comes as for copy, slice
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 
 from .paths import Path, keystr
+from .rng import fresh_rng
 from .spec import LeafSpec
 from .target import Dest
 
@@ -82,7 +83,7 @@ class Move:
     cast: np.dtype | None = None  # stored dtype to cast to (step: uint32 -> int32)
     note: str = ""  # e.g. "synthesized from ..." for a leaf copied to a second place
     op: Op = Op.COPY
-    axis: int | None = None  # slice / stack: the layer axis of the stacked side
+    axis: int | None = None  # slice / stack / fresh: the layer axis of the stacked side
     index: int | None = None  # slice: the layer taken
     layers: tuple[Path | None, ...] = ()  # stack: source path of each layer
     value: int | None = None  # constant
@@ -205,21 +206,6 @@ class Plan:
 Reader = Callable[[str, Path], np.ndarray]
 
 
-def fresh_rng(spec: LeafSpec, path: Path, layer: int = 0) -> np.ndarray:
-    """Fresh RNG state in stored form: a count is 0; a key is derived from its path.
-
-    Deterministic (seeded by the path's CRC and the layer), so a replay (`verify`)
-    produces the same bits.
-    """
-    if path[-1] == "count" or not spec.key_impl:
-        return np.zeros(spec.shape, spec.dtype)
-    import jax
-
-    seed = zlib.crc32(keystr(path).encode())
-    key = jax.random.fold_in(jax.random.key(seed, impl=spec.key_impl), layer)
-    return np.asarray(jax.random.key_data(key)).reshape(spec.shape).astype(spec.dtype)
-
-
 def apply_op(m: Move, read: Reader) -> np.ndarray:
     """The destination leaf of ``m`` in stored form (keys as raw data), from ``read``."""
     if m.op is Op.COPY:
@@ -229,7 +215,7 @@ def apply_op(m: Move, read: Reader) -> np.ndarray:
     if m.op is Op.CONSTANT:
         return np.asarray(m.value, dtype=m.spec.dtype).reshape(m.spec.shape)
     if m.op is Op.FRESH:
-        return fresh_rng(m.spec, m.dst)
+        return fresh_rng(m.spec, m.dst, axis=m.axis)
     if m.op is Op.SLICE:
         return np.take(np.asarray(read(m.item, m.src)), m.index, axis=m.axis)
     if m.op is Op.MERGE_LORA:

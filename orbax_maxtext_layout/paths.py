@@ -23,7 +23,10 @@ def flatten(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> FlatT
     """Flattens dicts, lists, tuples, namedtuples and ``nnx.State`` into ``{path: leaf}``.
 
     ``None`` entries are skipped (they are gaps, not leaves), and empty containers
-    vanish, as they do in Orbax checkpoints.
+    vanish, as they do in Orbax checkpoints. Keys come out normal (`norm_key` leaves
+    them unchanged): ``str`` for a mapping key or field name (an int mapping key
+    becomes ``"0"``, as on disk), ``int`` for a position. This is the one normalisation
+    of tree paths: its result needs no other.
     """
     out: FlatTree = {}
 

@@ -18,13 +18,14 @@ from typing import Literal
 import numpy as np
 from etils import epath
 
-from . import lora, rescan
+from . import lora, rescan, scan
 from . import rules as R
 from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
 from .moves import Drop, Move, Op, Plan
 from .paths import FlatTree, Path, keystr
+from .rng import is_rng
 from .spec import LeafSpec, read_specs
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
@@ -72,40 +73,97 @@ def make_plan(
         place for them (whatever ``unnamed`` says: nothing of such a step would be kept).
       LayoutMismatchError: the checkpoint does not fit the target (every path named).
     """
-    moves: list[Move] = []
-    drops: list[Drop] = []
-    applied: list[str] = []
-    notes: list[str] = []
+    draft = _Draft()
+    adapter = _plan_model(
+        draft,
+        params,
+        target,
+        ignore=ignore,
+        unnamed=unnamed,
+        allow_missing=allow_missing,
+        where=where,
+    )
+    step_source = DIRECTORY_STEP
+    if optimizer is not None:
+        opt, step_source = _plan_step_source(draft, optimizer, target)
+        _plan_opt_state(draft, opt, optimizer, target, adapter=adapter, mode=optimizer_mode)
+    if step_source == DIRECTORY_STEP:
+        _plan_directory_step(draft, step, target, has_optimizer=optimizer is not None)
+    return draft.plan(step, step_source)
 
-    # -- model_params -> params / nnx_aux ------------------------------------------------
-    cur = {p: p for p in params}
-    cur, _ = R.apply(R.unwrap_value, cur)
-    applied.append(R.unwrap_value.name)
+
+@dataclasses.dataclass
+class _Draft:
+    """The parts of a `Plan` as `make_plan`'s steps add them, in order."""
+
+    moves: list[Move] = dataclasses.field(default_factory=list)
+    drops: list[Drop] = dataclasses.field(default_factory=list)
+    rules: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def plan(self, step: int | None, step_source: str) -> Plan:
+        return Plan(
+            tuple(self.moves),
+            tuple(self.drops),
+            tuple(self.rules),
+            step,
+            step_source,
+            tuple(self.notes),
+        )
+
+
+# -- model_params -> params / nnx_aux --------------------------------------------------
+def _model_tree(
+    draft: _Draft, params: Mapping[Path, LeafSpec], target: Target, where: str
+) -> tuple[dict[Path, Path], bool]:
+    """``{model path: source path}`` of ``model_params`` (value levels and an adapter
+    ``base`` stripped), and whether there was an adapter level."""
+    cur, _ = R.apply(R.unwrap_value, {p: p for p in params})
+    draft.rules.append(R.unwrap_value.name)
     adapter = has_adapter(cur, target)
     if adapter:
         cur, _ = R.apply(R.drop_adapter, cur)
-        applied.append(R.drop_adapter.name)
+        draft.rules.append(R.drop_adapter.name)
     lora.refuse_unplaced(cur, params, target.model_paths(), where)
+    return cur, adapter
+
+
+def _plan_model(
+    draft: _Draft,
+    params: Mapping[Path, LeafSpec],
+    target: Target,
+    *,
+    ignore: Iterable[str],
+    unnamed: Literal["error", "skip"],
+    allow_missing: Callable[[Path], bool] | None,
+    where: str,
+) -> bool:
+    """Moves every ``model_params`` leaf to params or nnx_aux (or drops it); returns
+    whether the item had an adapter ``base`` level (its moments have one too)."""
+    cur, adapter = _model_tree(draft, params, target, where)
     problems: list[str] = []
     for path, src in sorted(cur.items(), key=lambda kv: keystr(kv[0])):
         spec = params[src]
         dest = target.classify(path, ignore)
         if dest is None and unnamed == "skip":
-            drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, "not requested by the target"))
+            draft.drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, "not requested by the target"))
         elif dest is None:
             problems.append(f"{keystr(src)}: not in the target model ({spec})")
         elif dest is Dest.DROPPED:
-            drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, "sown nnx.Intermediate (not state)"))
+            reason = "sown nnx.Intermediate (not state)"
+            draft.drops.append(Drop(TUNIX_PARAMS_ITEM, src, spec, reason))
         else:
             want = (target.params if dest is Dest.PARAMS else target.nnx_aux)[path]
             if not spec.same_layout(want):
                 problems.append(f"{keystr(src)}: checkpoint has {spec}, target expects {want}")
             root = PARAMS_ROOT if dest is Dest.PARAMS else AUX_ROOT
-            moves.append(Move(TUNIX_PARAMS_ITEM, src, root + path, dest, spec))
+            draft.moves.append(Move(TUNIX_PARAMS_ITEM, src, root + path, dest, spec))
     for path in sorted(target.model_paths() - set(cur), key=keystr):
         want = target.params.get(path) or target.nnx_aux.get(path)
         if allow_missing is not None and allow_missing(path):
-            notes.append(f"{keystr(path)}: not in the checkpoint (allowed; initialised fresh)")
+            draft.notes.append(
+                f"{keystr(path)}: not in the checkpoint (allowed; initialised fresh)"
+            )
             continue
         problems.append(f"{keystr(path)}: expected by the target ({want}), missing in checkpoint")
     if problems:
@@ -114,44 +172,62 @@ def make_plan(
             problems,
             hint=_model_hint(cur, target),
         )
+    return adapter
 
-    # -- optimizer_state -> opt_state / step -------------------------------------------
+
+# -- optimizer_state -> step / opt_state ----------------------------------------------
+def _plan_step_source(
+    draft: _Draft, optimizer: Mapping[Path, LeafSpec], target: Target
+) -> tuple[dict[Path, Path], str]:
+    """Moves the optimizer's ``step`` (if any) and drops what is not ``opt_state``; returns
+    ``{opt_state path: source path}`` and where ``step`` comes from."""
+    ocur, _ = R.apply(R.unwrap_value, {p: p for p in optimizer})
     step_source = DIRECTORY_STEP
-    if optimizer is not None:
-        ocur = {p: p for p in optimizer}
-        ocur, _ = R.apply(R.unwrap_value, ocur)
-        step_src = next((src for p, src in ocur.items() if p == STEP_PATH), None)
-        if step_src is not None:
-            spec = optimizer[step_src]
-            want = _step_dtype(target)
-            moves.append(Move(TUNIX_OPT_ITEM, step_src, STEP_PATH, Dest.STEP, spec, cast=want))
-            step_source = f"{TUNIX_OPT_ITEM}/{keystr(step_src)}"
-            del ocur[STEP_PATH]
-        opt = {p[1:]: src for p, src in ocur.items() if p[:1] == OPT_ROOT}
-        for p, src in ocur.items():
-            if p[:1] != OPT_ROOT:
-                drops.append(Drop(TUNIX_OPT_ITEM, src, optimizer[src], "not part of opt_state"))
-        if optimizer_mode == "drop":
-            drops += [
-                Drop(TUNIX_OPT_ITEM, s, optimizer[s], "optimizer='drop'") for s in opt.values()
-            ]
-            applied.append("drop_optimizer")
-        else:
-            o_moves, o_drops, o_rules = _plan_optimizer(opt, optimizer, target, adapter)
-            moves += o_moves
-            drops += o_drops
-            applied += o_rules
-    if step_source == DIRECTORY_STEP:
-        if step is None:
-            raise LayoutMismatchError(
-                "No optimizer step in the checkpoint and no step number given.",
-                hint="Pass step=<n> (the step directory's number).",
-            )
-        notes.append(f"step {step} taken from the step directory (no optimizer_state/step)")
-        moves.append(_step_constant(step, target))
-        if target.opt_state is not None and optimizer is None:
-            notes.append("the step has no optimizer_state: no opt_state is written")
-    return Plan(tuple(moves), tuple(drops), tuple(applied), step, step_source, tuple(notes))
+    step_src = ocur.pop(STEP_PATH, None)
+    if step_src is not None:
+        spec, want = optimizer[step_src], _step_dtype(target)
+        draft.moves.append(Move(TUNIX_OPT_ITEM, step_src, STEP_PATH, Dest.STEP, spec, cast=want))
+        step_source = f"{TUNIX_OPT_ITEM}/{keystr(step_src)}"
+    opt = {p[1:]: src for p, src in ocur.items() if p[:1] == OPT_ROOT}
+    for p, src in ocur.items():
+        if p[:1] != OPT_ROOT:
+            draft.drops.append(Drop(TUNIX_OPT_ITEM, src, optimizer[src], "not part of opt_state"))
+    return opt, step_source
+
+
+def _plan_opt_state(
+    draft: _Draft,
+    opt: dict[Path, Path],
+    specs: Mapping[Path, LeafSpec],
+    target: Target,
+    *,
+    adapter: bool,
+    mode: OptimizerMode,
+) -> None:
+    """Matches ``opt_state`` to the target's (`_plan_optimizer`), or drops it."""
+    if mode == "drop":
+        draft.drops += [Drop(TUNIX_OPT_ITEM, s, specs[s], "optimizer='drop'") for s in opt.values()]
+        draft.rules.append("drop_optimizer")
+        return
+    moves, drops, rules = _plan_optimizer(opt, specs, target, adapter)
+    draft.moves += moves
+    draft.drops += drops
+    draft.rules += rules
+
+
+def _plan_directory_step(
+    draft: _Draft, step: int | None, target: Target, *, has_optimizer: bool
+) -> None:
+    """``step`` as a constant from the step directory's number (no optimizer ``step``)."""
+    if step is None:
+        raise LayoutMismatchError(
+            "No optimizer step in the checkpoint and no step number given.",
+            hint="Pass step=<n> (the step directory's number).",
+        )
+    draft.notes.append(f"step {step} taken from the step directory (no optimizer_state/step)")
+    draft.moves.append(_step_constant(step, target))
+    if target.opt_state is not None and not has_optimizer:
+        draft.notes.append("the step has no optimizer_state: no opt_state is written")
 
 
 def _step_dtype(target: Target) -> np.dtype:
@@ -193,12 +269,13 @@ def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
 
 
 def _scan_form(paths: Iterable[Path]) -> str | None:
-    """'stacked' ('layers'), 'unrolled' ('layers_<i>'), or None (neither, or both)."""
+    """'stacked' (a scan group key, e.g. 'layers'), 'unrolled' ('layers_<i>'), or None
+    (neither, or both)."""
     stacked = unrolled = False
     for p in paths:
         for k in p:
-            stacked |= k == "layers"
-            unrolled |= str(k).startswith("layers_") and str(k)[7:].isdigit()
+            stacked |= k in scan.SCAN_GROUPS
+            unrolled |= scan.layer_of(k) is not None
     if stacked == unrolled:
         return None
     return "stacked" if stacked else "unrolled (layers_<i>)"
@@ -423,7 +500,7 @@ def plan_step(
         unrolled = rescan.unrolled_form(target)
         # Unscanned models store a shared RNG stream once; the other layers' copies
         # are initialised fresh, and the plan's notes say which.
-        base = plan_against(unrolled, unnamed=unnamed, allow_missing=rescan.is_rng)
+        base = plan_against(unrolled, unnamed=unnamed, allow_missing=is_rng)
         return rescan.stack_plan(base, unrolled, target)
     raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
 

@@ -18,14 +18,10 @@ from . import scan
 from .errors import LayoutMismatchError
 from .moves import Drop, Move, Op, Plan
 from .paths import Path, keystr
+from .rng import is_rng
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
-
-
-def is_rng(path: Path) -> bool:
-    """RNG state: ``.../rngs/<stream>/{count,key}`` (a model path, no ``value`` level)."""
-    return len(path) >= 3 and path[-3] == "rngs" and path[-1] in ("count", "key")
 
 
 def stacked_form(target: Target) -> Target:
@@ -53,16 +49,8 @@ def with_scan_axes(target: Target, axes: Mapping[str, int]) -> Target:
 
 
 def _stacked_key(k: str | int) -> str | int:
-    hit = _layer_of(k)
+    hit = scan.layer_of(k)
     return hit[0] if hit else k
-
-
-def _layer_of(key: str | int) -> tuple[str, int] | None:
-    s = str(key)
-    for g in scan.SCAN_GROUPS:
-        if s.startswith(g + "_") and s[len(g) + 1 :].isdigit():
-            return g, int(s[len(g) + 1 :])
-    return None
 
 
 def _full_paths(t: Target) -> set[Path]:
@@ -150,18 +138,22 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
     families: dict[Path, dict[int, Move]] = defaultdict(dict)
     moves: list[Move] = []
     for m in plan.moves:
-        hit = next(((i, k) for i, k in enumerate(m.dst) if _layer_of(k)), None)
+        hit = next(((j, g) for j, k in enumerate(m.dst) if (g := scan.layer_of(k))), None)
         if hit is None:
             moves.append(m)
             continue
-        pos, key = hit
-        group, i = _layer_of(key)  # type: ignore[misc]
+        pos, (group, i) = hit
         families[m.dst[:pos] + (group,) + m.dst[pos + 1 :]][i] = m
     produced = set(families) | {m.dst for m in moves}
     for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had
         if AUX_ROOT + p not in produced and is_rng(p):
             note = "initialised fresh (not in the unscanned checkpoint)"
-            moves.append(Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, note=note))
+            a = axes.get(AUX_ROOT + p)
+            # In a block, each layer is derived as a missing layer of a stack is (and as
+            # `scan.stack` derives it), unless the target holds one value for all layers.
+            a = a if a is not None and len(spec.shape) - bool(spec.key_impl) > a else None
+            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, axis=a, note=note)
+            moves.append(fresh)
     problems = []
     for dst, layers in families.items():
         a = axes.get(dst)

@@ -1,16 +1,17 @@
 """The one restore core: a Tunix-layout step read straight into a MaxText items request.
 
-`restore_request` serves `MaxTextLayoutHandler`, `load_params_from_path` and both
-managers alike: it turns the request (an items tree of abstract leaves, with its
-restore args) into a `Target`, plans the step against it (metadata only), narrows
-the plan to the leaves asked for, reads only those (each into its requested
-sharding) and assembles them in the request's structure.
+`RestoreRequest` serves `MaxTextLayoutHandler`, `load_params_from_path` and both
+managers alike (the managers through `restore_request`): it turns the request (an
+items tree of abstract leaves, with its restore args) into a `Target` once, plans the
+step against it (metadata only), narrows the plan to the leaves asked for, reads only
+those (each into its requested sharding) and assembles them in the request's structure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import jax
@@ -118,7 +119,13 @@ def _own(x: Any) -> Any:
 
 
 def assemble(plan: Plan, sources: Mapping[str, FlatTree]) -> dict:
-    """Builds the MaxText items tree from source leaves, following ``plan`` exactly.
+    """Builds the MaxText items tree from source leaves, following ``plan`` exactly
+    (`assemble_flat`, nested)."""
+    return unflatten(assemble_flat(plan, sources))
+
+
+def assemble_flat(plan: Plan, sources: Mapping[str, FlatTree]) -> FlatTree:
+    """``{items path: leaf}`` of every destination of ``plan``, from source leaves.
 
     ``sources`` maps item name to ``{src path: array}``. Stored-form key data is
     rewrapped as typed keys, so MaxText resumes get ``key<...>`` arrays and not raw
@@ -142,16 +149,12 @@ def assemble(plan: Plan, sources: Mapping[str, FlatTree]) -> dict:
             x = _own(x)
         used.add(id(x))
         flat[m.dst] = x
-    return unflatten(flat)
+    return flat
 
 
 # -- a request --------------------------------------------------------------------------
 def is_request_leaf(x: Any) -> bool:
     return x is ocp.PLACEHOLDER or isinstance(x, ocp.RestoreArgs) or hasattr(x, "dtype")
-
-
-def _norm(flat: FlatTree) -> FlatTree:
-    return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
 
 
 def asks_for_items(item: Any) -> bool:
@@ -184,22 +187,162 @@ def _abstract_leaf(leaf: Any, arg: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def request_target(item: Any, restore_args: Any = None) -> tuple[Target, set[Path]]:
+@dataclasses.dataclass(frozen=True, eq=False)  # item holds arrays: compared by identity
+class RestoreRequest:
+    """A restore of a Tunix-layout step as the MaxText items ``item`` asks for.
+
+    Built once (`of`): the request tree is flattened there, and everything after works
+    on flat ``{items path: leaf}`` mappings: ``target.abstract`` holds the abstract leaf
+    of every path asked for (``skipped`` the ``ocp.PLACEHOLDER`` paths), the plan, the
+    reads and the assembled leaves are flat, and `restore` builds the result in
+    ``item``'s own structure (its tuples, namedtuples and lists kept) once, at the end.
+
+    Which checkpoint leaves must be accounted for: when ``item`` names ``nnx_aux`` and
+    the request is not ``explicit`` (neither ``partial_restore`` nor ``transforms`` is
+    given and nothing is a placeholder), it describes the whole model and every
+    ``model_params`` leaf must fit it (as for a conversion). Otherwise the request is
+    partial: checkpoint leaves it does not name are skipped unread. ``optimizer_state``
+    is opened only when ``item`` asks for ``opt_state`` or ``step``;
+    ``optimizer="drop"`` never reads it and leaves ``opt_state`` out of the result. A
+    requested leaf the step does not hold raises `LayoutMismatchError`, unless
+    ``keep_missing`` (a manager resuming from a model-only step): it is then left as
+    given in ``item``.
+    """
+
+    item: Any
+    target: Target
+    skipped: frozenset[Path] = frozenset()
+    explicit: bool = False
+    optimizer: OptimizerMode | None = None
+    ignore: tuple[str, ...] = ()
+    keep_missing: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        item: Any,
+        restore_args: Any = None,
+        *,
+        partial_restore: bool = False,
+        transforms: Any = None,
+        optimizer: OptimizerMode | None = None,
+        ignore: Iterable[str] = (),
+        keep_missing: bool = False,
+    ) -> RestoreRequest:
+        """The request for ``item`` (an items tree of abstract leaves) and its
+        ``restore_args`` (each leaf's sharding, as Orbax takes them)."""
+        target, skipped = _request_target(item, restore_args)
+        return cls.for_target(
+            item,
+            target,
+            skipped,
+            partial_restore=partial_restore,
+            transforms=transforms,
+            optimizer=optimizer,
+            ignore=ignore,
+            keep_missing=keep_missing,
+        )
+
+    @classmethod
+    def for_target(
+        cls,
+        item: Any,
+        target: Target,
+        skipped: Collection[Path],
+        *,
+        partial_restore: bool = False,
+        transforms: Any = None,
+        optimizer: OptimizerMode | None = None,
+        ignore: Iterable[str] = (),
+        keep_missing: bool = False,
+    ) -> RestoreRequest:
+        """The request for ``item`` whose target and skipped paths are known already."""
+        explicit = bool(partial_restore or transforms is not None or skipped)
+        return cls(
+            item, target, frozenset(skipped), explicit, optimizer, tuple(ignore), keep_missing
+        )
+
+    @property
+    def wanted(self) -> Target:
+        """The target restored: ``target`` without its optimizer for ``optimizer="drop"``."""
+        if self.optimizer != "drop":
+            return self.target
+        abstract = {p: v for p, v in self.target.abstract.items() if p[:1] != OPT_ROOT}
+        return Target(self.target.params, self.target.nnx_aux, abstract=abstract)
+
+    @frozen_heap()
+    def restore(
+        self,
+        step_dir: epath.Path,
+        *,
+        restore: RestoreFn | None = None,
+        specs: MutableMapping[str, FlatTree] | None = None,
+    ) -> Any:
+        """Reads ``step_dir`` (a Tunix-layout step) as requested. ``restore`` is the PyTree
+        restore to read with (a handler's own); ``specs`` the caller's cache of the step's
+        item specs (see `plan_step`)."""
+        target = self.wanted
+        if not target.abstract:
+            raise LayoutMismatchError(f"{step_dir}: the item asks for no leaves.")
+        if not self.explicit and not target.model_paths():
+            _refuse_modelless(step_dir, self.ignore, specs)
+        plan = plan_request(
+            step_dir,
+            target,
+            optimizer="drop" if target.opt_state is None else "convert",
+            ignore=self.ignore,
+            partial=self.explicit or not target.nnx_aux,
+            specs=specs,
+        )
+        flat = assemble_flat(plan, read_sources(step_dir, plan, target.abstract, restore))
+        for p, x in flat.items():  # leaves made on the host (e.g. a step from the directory name)
+            sharding = getattr(target.abstract.get(p), "sharding", None)
+            if sharding is not None and not isinstance(x, jax.Array):
+                flat[p] = jax.device_put(x, sharding)
+        missing = [keystr(p) for p in sorted(set(target.abstract) - set(flat), key=keystr)]
+        if missing and not self.keep_missing:  # the plan checks this already; never a hole
+            raise LayoutMismatchError(f"{step_dir}: no checkpoint value for", missing)
+        if missing:  # e.g. opt_state of a model-only step: left as given, like partial_restore
+            logger.warning("%s does not hold %s; left as in `item`.", step_dir, missing)
+        return self._result(flat)
+
+    def _result(self, flat: FlatTree) -> Any:
+        """The restored leaves in ``item``'s structure (one pass over it)."""
+
+        def fill(kp: tuple, leaf: Any) -> Any:
+            path = tuple(norm_key(k) for k in kp)  # jax key path -> `flatten`'s path
+            if path in self.skipped:
+                return leaf
+            return flat.get(path, leaf if self.keep_missing else ocp.PLACEHOLDER)
+
+        out = jax.tree_util.tree_map_with_path(fill, self.item)
+        if self.optimizer == "drop" and isinstance(out, dict):
+            out = {k: v for k, v in out.items() if k != OPT_ROOT[0]}
+        return out
+
+
+def _request_target(item: Any, restore_args: Any) -> tuple[Target, frozenset[Path]]:
     """The `Target` a request describes (abstract leaves with their shardings), and the
-    paths it skips (``ocp.PLACEHOLDER``)."""
+    paths it skips (``ocp.PLACEHOLDER``). The one flatten of the request."""
     if item is None:
         raise LayoutMismatchError(
             "A Tunix-layout step can only be restored against a target: pass item=.",
             hint="e.g. item={'params': {'params': abstract_params}} (MaxText's items layout).",
         )
-    items = _norm(flatten(item, is_leaf=is_request_leaf))
-    rargs = _norm(flatten(restore_args, is_leaf=is_request_leaf)) if restore_args else {}
-    skipped = {p for p, v in items.items() if v is ocp.PLACEHOLDER}
+    items = flatten(item, is_leaf=is_request_leaf)
+    rargs = flatten(restore_args, is_leaf=is_request_leaf) if restore_args else {}
+    skipped = frozenset(p for p, v in items.items() if v is ocp.PLACEHOLDER)
     abstract = {p: _abstract_leaf(v, rargs.get(p)) for p, v in items.items() if p not in skipped}
-    return Target.from_items(unflatten(abstract)) if abstract else Target({}, {}), skipped
+    return Target.from_flat_items(abstract) if abstract else Target({}, {}), skipped
 
 
-@frozen_heap()
+def request_target(item: Any, restore_args: Any = None) -> tuple[Target, set[Path]]:
+    """The `Target` a request describes and the paths it skips, for a caller that needs
+    them before restoring (the manager); pass them back as ``request=``."""
+    target, skipped = _request_target(item, restore_args)
+    return target, set(skipped)
+
+
 def restore_request(
     step_dir: epath.Path,
     item: Any,
@@ -214,64 +357,22 @@ def restore_request(
     request: tuple[Target, set[Path]] | None = None,
     specs: MutableMapping[str, FlatTree] | None = None,
 ) -> Any:
-    """Restores a Tunix-layout step as the MaxText items ``item`` asks for.
-
-    Which checkpoint leaves must be accounted for: when ``item`` names ``nnx_aux``
-    and neither ``partial_restore`` nor ``transforms`` is given and nothing is a
-    placeholder, the request describes the whole model and every ``model_params``
-    leaf must fit it (as for a conversion). Otherwise the request is partial:
-    checkpoint leaves it does not name are skipped unread. ``optimizer_state`` is
-    opened only when ``item`` asks for ``opt_state`` or ``step``; ``optimizer="drop"``
-    never reads it and leaves ``opt_state`` out of the result. A requested leaf the
-    step does not hold raises `LayoutMismatchError`, unless ``keep_missing`` (a
-    manager resuming from a model-only step): it is then left as given in ``item``.
-    ``request`` is `request_target` of ``item`` if the caller already made it; ``specs``
-    the caller's cache of the step's item specs (see `plan_step`).
-    """
-    target, skipped = request or request_target(item, restore_args)
-    if optimizer == "drop":
-        target = target.without_optimizer()
-        target = Target(
-            target.params,
-            target.nnx_aux,
-            abstract={p: v for p, v in target.abstract.items() if p[:1] != OPT_ROOT},
-        )
-    if not target.abstract:
-        raise LayoutMismatchError(f"{step_dir}: the item asks for no leaves.")
-    explicit = bool(partial_restore or transforms is not None or skipped)
-    if not explicit and not target.model_paths():
-        _refuse_modelless(step_dir, ignore, specs)
-    partial = explicit or not target.nnx_aux
-    optimizer_mode: OptimizerMode = "drop" if target.opt_state is None else "convert"
-    plan = plan_request(
-        step_dir, target, optimizer=optimizer_mode, ignore=ignore, partial=partial, specs=specs
-    )
-    flat = _norm(
-        flatten(
-            assemble(plan, read_sources(step_dir, plan, target.abstract, restore)),
-            is_leaf=is_request_leaf,
-        )
-    )
-    for p, x in flat.items():  # leaves made on the host (e.g. a step from the directory name)
-        sharding = getattr(target.abstract.get(p), "sharding", None)
-        if sharding is not None and not isinstance(x, jax.Array):
-            flat[p] = jax.device_put(x, sharding)
-    missing = [keystr(p) for p in sorted(set(target.abstract) - set(flat), key=keystr)]
-    if missing and not keep_missing:  # the plan checks this already; never hand back a hole
-        raise LayoutMismatchError(f"{step_dir}: no checkpoint value for", missing)
-    if missing:  # e.g. opt_state of a model-only step: left as given, like partial_restore
-        logger.warning("%s does not hold %s; left as in `item`.", step_dir, missing)
-
-    def fill(kp: tuple, leaf: Any) -> Any:
-        path = tuple(norm_key(k) for k in kp)
-        if path in skipped:
-            return leaf
-        return flat.get(path, leaf if keep_missing else ocp.PLACEHOLDER)
-
-    out = jax.tree_util.tree_map_with_path(fill, item)
-    if optimizer == "drop" and isinstance(out, dict):
-        out = {k: v for k, v in out.items() if k != OPT_ROOT[0]}
-    return out
+    """`RestoreRequest` in one call (``.of(...).restore(...)``), for the manager: the
+    options are `RestoreRequest.of`'s, ``restore``/``specs`` its `RestoreRequest.restore`'s;
+    ``request`` is `request_target` of ``item`` if the caller made it already (it is then
+    not flattened again)."""
+    options: dict[str, Any] = {
+        "partial_restore": partial_restore,
+        "transforms": transforms,
+        "optimizer": optimizer,
+        "ignore": ignore,
+        "keep_missing": keep_missing,
+    }
+    if request is None:
+        req = RestoreRequest.of(item, restore_args, **options)
+    else:
+        req = RestoreRequest.for_target(item, *request, **options)
+    return req.restore(step_dir, restore=restore, specs=specs)
 
 
 def _refuse_modelless(

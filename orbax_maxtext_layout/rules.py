@@ -56,17 +56,23 @@ def _in_moments(path: Path, upto: int) -> bool:
 
 
 # -- value level ----------------------------------------------------------------------
-def _unwrap_value(paths: Collection[Path]) -> Mapping_:
-    # A serialised nnx.Variable is {"value": x}: strip a "value" key only where it is
-    # the sole child of its parent, so a module named "value" (an attention value
-    # projection beside query/key/out) is kept.
+def unwrapped_positions(paths: Collection[Path]) -> dict[Path, tuple[int, ...]]:
+    """Positions of each path's keys that `unwrap_value` keeps.
+
+    A serialised nnx.Variable is {"value": x}: a "value" key is a level only where it
+    is the sole child of its parent, so a module named "value" (an attention value
+    projection beside query/key/out) is kept. `scan` needs the positions, not only the
+    unwrapped path, to rename a key of the original path.
+    """
     index = _children_index(paths)
-    out: Mapping_ = {}
-    for p in paths:
-        out[p] = tuple(
-            k for i, k in enumerate(p) if not (k == "value" and index[p[:i]] == {"value"})
-        )
-    return out
+    return {
+        p: tuple(i for i, k in enumerate(p) if not (k == "value" and index[p[:i]] == {"value"}))
+        for p in paths
+    }
+
+
+def _unwrap_value(paths: Collection[Path]) -> Mapping_:
+    return {p: tuple(p[i] for i in kept) for p, kept in unwrapped_positions(paths).items()}
 
 
 unwrap_value = Rule("unwrap_value", _unwrap_value, "strip the serialised-Variable 'value' level")

@@ -27,9 +27,7 @@ that layout; only the group key changes (``layers`` <-> ``layers_<i>``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-import zlib
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -38,14 +36,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import rules as R
 from .errors import LayoutMismatchError
 from .paths import FlatTree, Path, flatten, keystr, unflatten
+from .rng import fresh_rng, is_rng
 from .spec import LeafSpec, spec_of
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, Target
 
 __all__ = [
     "SCAN_GROUPS",
     "StackReport",
+    "layer_of",
     "scan_axes",
     "stack",
     "stack_target",
@@ -58,8 +59,13 @@ SCAN_GROUPS: tuple[str, ...] = ("layers", "dense_layers", "moe_layers", "scanned
 _UNROLLED = re.compile(rf"^({'|'.join(SCAN_GROUPS)})_(\d+)$")
 
 
-# LeafSpec.key_impl of an NNX target can hold a key dtype's short tag, which
-# jax.random.key(impl=...) does not accept.
+def layer_of(key: str | int) -> tuple[str, int] | None:
+    """``(group, i)`` of an unrolled layer key ``<group>_<i>`` (``layers_0``,
+    ``moe_layers_3``), or None for any other key: the one parser of layer keys."""
+    m = _UNROLLED.match(key) if isinstance(key, str) else None
+    return (m[1], int(m[2])) if m else None
+
+
 @dataclasses.dataclass(frozen=True)
 class StackReport:
     """What `stack` could not carry over from the unscanned tree.
@@ -102,10 +108,6 @@ def _rank(spec: LeafSpec) -> int:
     return len(spec.shape) - (1 if spec.key_impl else 0)
 
 
-def _is_rng(path: Path) -> bool:
-    return len(path) >= 3 and path[-3] == "rngs" and path[-1] in ("count", "key")
-
-
 def _block(path: Path) -> Path | None:
     for i, k in enumerate(path):
         # A group holding a list (``layers/0/...``, NNX unscanned decoders) is no block.
@@ -123,7 +125,7 @@ def _model_leaves(target: Target, param_scan_axis: int) -> dict[Path, _Leaf]:
         out[p] = _Leaf(s, param=True, rng=False, axis=axis, block=b)
     for p, s in target.nnx_aux.items():
         b = _block(p)
-        out[p] = _Leaf(s, param=False, rng=_is_rng(p), axis=0 if b else None, block=b)
+        out[p] = _Leaf(s, param=False, rng=is_rng(p), axis=0 if b else None, block=b)
     return out
 
 
@@ -177,22 +179,6 @@ class _Hit:
     frame: tuple[Path, Path]  # tree keys before the model path, 'value' levels after it
 
 
-def _kept(paths: Collection[Path]) -> dict[Path, tuple[int, ...]]:
-    """Positions of each path's keys left once serialised-Variable ``value`` levels go.
-
-    The `rules.unwrap_value` rule: a ``value`` key is a level only where it is its
-    parent's sole child, so an attention ``value`` projection stays.
-    """
-    kids: dict[Path, set] = defaultdict(set)
-    for p in paths:
-        for i in range(len(p)):
-            kids[p[:i]].add(p[i])
-    return {
-        p: tuple(i for i, k in enumerate(p) if not (k == "value" and kids[p[:i]] == {"value"}))
-        for p in paths
-    }
-
-
 def _hit(path: Path, kept: tuple[int, ...], leaves: Mapping[Path, _Leaf]) -> _Hit | None:
     """The longest model path the (unwrapped) tree path ends in."""
     u = tuple(path[i] for i in kept)
@@ -211,9 +197,8 @@ def _rename(path: Path, at: int, name: str) -> Path:
 def _unrolled_key(path: Path, kept: tuple[int, ...]) -> tuple[int, str, int] | None:
     """(position, group, layer) of the first ``<group>_<i>`` key of a path."""
     for pos in kept:
-        m = _UNROLLED.match(path[pos]) if isinstance(path[pos], str) else None
-        if m:
-            return pos, m[1], int(m[2])
+        if hit := layer_of(path[pos]):
+            return pos, *hit
     return None
 
 
@@ -280,18 +265,6 @@ def _join(slices: list[Any], leaf: _Leaf, path: Path, problems: list[str]) -> An
     return None
 
 
-def _fresh(spec: LeafSpec, shape: tuple[int, ...], seed: int, path: Path, i: int, like: Any) -> Any:
-    """A new RNG leaf: zero count, or keys folded from ``seed``, the path and the layer."""
-    if not spec.key_impl:
-        return np.zeros(shape, spec.dtype)
-    impl = spec.key_impl
-    base = jax.random.key(seed, impl=jax.random.key_impl(like) if _is_key(like) else impl)
-    base = jax.random.fold_in(base, zlib.crc32(keystr(path).encode()) & 0x7FFFFFFF)
-    keys = jax.random.split(jax.random.fold_in(base, i), math.prod(shape[:-1]))
-    keys = keys.reshape(shape[:-1])
-    return keys if like is None or _is_key(like) else np.asarray(jax.random.key_data(keys))
-
-
 def _raise(problems: list[str], summary: str, hint: str = "") -> None:
     if problems:
         raise LayoutMismatchError(f"{summary} ({len(problems)} leaves):", problems, hint=hint)
@@ -305,7 +278,7 @@ def _unroll_flat(
     tree: Any, target: Target, num_layers: int | None, param_scan_axis: int, only: int | None
 ) -> FlatTree:
     flat = _flat(tree)
-    kept = _kept(flat)
+    kept = R.unwrapped_positions(flat)
     leaves = _model_leaves(target, param_scan_axis)
     lengths = _lengths(leaves, num_layers)
     out: FlatTree = {}
@@ -383,81 +356,129 @@ def stack(
     ``nnx_aux`` follows the *target's* paths: an RNG leaf (or some layers of it)
     that the unscanned tree lacks is initialised and listed in the `StackReport`;
     a missing custom Variable, a missing layer of a Param, or a layer beyond the
-    target's length raises `LayoutMismatchError`.
+    target's length raises `LayoutMismatchError`. Fresh RNG state is what
+    ``convert --stack`` writes for the same leaf (`rng.fresh_rng`: count 0, a key
+    derived from the leaf's items path and layer), with ``rng_seed`` folded in when
+    it is not 0.
     """
-    flat = _flat(tree)
-    kept = _kept(flat)
     leaves = _model_leaves(target, param_scan_axis)
-    lengths = _lengths(leaves, num_layers)
-    out: FlatTree = {}
-    parts: dict[Path, tuple[_Hit, dict[int, Any]]] = {}
-    aux_seen: dict[tuple[Path, Path], set[Path]] = defaultdict(set)  # frame -> model paths
-    problems: list[str] = []
-    for p, x in flat.items():
-        hit = _hit(p, kept[p], leaves)
-        if hit is not None and hit.leaf.block is None:
-            out[p] = x
-        elif hit is not None:
-            problems.append(f"{keystr(p)}: already stacked")
-            continue
-        elif (u := _unrolled_key(p, kept[p])) is None:
-            out[p] = x  # no model leaf (optimizer counts, step, ...)
-            continue
-        else:
-            pos, group, i = u
-            hit = _hit(_rename(p, pos, group), kept[p], leaves)
-            if hit is None or hit.at != pos:
-                problems.append(f"{keystr(p)}: a per-layer leaf the target does not have")
-                continue
-            parts.setdefault(_rename(p, pos, group), (hit, {}))[1][i] = x
-        if not hit.leaf.param:
-            aux_seen[hit.frame].add(hit.model)
-
-    fresh: dict[Path, tuple[int, ...] | None] = {}
+    run = _Stacking(leaves, _lengths(leaves, num_layers), rng_seed)
+    parts, seen = run.sort(_flat(tree))
     for path, (hit, got) in parts.items():
+        run.family(path, hit, got)
+    run.never_had(seen)
+    _raise(run.problems, "The tree does not stack onto the target", _HINT)
+    return unflatten(run.out), StackReport(run.fresh)
+
+
+_Parts = dict[Path, tuple[_Hit, dict[int, Any]]]  # stacked tree path -> (its hit, {layer: leaf})
+_Seen = dict[tuple[Path, Path], set[Path]]  # a tree frame -> the non-Param model paths it holds
+
+
+@dataclasses.dataclass
+class _Stacking:
+    """One `stack` call: what the target says, and the stacked leaves made so far."""
+
+    leaves: Mapping[Path, _Leaf]
+    lengths: Mapping[Path, int]
+    seed: int
+    out: FlatTree = dataclasses.field(default_factory=dict)
+    fresh: dict[Path, tuple[int, ...] | None] = dataclasses.field(default_factory=dict)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def sort(self, flat: FlatTree) -> tuple[_Parts, _Seen]:
+        """Leaves outside blocks go to ``out`` as they are; per-layer leaves are grouped
+        under their stacked path."""
+        kept = R.unwrapped_positions(flat)
+        parts: _Parts = {}
+        seen: _Seen = defaultdict(set)
+        for p, x in flat.items():
+            hit = _hit(p, kept[p], self.leaves)
+            if hit is not None and hit.leaf.block is None:
+                self.out[p] = x
+            elif hit is not None:
+                self.problems.append(f"{keystr(p)}: already stacked")
+                continue
+            elif (u := _unrolled_key(p, kept[p])) is None:
+                self.out[p] = x  # no model leaf (optimizer counts, step, ...)
+                continue
+            else:
+                pos, group, i = u
+                hit = _hit(_rename(p, pos, group), kept[p], self.leaves)
+                if hit is None or hit.at != pos:
+                    self.problems.append(f"{keystr(p)}: a per-layer leaf the target does not have")
+                    continue
+                parts.setdefault(_rename(p, pos, group), (hit, {}))[1][i] = x
+            if not hit.leaf.param:
+                seen[hit.frame].add(hit.model)
+        return parts, seen
+
+    def family(self, path: Path, hit: _Hit, got: dict[int, Any]) -> None:
+        """The layers ``got`` of one leaf stacked at ``path``; missing RNG layers made fresh."""
         leaf = hit.leaf
-        n = lengths[leaf.block]
+        assert leaf.block is not None and hit.at is not None
+        n = self.lengths[leaf.block]
         one = _forms(leaf, n)[1]
-        before = len(problems)
+        before = len(self.problems)
         for i, x in got.items():
             where = keystr(_rename(path, hit.at, f"{path[hit.at]}_{i}"))
             if i >= n:
-                problems.append(f"{where}: layer {i} is beyond the target's {n} layers")
+                self.problems.append(f"{where}: layer {i} is beyond the target's {n} layers")
             elif _stored_shape(x) != one:
-                problems.append(f"{where}: found {list(_stored_shape(x))}, expected {list(one)}")
+                self.problems.append(
+                    f"{where}: found {list(_stored_shape(x))}, expected {list(one)}"
+                )
         missing = tuple(i for i in range(n) if i not in got)
         if not leaf.stacked:  # one value for all layers: any layer holding it is enough
             missing, got = (), {i: next(iter(got.values())) for i in range(n)} | got
         if missing and not leaf.rng:
-            problems.append(f"{keystr(path)}: layers {list(missing)} missing")
-        if len(problems) > before:
-            continue
+            self.problems.append(f"{keystr(path)}: layers {list(missing)} missing")
+        if len(self.problems) > before:
+            return
         like = next(iter(got.values()))
         for i in missing:
-            got[i] = _fresh(leaf.spec, one, rng_seed, path, i, like)
+            got[i] = self.new_rng(leaf, one, hit.model, i, like)
         if missing:
-            fresh[path] = missing
-        out[path] = _join([got[i] for i in range(n)], leaf, path, problems)
+            self.fresh[path] = missing
+        self.out[path] = _join([got[i] for i in range(n)], leaf, path, self.problems)
 
-    # RNG the unscanned tree never had (a deduplicated shared stream).
-    for (prefix, suffix), present in aux_seen.items():
-        for m, leaf in leaves.items():
-            if leaf.param or m in present:
-                continue
-            path = (*prefix, *m, *suffix)
-            if not leaf.rng:
-                problems.append(f"{keystr(path)}: expected by the target, missing in the tree")
-            elif leaf.block is None:
-                out[path] = _fresh(leaf.spec, leaf.spec.shape, rng_seed, path, 0, None)
-                fresh[path] = None
-            else:
-                n = lengths[leaf.block]
-                one = _forms(leaf, n)[1]
-                slices = [_fresh(leaf.spec, one, rng_seed, path, i, None) for i in range(n)]
-                out[path] = _join(slices, leaf, path, problems)
-                fresh[path] = tuple(range(n))
-    _raise(problems, "The tree does not stack onto the target", _HINT)
-    return unflatten(out), StackReport(fresh)
+    def never_had(self, seen: _Seen) -> None:
+        """RNG state the unscanned tree never had (a deduplicated shared stream), in
+        every frame (e.g. ``nnx_aux/model``) that holds other non-Param state."""
+        for (prefix, suffix), present in seen.items():
+            for m, leaf in self.leaves.items():
+                if leaf.param or m in present:
+                    continue
+                path = (*prefix, *m, *suffix)
+                if not leaf.rng:
+                    self.problems.append(
+                        f"{keystr(path)}: expected by the target, missing in the tree"
+                    )
+                elif leaf.block is None:
+                    self.out[path] = self.new_rng(leaf, leaf.spec.shape, m, 0, None)
+                    self.fresh[path] = None
+                else:
+                    n = self.lengths[leaf.block]
+                    one = _forms(leaf, n)[1]
+                    slices = [self.new_rng(leaf, one, m, i, None) for i in range(n)]
+                    self.out[path] = _join(slices, leaf, path, self.problems)
+                    self.fresh[path] = tuple(range(n))
+
+    def new_rng(self, leaf: _Leaf, shape: tuple[int, ...], model: Path, i: int, like: Any) -> Any:
+        """Fresh RNG state of stored ``shape`` for layer ``i`` of nnx_aux leaf ``model``.
+
+        Keyed by the leaf's items path, not its path in this tree (which may carry a
+        Tunix ``base``/``value`` frame), so it equals what ``convert --stack`` writes.
+        Typed keys unless ``like`` (a layer the tree holds) is raw key data; a typed
+        ``like`` also names the key impl.
+        """
+        spec = dataclasses.replace(leaf.spec, shape=shape)
+        if spec.key_impl and _is_key(like):
+            spec = dataclasses.replace(spec, key_impl=spec_of(like).key_impl)
+        data = fresh_rng(spec, AUX_ROOT + model, i, seed=self.seed)
+        if spec.key_impl and (like is None or _is_key(like)):
+            return jax.random.wrap_key_data(jnp.asarray(data), impl=spec.key_impl)
+        return data
 
 
 # -- targets --------------------------------------------------------------------------
@@ -588,7 +609,7 @@ def stack_target(target: Target, *, param_scan_axis: int = 1) -> Target:
             problems.append(f"{keystr(sp)}: cannot tell the layer axis of {s}")
         elif differ:
             problems.append(f"{keystr(sp)}: layers differ from {keystr(first(sp))} ({s}): {differ}")
-        elif missing and not (sp[:2] == AUX_ROOT and _is_rng(sp)):
+        elif missing and not (sp[:2] == AUX_ROOT and is_rng(sp)):
             problems.append(f"{keystr(sp)}: layers {missing} missing")
         else:
             specs[sp] = dataclasses.replace(s, shape=s.shape[:a] + (n,) + s.shape[a:])

@@ -18,7 +18,7 @@ from etils import epath
 
 from .errors import LayoutMismatchError
 from .names import MAXTEXT_ITEM
-from .paths import FlatTree, Path, flatten, keystr, norm_key, unflatten
+from .paths import FlatTree, Path, flatten, keystr, unflatten
 from .spec import LeafSpec, read_specs, spec_of
 
 PARAMS_ROOT: Path = ("params", "params")
@@ -97,7 +97,7 @@ class Target:
         opt = None
         if opt_state is not None:
             opt_flat = flatten(opt_state, is_leaf=_is_array_like)
-            opt = {tuple(norm_key(k) for k in p): spec_of(v) for p, v in opt_flat.items()}
+            opt = {p: spec_of(v) for p, v in opt_flat.items()}
             leaves.update({OPT_ROOT + p: v for p, v in opt_flat.items()})
         return cls(params, aux, opt, frozenset(inter), axes, leaves)
 
@@ -109,9 +109,12 @@ class Target:
         "opt_state": ..., "step": ...}`` with ShapeDtypeStruct or array leaves, the
         restore target MaxText builds.
         """
-        flat = flatten(abstract_items, is_leaf=_is_array_like)
-        flat = {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
-        return cls._from_flat({p: spec_of(v) for p, v in flat.items()}, flat)
+        return cls.from_flat_items(flatten(abstract_items, is_leaf=_is_array_like))
+
+    @classmethod
+    def from_flat_items(cls, abstract: Mapping[Path, Any]) -> Target:
+        """`from_items` of a tree already flattened: ``{items path: abstract leaf}``."""
+        return cls._from_flat({p: spec_of(v) for p, v in abstract.items()}, abstract)
 
     @classmethod
     def from_checkpoint(cls, path: epath.PathLike) -> Target:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import inspect
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ from orbax_maxtext_layout import (
     LayoutMismatchError,
     Target,
     convert_step,
+    paths,
 )
 from orbax_maxtext_layout.handler import (
     MaxTextLayoutHandler,
@@ -161,6 +164,57 @@ def test_transparent_full_restore_equals_convert_then_stock_restore(rel, tmp_pat
     assert keys and all(jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) for k in keys)
     assert got["step"].dtype == np.int32 and int(got["step"]) == int(want["step"])
     assert not (step / "items").exists()  # nothing written
+
+
+def _count_tree_calls(monkeypatch) -> list[tuple[str, Any]]:
+    """Records every call of the package's own `paths.flatten`/`unflatten` (each module
+    binds them by name, so each binding is wrapped) as ``(name, tree)``."""
+    calls: list[tuple[str, Any]] = []
+    for name in ("flatten", "unflatten"):
+        original = getattr(paths, name)
+
+        def counted(tree, *args, _name=name, _fn=original, **kwargs):
+            calls.append((_name, tree))
+            return _fn(tree, *args, **kwargs)
+
+        for module in list(sys.modules.values()):
+            if module.__name__.startswith("orbax_maxtext_layout"):
+                if getattr(module, name, None) is original:
+                    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_a_restore_flattens_its_request_once_and_stays_flat(tmp_path, abstract_items, monkeypatch):
+    """The request is flattened once (`RestoreRequest.of`) and everything after is flat:
+    the only unflattens build Orbax's partial-restore request of each item read
+    (model_params and optimizer_state), and the result is built in the request's
+    structure once. (Before: 3 flattens and 4 unflattens, 4 and 3 with restore_args.)"""
+    step = copy_fixture(RL, tmp_path / "tunix")
+    calls = _count_tree_calls(monkeypatch)
+
+    got = MaxTextLayoutHandler().restore(
+        epath.Path(step), args=MaxTextLayoutRestore(item=abstract_items)
+    )
+
+    assert collections.Counter(n for n, _ in calls) == {"flatten": 1, "unflatten": 2}
+    assert calls[0] == ("flatten", abstract_items)
+    for name, tree in calls[1:]:  # {src path: RestoreArgs} of one item, for Orbax
+        assert name == "unflatten" and all(isinstance(a, ocp.RestoreArgs) for a in tree.values())
+    assert len(_flat(got)) == len(_flat(abstract_items))
+
+    calls.clear()  # restore_args are a second tree: flattened once too
+    params = abstract_items["params"]
+    load_params_from_path(step / "model_params", params)
+    assert [n for n, _ in calls] == ["flatten", "flatten", "unflatten"]
+
+
+def test_handler_restore_takes_only_directory_and_item_positionally():
+    """Orbax calls ``restore(directory, args=...)``; the legacy options are keyword-only."""
+    params = inspect.signature(MaxTextLayoutHandler.restore).parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == ["self", "directory", "item"]
+    with pytest.raises(TypeError):
+        MaxTextLayoutHandler().restore(epath.Path("/nonexistent"), None, None)
 
 
 def test_params_only_restore_never_reads_the_optimizer(tmp_path, abstract_items):

@@ -6,7 +6,9 @@ import json
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+import writers as W
 from conftest import (
     MAXTEXT_NATIVE,
     RL_ACTOR_STEPS,
@@ -24,8 +26,11 @@ from orbax_maxtext_layout import (
     convert_step,
     read_specs,
     scan_axes,
+    stack,
     unroll_target,
+    verify_step,
 )
+from orbax_maxtext_layout.paths import flatten
 
 
 def _full(t: Target) -> dict:
@@ -112,6 +117,59 @@ def test_stack_writes_the_scanned_tree_and_reports_fresh_rng(tmp_path):
         )
     ]
     assert int(stacked[0]) == int(c0) and list(np.asarray(stacked[1:])) == [0, 0]
+
+
+def _stacked_in_memory(step, target: Target, **kwargs) -> tuple[dict, dict]:
+    """`stack` of the step's model_params, read as stored (typed keys), keyed by items path."""
+    tree = ocp.PyTreeCheckpointHandler().restore(step / "model_params")
+    got, report = stack(tree, target, **kwargs)
+
+    def items_path(p: tuple) -> tuple:
+        model = tuple(k for k in p if k != "base")[:-1]  # Tunix: base/ adapter, value level
+        return (
+            ("params", "params", *model) if model in target.params else ("nnx_aux", "model", *model)
+        )
+
+    flat = flatten(got, is_leaf=lambda x: hasattr(x, "dtype"))
+    return {items_path(p): x for p, x in flat.items()}, {
+        items_path(p): v for p, v in report.fresh.items()
+    }
+
+
+@pytest.mark.parametrize("source", ["dpo_fixture", "no_layer_dropout"])
+def test_stack_in_memory_and_convert_stack_initialise_the_same_rng(source, tmp_path):
+    """One derivation of fresh RNG state: what `convert --stack` writes for RNG the unscanned
+    checkpoint lacks is what `stack` gives in memory, bit for bit and typed alike.
+
+    The real unscanned DPO step keeps the attention RNG at layer 0 only and has no
+    decoder/rngs; the writers step has no per-layer dropout RNG at all (a whole stacked
+    leaf initialised fresh)."""
+    if source == "dpo_fixture":
+        target = Target.from_checkpoint(MAXTEXT_NATIVE).without_optimizer()
+        step = copy_fixture("tunix017/dpo_run/checkpoints/1", tmp_path)
+        want_fresh = 12 + 6  # 6 RNG leaves in layers 1 and 2, 6 decoder/rngs leaves
+    else:
+        target = Target.from_nnx(W.abstract_model(scanned=True))
+        step = W.write_tunix_step(tmp_path, 1, W.make_model(scanned=False, dropout=False))
+        want_fresh = 6  # count and key of 3 layers
+    report = convert_step(step, target, rescan="stack", optimizer="drop")
+    assert len([n for n in report.notes if "initialised fresh" in n]) == want_fresh
+    on_disk = restore_flat(step / "items")
+    del on_disk[("step",)]  # from the directory name: not in model_params
+
+    in_memory, fresh = _stacked_in_memory(step, target)
+
+    assert sorted(in_memory) == sorted(on_disk)
+    assert {p[-1] for p in fresh} == {"count", "key"}
+    for p, x in on_disk.items():  # the fresh leaves, and every leaf carried over
+        assert in_memory[p].dtype == x.dtype, p
+        assert raw(in_memory[p]).tobytes() == raw(x).tobytes(), p
+    assert verify_step(step).ok
+    # rng_seed changes only the fresh keys.
+    seeded, _ = _stacked_in_memory(step, target, rng_seed=5)
+    for p, x in on_disk.items():
+        same = raw(seeded[p]).tobytes() == raw(x).tobytes()
+        assert same == (p not in fresh or p[-1] == "count"), p
 
 
 def test_unroll_with_the_wrong_model_is_refused(tmp_path):

@@ -27,6 +27,24 @@ def test_unwrap_value_at_any_depth_inside_lists_and_tuples():
     assert got["attn"]["value"]["kernel"] is x and got["attn"]["query"]["kernel"] is z
 
 
+def test_unwrapped_positions_are_the_keys_unwrap_value_keeps():
+    """`scan` renames keys of the original (wrapped) path at these positions: they are
+    exactly the keys `unwrap_value` keeps, by the same sole-child rule."""
+    x = np.ones(2)
+    tree = {
+        "base": {"layers_0": {"scale": {"value": x}}},
+        "attn": {"query": {"kernel": {"value": x}}, "value": {"kernel": {"value": x}}},
+        "only": {"value": {"value": x}},
+    }
+    paths = list(flatten(tree))
+    positions = R.unwrapped_positions(paths)
+    renamed = R.unwrap_value(paths)
+    assert all(tuple(p[i] for i in positions[p]) == renamed[p] for p in paths)
+    assert positions[("attn", "value", "kernel", "value")] == (0, 1, 2)
+    assert positions[("base", "layers_0", "scale", "value")] == (0, 1, 2)
+    assert positions[("only", "value", "value")] == (0,)  # a Variable wrapping a Variable
+
+
 def test_chain_to_list_leaves_gaps_and_never_enters_moments():
     c = np.int32(1)
     tree = {"1": {"0": {"count": c, "mu": {"layers": {"0": c, "1": c}}}, "2": {"count": c}}}

@@ -22,6 +22,7 @@ from orbax_maxtext_layout import LayoutMismatchError, Target
 from orbax_maxtext_layout.paths import flatten
 from orbax_maxtext_layout.plan import make_plan
 from orbax_maxtext_layout.scan import (
+    layer_of,
     scan_axes,
     stack,
     stack_target,
@@ -29,7 +30,7 @@ from orbax_maxtext_layout.scan import (
     unroll_target,
     unstack_layer,
 )
-from orbax_maxtext_layout.spec import read_specs
+from orbax_maxtext_layout.spec import LeafSpec, read_specs
 
 LAYERS = ("decoder", "layers")
 
@@ -409,6 +410,24 @@ def test_group_names_gemma3_nested_deepseek_and_scanned_blocks():
     _assert_same(stack(unroll(tree, target), target)[0], tree)
     three = _flat(unstack_layer(tree, target, 3))  # dense (2) and layers (2) are too short
     assert {p[3] for p in three} == {"moe_layers_3", "scanned_blocks_3"}
+
+
+def test_layer_keys_are_parsed_one_way_for_every_group():
+    """`layer_of` is the one parser of ``<group>_<i>`` keys (stack, the rescan plans and the
+    planner's scan-form hint use it), so DeepSeek group names get the hint too."""
+    assert layer_of("layers_0") == ("layers", 0)
+    assert layer_of("moe_layers_12") == ("moe_layers", 12)
+    assert layer_of("dense_layers_1") == ("dense_layers", 1)
+    assert layer_of("scanned_blocks_3") == ("scanned_blocks", 3)
+    for key in ("layers", "layers_", "layers_x", "layers_remainder", "mlp_0", "xlayers_0", 3):
+        assert layer_of(key) is None, key
+    f32 = np.dtype(np.float32)
+    params = {("decoder", f"moe_layers_{i}", "w", "value"): LeafSpec((4,), f32) for i in range(2)}
+    target = Target({("decoder", "moe_layers", "w"): LeafSpec((4, 2), f32)}, {})
+    with pytest.raises(LayoutMismatchError) as e:
+        make_plan(params, None, target, step=1)
+    assert "scan form differs" in e.value.hint
+    assert "unrolled (layers_<i>)" in e.value.hint
 
 
 # -- stack maps through the target's paths ---------------------------------------------
