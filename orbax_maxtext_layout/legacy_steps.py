@@ -210,7 +210,7 @@ class LegacySteps:
         )
         target, skipped = request
         if self._migrate == "on_save" and _covers_step(
-            held, target, skipped, partial, transforms, specs
+            held, target, skipped, partial=partial, transforms=transforms, specs=specs
         ):
             with self._lock:
                 self._pending[step] = target
@@ -364,6 +364,7 @@ def _covers_step(
     held: epath.Path,
     target: Target,
     skipped: set,
+    *,
     partial: bool,
     transforms: Any,
     specs: dict[str, Any] | None = None,

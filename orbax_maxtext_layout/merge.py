@@ -142,7 +142,9 @@ def plan_merge(
         raise LayoutMismatchError(f"{adapter_dir}: the LoRA factors have different ranks.")
     base_dir, item, item_dir = base_source(base)
     plan, base_target = _base_plan(base_dir, item, item_dir, target, unnamed)
-    merged, axis = _merge_moves(plan, adapters, alpha, base_target, scan_axis, base_dir)
+    merged, axis = _merge_moves(
+        plan, adapters, alpha=alpha, target=base_target, scan_axis=scan_axis, base_dir=base_dir
+    )
     plan = dataclasses.replace(
         plan,
         moves=tuple(merged.get(m.dst, m) for m in plan.moves),
@@ -210,8 +212,9 @@ def _base_plan(
 def _merge_moves(
     plan: Plan,
     adapters: LoraAdapters,
+    *,
     alpha: float,
-    base_target: Target,
+    target: Target,
     scan_axis: int | None,
     base_dir: epath.Path,
 ) -> tuple[dict[Path, Move], int | None]:
@@ -246,7 +249,7 @@ def _merge_moves(
             )
             continue
         found.append((m, f))
-    axes = _axes(found, adapters, base_target, scan_axis)
+    axes = _axes(found, adapters, target, scan_axis)
     moves: dict[Path, Move] = {}
     for m, f in found:
         axis = axes.get(m.dst, "bad")

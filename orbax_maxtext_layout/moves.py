@@ -33,10 +33,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .names import Dest
 from .paths import Path, keystr
 from .rng import fresh_rng
 from .spec import LeafSpec
-from .target import Dest
 
 
 class Op(enum.Enum):

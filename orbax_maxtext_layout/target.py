@@ -8,7 +8,6 @@ the stored form of every leaf (see `LeafSpec`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,7 +16,7 @@ import jax
 from etils import epath
 
 from .errors import LayoutMismatchError
-from .names import MAXTEXT_ITEM
+from .names import MAXTEXT_ITEM, Dest
 from .paths import FlatTree, Path, flatten, keystr, unflatten
 from .spec import LeafSpec, read_specs, spec_of
 
@@ -30,16 +29,6 @@ STEP_PATH: Path = ("step",)
 # checkpoint saved after one can hold them while an `nnx.eval_shape` target
 # never does; they are dropped (and reported), never routed to nnx_aux.
 KNOWN_INTERMEDIATES: tuple[str, ...] = ("max_logits", "moe_lb_loss", "intermediates")
-
-
-class Dest(enum.Enum):
-    """Where a source leaf ends up."""
-
-    PARAMS = "params"
-    NNX_AUX = "nnx_aux"
-    OPT_STATE = "opt_state"
-    STEP = "step"
-    DROPPED = "dropped"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,7 +102,7 @@ def write_items(
 
         for m in decoded:  # one array at a time: memory stays near the largest one
             if m.op is Op.MERGE_LORA:
-                _write_merge(m, read_layer, dst_json, zarr3, ctx, budget)
+                _write_merge(m, read_layer, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
                 continue
             data = apply_op(m, read)
             tskv.write_array(
@@ -152,7 +152,7 @@ def chunk_shape(m: Move) -> tuple[int, ...]:
     return out
 
 
-def _write_merge(m: Move, read_layer, dst_json: dict, zarr3: bool, ctx, budget: int) -> None:
+def _write_merge(m: Move, read_layer, dst_json: dict, *, zarr3: bool, ctx, budget: int) -> None:
     """Writes a merge_lora move one layer at a time.
 
     A stacked base kernel is read once when it fits in ``budget`` (Orbax stores an array

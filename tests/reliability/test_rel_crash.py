@@ -365,21 +365,21 @@ def _single_kill(mode, label, base1, reference, tmp_path) -> tuple[Path, S.Resul
 
 
 def test_rerun_clears_the_lock_of_a_run_killed_after_its_commit(base1, reference, tmp_path):
-    step, rerun = _single_kill("default", "step_lock>unlink", base1, reference, tmp_path)
+    step, rerun = _single_kill("default", "remove>unlink", base1, reference, tmp_path)
     assert rerun.rc == 0 and detect_layout(step) is Layout.MAXTEXT
     assert S.restore_problem(step / "items", reference[STEPS[0]]) is None
     assert LOCK not in S.leftovers(step), S.leftovers(step)
 
 
 def test_rerun_after_a_kill_between_creating_and_writing_the_lock(base1, reference, tmp_path):
-    step, rerun = _single_kill("default", "_create>io.open", base1, reference, tmp_path)
+    step, rerun = _single_kill("default", "create_exclusive>io.open", base1, reference, tmp_path)
     assert rerun.rc == 0, rerun.stderr[-400:]
     assert detect_layout(step) is Layout.MAXTEXT, rerun.stdout[-400:]
     assert S.restore_problem(step / "items", reference[STEPS[0]]) is None
 
 
 def test_rerun_clears_the_metadata_temp_file_of_a_killed_run(base1, reference, tmp_path):
-    step, rerun = _single_kill("default", "_replace_json>replace", base1, reference, tmp_path)
+    step, rerun = _single_kill("default", "replace_file>replace", base1, reference, tmp_path)
     assert rerun.rc == 0 and detect_layout(step) is Layout.MAXTEXT
     assert not [c for c in step.iterdir() if c.name.endswith(".tmp")], S.leftovers(step)
 
@@ -485,7 +485,7 @@ def test_manager_finishes_the_legacy_removal_of_a_killed_migration(mbase, mrefer
     job = _manager_job(mbase)
     calls = _calls(job, mbase, tmp_path)
     work = S.copy_root(mbase, tmp_path / "work")
-    k = point(calls, "_finish_removal>unlink", "first")
+    k = point(calls, "finish_set_aside>unlink", "first")
     assert job(work, {"calls": S.MUTATIONS, "at": k}).rc == -9
     S.count("crash.points")
     assert job(work).rc == 0
