@@ -22,6 +22,7 @@ from .rng import is_rng
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
+_SHARED_RNG = "the unscanned model shares one RNG stream across its layers"
 
 
 def stacked_form(target: Target) -> Target:
@@ -113,7 +114,10 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
             if dst in want or (m.dst[:1] == OPT_ROOT and out.opt_state is None):
                 moves.append(dataclasses.replace(m, dst=dst, op=op, axis=a, index=i))
             elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
-                drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), m.spec, _UNSCANNED_RNG))
+                # Held at another layer (layers_0) only: one stream shared by every layer.
+                shared = any(_unrolled(m.dst, group, j) in want for j in range(m.spec.shape[a]))
+                why = _SHARED_RNG if shared else _UNSCANNED_RNG
+                drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), m.spec, why))
             else:
                 problems.append(f"{keystr(dst)}: not in the unscanned target")
     missing = want - {m.dst for m in moves} - {STEP_PATH}

@@ -583,6 +583,13 @@ def stack_target(target: Target, *, param_scan_axis: int = 1) -> Target:
     lengths: dict[Path, int] = defaultdict(int)
     for sp, layers in groups.items():
         lengths[blocks[sp]] = max(lengths[blocks[sp]], max(layers) + 1)
+    # A block's length is the model's: MaxText's unscanned model stores a shared RNG stream
+    # once, in layers_0 (NNX keeps a shared Variable at its first path), so its nnx_aux
+    # alone would say one layer.
+    model = {b[2:]: n for b, n in lengths.items() if b[:2] == PARAMS_ROOT}
+    for b in lengths:
+        if b[:2] == AUX_ROOT and b[2:] in model:
+            lengths[b] = max(lengths[b], model[b[2:]])
 
     def first(sp: Path) -> Path:
         return groups[sp][min(groups[sp])]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 import writers as W
 from conftest import (
+    FIXTURES,
     MAXTEXT_NATIVE,
     RL_ACTOR_STEPS,
     copy_fixture,
@@ -27,6 +29,7 @@ from orbax_maxtext_layout import (
     read_specs,
     scan_axes,
     stack,
+    stack_target,
     unroll_target,
     verify_step,
 )
@@ -215,3 +218,47 @@ def test_cli_unroll_on_the_shipped_example(tmp_path):
     assert ("params", "params", "decoder", "layers_2", "mlp", "wo", "kernel") in read_specs(
         run / "checkpoints/actor/2/items"
     )
+
+
+# -- MaxText 0.2.5's own unscanned model: one RNG stream for all layers, kept in layers_0 --
+MT025 = FIXTURES / "maxtext025"
+SFT_STEP = "maxtext025/sft_run/checkpoints/2"
+
+
+def _mt025(run: str) -> Path:
+    [step] = sorted((MT025 / run / "checkpoints").iterdir())[-1:]
+    return step
+
+
+def test_stack_target_of_maxtexts_unscanned_model_is_its_scanned_models_layer_state():
+    """MaxText's unscanned model stores its attention RNG once (``layers_0``); stacked, it is
+    the scanned model's per-layer state (its nnx_aux alone would say one layer)."""
+    unscanned = Target.from_checkpoint(_mt025("pretrain_unscanned_run"))
+    scanned = Target.from_checkpoint(_mt025("pretrain_run"))
+    assert [p for p in unscanned.nnx_aux if p[1] != "layers_0"] == []  # stored once
+    stacked = stack_target(unscanned)
+    assert stacked.params == scanned.params
+    # the same per-layer RNG state; only the scanned model has decoder/rngs
+    assert stacked.nnx_aux == {p: s for p, s in scanned.nnx_aux.items() if p[1] != "rngs"}
+
+
+def test_unroll_of_maxtexts_sft_state_against_its_unscanned_model(tmp_path):
+    """``convert --unroll`` of MaxText's scanned SFT state against MaxText's unscanned
+    target: layer 0's RNG state goes to ``layers_0``, the other layers' is dropped with the
+    reason, and the step replays (`verify`)."""
+    target = Target.from_checkpoint(_mt025("pretrain_unscanned_run"))
+    step = copy_fixture(SFT_STEP, tmp_path)
+    report = convert_step(step, target, rescan="unroll")
+    assert report.status == "converted", report.notes
+    got = read_specs(step / "items")
+    assert {p[2:] for p in got if p[:2] == ("nnx_aux", "model")} == set(target.nnx_aux)
+    assert {p[2:] for p in got if p[:2] == ("params", "params")} == set(target.params)
+    shared = [d for d in report.dropped if "shares one RNG stream" in d["reason"]]
+    assert sorted({d["path"].rsplit("/", 1)[1] for d in shared}) == ["[layer 1]", "[layer 2]"]
+    assert len(shared) == 2 * 6  # layers 1 and 2 of the six attention RNG leaves
+    src = restore_flat(step / "model_params")
+    out = restore_flat(step / "items")
+    for p in target.nnx_aux:
+        stacked = ("decoder", "layers", *p[2:], "value")
+        assert raw(out[("nnx_aux", "model", *p)]).tobytes() == raw(src[stacked])[0].tobytes()
+    assert verify_step(step).ok
