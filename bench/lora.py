@@ -312,13 +312,17 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
-def run_once(mode: str, work: Path) -> dict:
-    """One measured child; ``merge@SIZE`` merges with ``memory_budget=SIZE``."""
-    op, _, budget = mode.partition("@")
+def run_once(mode: str, work: Path, before: Path | None = None) -> dict:
+    """One measured child; ``merge@SIZE`` merges with ``memory_budget=SIZE``, and
+    ``merge@SIZE@before`` does so with the package from ``before``."""
+    op, _, rest = mode.partition("@")
+    budget, _, tag = rest.partition("@")
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ}
     env.setdefault("JAX_PLATFORMS", "cpu")
+    if tag:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
     cmd = [sys.executable, __file__, "child", op, str(work), str(out)]
     cmd.append(str(_size(budget)) if budget else "0")
     try:
@@ -329,7 +333,7 @@ def run_once(mode: str, work: Path) -> dict:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    want = (HERE.parent / "orbax_maxtext_layout").resolve()
+    want = (Path(before) if tag else HERE.parent).resolve() / "orbax_maxtext_layout"
     if Path(got["package"]).resolve() != want:
         raise RuntimeError(f"{mode} imported {got['package']}, not {want}")
     return got
@@ -344,9 +348,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=["baseline", "cp", "naive", "merge"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--before",
+        type=Path,
+        metavar="DIR",
+        help="a checkout of another version (e.g. `git worktree add DIR main`): each merge "
+        "also runs with its package, as merge@BUDGET@before, in the same run",
+    )
     args = ap.parse_args(argv)
     modes = [m for m in args.modes if m != "merge"]
     modes += [f"merge@{b}" for b in args.budgets] if "merge" in args.modes else []
+    if args.before is not None and "merge" in args.modes:
+        modes += [f"merge@{b}@before" for b in args.budgets]
     with tempfile.TemporaryDirectory(prefix="omtl-bench-lora-") as tmp:
         work = Path(tmp)
         t = time.perf_counter()
@@ -363,10 +376,11 @@ def main(argv=None) -> int:
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         for r in range(args.repeats):
             for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                runs[mode].append(run_once(mode, work))
+                runs[mode].append(run_once(mode, work, args.before))
     cp = statistics.median(x["wall"] for x in runs["cp"]) if "cp" in runs else None
     base = max(x["peak_rss_kib"] for x in runs["baseline"]) if "baseline" in runs else 0
     naive = max(x["peak_rss_kib"] for x in runs["naive"]) - base if "naive" in runs else None
+    naive_s = statistics.median(x["wall"] for x in runs["naive"]) if "naive" in runs else None
     slice_mib = info["slice_bytes"] / 2**20
     rows = []
     for mode, xs in runs.items():
@@ -377,13 +391,14 @@ def main(argv=None) -> int:
             "mode": mode,
             "wall_s": round(wall, 2),
             "x_cp": round(wall / cp, 2) if cp else None,
+            "x_naive_wall": round(wall / naive_s, 2) if naive_s and mode != "baseline" else None,
             "peak_rss_mib": round(peak / 1024, 1),
             "rss_over_baseline_mib": round(over / 1024, 1),
             "x_naive_rss": round(over / naive, 3) if naive and mode != "baseline" else None,
             "written_mib": round(statistics.median(x["written"] for x in xs) / 2**20, 1),
         }
         if mode.startswith("merge@"):
-            budget_mib = _size(mode.partition("@")[2]) / 2**20
+            budget_mib = _size(mode.split("@")[1]) / 2**20
             row["budget_mib"] = budget_mib
             row["bound_mib"] = round(budget_mib + 3 * slice_mib, 1)
             row["bound_holds"] = row["rss_over_baseline_mib"] <= row["bound_mib"]
@@ -410,19 +425,35 @@ def main(argv=None) -> int:
             "+ 3 x slice\n"
         )
         print(
-            "| mode | wall s | x cp -r | peak RSS MiB | RSS over baseline MiB | x naive RSS "
-            "| written MiB | budget MiB | bound MiB | bound holds |"
+            "| mode | wall s | x cp -r | x naive time | peak RSS MiB | RSS over baseline MiB "
+            "| x naive RSS | written MiB | budget MiB | bound MiB | bound holds |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             cells = [r.get(k, "") for k in ("budget_mib", "bound_mib", "bound_holds")]
             cells = ["" if c is None else c for c in cells]
             print(
-                f"| {r['mode']} | {r['wall_s']} | {r['x_cp'] or ''} | {r['peak_rss_mib']} | "
+                f"| {r['mode']} | {r['wall_s']} | {r['x_cp'] or ''} | {r['x_naive_wall'] or ''} | "
+                f"{r['peak_rss_mib']} | "
                 f"{r['rss_over_baseline_mib']} | {r['x_naive_rss'] or ''} | {r['written_mib']} | "
                 + " | ".join(str(c) for c in cells)
                 + " |"
             )
+        by_mode = {r["mode"]: r for r in rows}
+        pairs = [
+            (r, by_mode[r["mode"] + "@before"]) for r in rows if r["mode"] + "@before" in by_mode
+        ]
+        if pairs:
+            print(
+                "\n| merge | wall s | wall s before | x before | RSS over baseline MiB (before) |"
+            )
+            print("|---|---|---|---|---|")
+            for r, b in pairs:
+                print(
+                    f"| {r['mode']} | {r['wall_s']} | {b['wall_s']} | "
+                    f"{r['wall_s'] / b['wall_s']:.2f} | {r['rss_over_baseline_mib']} "
+                    f"({b['rss_over_baseline_mib']}) |"
+                )
     held = all(r.get("bound_holds", True) for r in rows)
     return 0 if held else 1
 

@@ -18,7 +18,9 @@ is committed (`stepdir.commit`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -152,14 +154,19 @@ def chunk_shape(m: Move) -> tuple[int, ...]:
     return out
 
 
+# Layers merged and encoded at once: one per core (numpy's merge and tensorstore's zstd
+# both run without the GIL), each costing one layer slice plus its encoded chunk.
+MERGE_WORKERS = max(1, min(2, os.cpu_count() or 1))
+
+
 def _write_merge(m: Move, read_layer, dst_json: dict, *, zarr3: bool, ctx, budget: int) -> None:
-    """Writes a merge_lora move one layer at a time.
+    """Writes a merge_lora move one layer at a time, `MERGE_WORKERS` layers at once.
 
     A stacked base kernel is read once when it fits in ``budget`` (Orbax stores an array
     written from one host as one chunk, so reading any layer decodes all of them: reading
     per layer would decode it once per layer for the same peak); otherwise layer by layer
     (with per-layer or smaller stored chunks, only those are decoded). Each layer is merged
-    in a buffer of its own and written as its own chunk.
+    in a buffer of its own and written as its own chunk, while the next layer is merged.
     """
     tskv.release_large_buffers()
     out = m.out_spec
@@ -184,8 +191,12 @@ def _write_merge(m: Move, read_layer, dst_json: dict, *, zarr3: bool, ctx, budge
                 return np.take(whole, index, axis=axis)  # a copy: merged in place
             return read_layer(item, path, axis, index)
 
-    for i in range(m.layer_count):
+    def layer(i: int) -> None:
         tskv.write_part(store, merge_layer(m, i, read, inplace=True), (m.axis, i))
+
+    with ThreadPoolExecutor(MERGE_WORKERS, thread_name_prefix="merge") as pool:
+        for _ in pool.map(layer, range(m.layer_count)):  # raises a worker's error
+            pass
 
 
 def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
