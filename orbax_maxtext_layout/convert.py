@@ -39,7 +39,6 @@ from .moves import Op
 from .options import ConvertOptions
 from .options import check as check_options
 from .orbax_files import ItemFiles
-from .paths import flatten, keystr, norm_key
 from .plan import OptimizerMode, Plan, make_plan, plan_step
 from .provenance import record as provenance_record
 from .restore import assemble
@@ -47,6 +46,7 @@ from .spec import spec_of
 from .steps import find_steps
 from .store import COMMIT_MARKER, store_for
 from .target import Target
+from .treepaths import flatten, keystr, norm_key
 from .write import DEFAULT_BUDGET, write_items
 
 

@@ -27,11 +27,11 @@ from .layout import (
     step_dir_of,
 )
 from .orbax_files import METADATA_FILE
-from .paths import flatten, keystr
 from .plan import OptimizerMode
 from .restore import RestoreRequest, asks_for_items, is_request_leaf
 from .spec import read_specs, spec_of
 from .target import PARAMS_ROOT
+from .treepaths import flatten, keystr
 
 __all__ = [
     "MaxTextLayoutHandler",

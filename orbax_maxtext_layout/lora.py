@@ -26,9 +26,9 @@ from etils import epath
 
 from . import rules as R
 from .errors import LayoutMismatchError
-from .paths import Path, keystr
 from .rules import ADAPTER_KEY
 from .spec import LeafSpec, read_specs
+from .treepaths import Path, keystr
 
 _FACTOR = re.compile(r"^(?P<weight>.+)_lora_(?P<which>[ab])$")
 # The qwix factor of the einsum/dot_general weight `weight`: `weight_lora_a` (in, r) and

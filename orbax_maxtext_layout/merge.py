@@ -37,7 +37,6 @@ from .lora import (
     per_layer_shape,
 )
 from .moves import Drop, LoraFactor, Move, Op, Plan
-from .paths import Path, keystr
 from .plan import narrow, plan_step
 from .provenance import record as provenance_record
 from .rescan import stack_plan as _stack_plan
@@ -46,6 +45,7 @@ from .scan import stack_target, unroll_target
 from .spec import read_specs
 from .store import store_for
 from .target import PARAMS_ROOT, Dest, Target
+from .treepaths import Path, keystr
 
 LORA_ITEM = "lora"  # the adapter step's model_params, as a source of a merge plan
 SOURCE_LAYOUT = "tunix-lora-merge"

@@ -34,9 +34,9 @@ from collections.abc import Callable
 import numpy as np
 
 from .names import Dest
-from .paths import Path, keystr
 from .rng import fresh_rng
 from .spec import LeafSpec
+from .treepaths import Path, keystr
 
 
 class Op(enum.Enum):

@@ -26,7 +26,7 @@ import tensorstore as ts
 from etils import epath
 
 from .errors import CheckpointReadError
-from .paths import Path
+from .treepaths import Path
 
 METADATA_FILE = "_METADATA"
 SHARDING_FILE = "_sharding"

@@ -24,10 +24,10 @@ from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
 from .moves import Drop, Move, Op, Plan
-from .paths import FlatTree, Path, keystr
 from .rng import is_rng
 from .spec import LeafSpec, read_specs
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
+from .treepaths import FlatTree, Path, keystr
 
 __all__ = ["Drop", "Move", "Op", "OptimizerMode", "Plan", "make_plan", "narrow", "plan_step"]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from ._version import __version__
 from .moves import Plan
-from .paths import keystr
 from .scan import SCAN_GROUPS
+from .treepaths import keystr
 
 SCAN_LAYERS_KEY = "scan_layers"  # MaxText's own key in the step's custom metadata
 

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from . import scan
 from .errors import LayoutMismatchError
 from .moves import Drop, Move, Op, Plan
-from .paths import Path, keystr
 from .rng import is_rng
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
+from .treepaths import Path, keystr
 
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
 _SHARED_RNG = "the unscanned model shares one RNG stream across its layers"

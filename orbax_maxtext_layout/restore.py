@@ -24,9 +24,9 @@ from .gcfreeze import frozen_heap
 from .layout import tunix_items
 from .moves import Op, Plan, apply_op
 from .orbax_files import absolute
-from .paths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 from .plan import OptimizerMode, narrow, plan_step
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
+from .treepaths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 
 logger = logging.getLogger(__name__)
 RestoreFn = Callable[[epath.Path, ocp.args.PyTreeRestore], Any]

@@ -15,8 +15,8 @@ import zlib
 
 import numpy as np
 
-from .paths import Path, keystr
 from .spec import LeafSpec
+from .treepaths import Path, keystr
 
 __all__ = ["fresh_rng", "is_rng"]
 

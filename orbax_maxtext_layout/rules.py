@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping
 
 from .errors import LayoutMismatchError
-from .paths import Path, keystr
+from .treepaths import Path, keystr
 
 INJECT_SHELL = ("count", "hyperparams", "hyperparams_states", "inner_state")
 MULTISTEPS_SHELL = ("mini_step", "gradient_step", "inner_opt_state", "acc_grads")

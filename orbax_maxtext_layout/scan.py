@@ -38,10 +38,10 @@ import numpy as np
 
 from . import rules as R
 from .errors import LayoutMismatchError
-from .paths import FlatTree, Path, flatten, keystr, unflatten
 from .rng import fresh_rng, is_rng
 from .spec import LeafSpec, spec_of
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, Target
+from .treepaths import FlatTree, Path, flatten, keystr, unflatten
 
 __all__ = [
     "SCAN_GROUPS",

@@ -24,7 +24,7 @@ from .orbax_files import (
     read_context,
     read_zarr_metadata,
 )
-from .paths import FlatTree, Path, flatten, norm_key
+from .treepaths import FlatTree, Path, flatten, norm_key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

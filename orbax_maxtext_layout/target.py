@@ -17,8 +17,8 @@ from etils import epath
 
 from .errors import LayoutMismatchError
 from .names import MAXTEXT_ITEM, Dest
-from .paths import FlatTree, Path, flatten, keystr, unflatten
 from .spec import LeafSpec, read_specs, spec_of
+from .treepaths import FlatTree, Path, flatten, keystr, unflatten
 
 PARAMS_ROOT: Path = ("params", "params")
 AUX_ROOT: Path = ("nnx_aux", "model")

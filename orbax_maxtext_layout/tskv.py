@@ -20,8 +20,8 @@ from etils import epath
 from . import placement
 from .errors import CheckpointReadError
 from .orbax_files import ItemFiles, count_io, open_kvstore, param_name, read_context
-from .paths import Path
 from .store import store_for
+from .treepaths import Path
 
 # Source databases are cloned under the new item with this prefix, like Orbax's
 # own per-process sub-databases (which it also grafts into the root database).

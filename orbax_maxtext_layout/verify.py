@@ -18,12 +18,12 @@ from .gcfreeze import frozen_heap
 from .layout import MAXTEXT_ITEM, tunix_items
 from .moves import Move, Op, Plan, apply_op
 from .orbax_files import param_name, read_context
-from .paths import FlatTree, keystr
 from .plan import plan_step
 from .rescan import with_scan_axes
 from .spec import read_specs
 from .stepmeta import read_provenance
 from .target import Target
+from .treepaths import FlatTree, keystr
 
 
 @dataclasses.dataclass

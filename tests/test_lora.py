@@ -23,7 +23,7 @@ from lora_writers import base_params, expected_merge, lora_factors, write_adapte
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.cli import main as cli
-from orbax_maxtext_layout.paths import keystr
+from orbax_maxtext_layout.treepaths import keystr
 
 LORA_STEP = "tunix017/sft_lora_run/checkpoints/1"
 PP = ("params", "params")

@@ -28,7 +28,7 @@ from orbax_maxtext_layout import (
     restore_as_items,
 )
 from orbax_maxtext_layout.manager import TUNIX_STEP_KEY, CheckpointManager
-from orbax_maxtext_layout.paths import flatten, keystr, norm_key, unflatten
+from orbax_maxtext_layout.treepaths import flatten, keystr, norm_key, unflatten
 
 RL = "tunix017/rl_run/checkpoints/actor/2"  # Tunix directory 2 = MaxText step 1
 LOGGER = "orbax_maxtext_layout.manager"

@@ -13,7 +13,7 @@ import pytest
 from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_flat
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.paths import flatten, norm_key, unflatten
+from orbax_maxtext_layout.treepaths import flatten, norm_key, unflatten
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]  # scanned, inject(chain(clip, adamw)), actor/2
 DPO = "tunix017/dpo_run/checkpoints/1"  # unscanned, base/ adapter

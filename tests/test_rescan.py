@@ -33,7 +33,7 @@ from orbax_maxtext_layout import (
     unroll_target,
     verify_step,
 )
-from orbax_maxtext_layout.paths import flatten
+from orbax_maxtext_layout.treepaths import flatten
 
 
 def _full(t: Target) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from orbax_maxtext_layout import rules as R
-from orbax_maxtext_layout.paths import flatten, unflatten
+from orbax_maxtext_layout.treepaths import flatten, unflatten
 
 
 def _run(rule, tree):

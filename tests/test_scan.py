@@ -19,7 +19,6 @@ from conftest import FIXTURES, MAXTEXT_NATIVE
 from flax import nnx
 
 from orbax_maxtext_layout import LayoutMismatchError, Target
-from orbax_maxtext_layout.paths import flatten
 from orbax_maxtext_layout.plan import make_plan
 from orbax_maxtext_layout.scan import (
     layer_of,
@@ -31,6 +30,7 @@ from orbax_maxtext_layout.scan import (
     unstack_layer,
 )
 from orbax_maxtext_layout.spec import LeafSpec, read_specs
+from orbax_maxtext_layout.treepaths import flatten
 
 LAYERS = ("decoder", "layers")
 

@@ -47,7 +47,7 @@ def manager_cycle(directory: str, template: str, remove_legacy: bool = True) -> 
     import synth
 
     from orbax_maxtext_layout.manager import CheckpointManager
-    from orbax_maxtext_layout.paths import unflatten
+    from orbax_maxtext_layout.treepaths import unflatten
 
     abstract = unflatten(dict(synth.target_for(Path(template)).abstract))
     mngr = CheckpointManager(

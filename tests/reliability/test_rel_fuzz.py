@@ -38,8 +38,8 @@ from orbax_maxtext_layout import (
     to_maxtext_items,
 )
 from orbax_maxtext_layout.orbax_files import key_impls
-from orbax_maxtext_layout.paths import flatten, keystr, unflatten
 from orbax_maxtext_layout.stepmeta import read as read_step_metadata
+from orbax_maxtext_layout.treepaths import flatten, keystr, unflatten
 
 # Hypothesis caches (constants, unicode data) go to a temporary directory, not into the
 # repository's .hypothesis/ (this suite writes only under tests/reliability). No other test
