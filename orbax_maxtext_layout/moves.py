@@ -254,17 +254,21 @@ def merge_layer(m: Move, i: int, read_layer: LayerReader, *, inplace: bool = Fal
     than a few MiB. With ``inplace`` the result overwrites the layer just read (the
     writer's own buffer), so a layer costs one slice of memory plus the blocks.
     """
-    if m.layers:
-        w = read_layer(m.item, m.layers[i], None, None)  # type: ignore[arg-type]
-    elif m.index is not None:
-        w = read_layer(m.item, m.src, m.axis, m.index)
-    else:
-        w = read_layer(m.item, m.src, m.axis, i if m.axis is not None else None)
+    w = merge_base(m, i, read_layer)
     f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
     li = m.index if m.index is not None else i
     a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
     b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
     return lora_delta_added(w, a, b, f.scale, inplace=inplace)
+
+
+def merge_base(m: Move, i: int, read_layer: LayerReader) -> np.ndarray:
+    """Layer ``i`` of a merge_lora move's base weight, as stored."""
+    if m.layers:
+        return read_layer(m.item, m.layers[i], None, None)  # type: ignore[arg-type]
+    if m.index is not None:
+        return read_layer(m.item, m.src, m.axis, m.index)
+    return read_layer(m.item, m.src, m.axis, i if m.axis is not None else None)
 
 
 def lora_delta_added(

@@ -19,6 +19,7 @@ is committed (`stepdir.commit`).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -28,7 +29,7 @@ from etils import epath
 
 from . import orbax_files, placement, stepdir, tskv
 from .errors import CheckpointReadError
-from .moves import Move, Op, Plan, apply_op, merge_layer
+from .moves import Move, Op, Plan, apply_op, merge_base, merge_layer
 from .names import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from .provenance import SCAN_LAYERS_KEY, scan_layers
 from .store import store_for
@@ -102,9 +103,12 @@ def write_items(
             layer = None if axis is None or index is None else (axis, index)
             return tskv.read_array(sources[item], path, ctx, layer)
 
+        merges = [m for m in decoded if m.op is Op.MERGE_LORA]
+        with _MergeWriter(read_layer, dst_json, zarr3=zarr3, ctx=ctx, budget=budget) as mw:
+            for m in merges:
+                mw.add(m)
         for m in decoded:  # one array at a time: memory stays near the largest one
             if m.op is Op.MERGE_LORA:
-                _write_merge(m, read_layer, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
                 continue
             data = apply_op(m, read)
             tskv.write_array(
@@ -159,44 +163,111 @@ def chunk_shape(m: Move) -> tuple[int, ...]:
 MERGE_WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 
-def _write_merge(m: Move, read_layer, dst_json: dict, *, zarr3: bool, ctx, budget: int) -> None:
-    """Writes a merge_lora move one layer at a time, `MERGE_WORKERS` layers at once.
+class _MergeWriter:
+    """Writes the merge_lora moves of one item: each stored chunk decoded once, on the
+    caller's thread, while `MERGE_WORKERS` workers merge and encode the layers already
+    decoded (one chunk per layer).
 
-    A stacked base kernel is read once when it fits in ``budget`` (Orbax stores an array
-    written from one host as one chunk, so reading any layer decodes all of them: reading
-    per layer would decode it once per layer for the same peak); otherwise layer by layer
-    (with per-layer or smaller stored chunks, only those are decoded). Each layer is merged
-    in a buffer of its own and written as its own chunk, while the next layer is merged.
+    A stacked base kernel is decoded whole when it fits in ``budget`` (Orbax stores an
+    array written from one host as one chunk, so reading any layer decodes all of them:
+    reading per layer would decode it once per layer for the same peak); otherwise layer by
+    layer (with per-layer or smaller stored chunks, only those are decoded). The LoRA
+    factors, small, are decoded whole once per move. The caller's thread takes each layer's
+    slice (a copy the worker merges in place) and waits for a free worker before taking the
+    next, so at most `MERGE_WORKERS` slices are in flight; once the last slice of a kernel
+    is taken, the kernel is dropped and the next one is decoded while the workers finish.
     """
-    tskv.release_large_buffers()
-    out = m.out_spec
-    store = tskv.create_array(
-        dst_json,
-        orbax_files.param_name(m.dst),
-        out.shape,
-        out.dtype,
-        chunk_shape(m),
-        use_zarr3=zarr3,
-        context=ctx,
-    )
-    if m.layer_count is None:
-        tskv.write_part(store, merge_layer(m, 0, read_layer, inplace=True))
-        return
-    read = read_layer
-    if not m.layers and m.spec.nbytes <= budget:
-        whole = read_layer(m.item, m.src, None, None)
+
+    def __init__(self, read_layer, dst_json: dict, *, zarr3: bool, ctx, budget: int):
+        self.read_layer, self.dst_json, self.zarr3, self.ctx = read_layer, dst_json, zarr3, ctx
+        self.budget = budget
+        self.pool = ThreadPoolExecutor(MERGE_WORKERS, thread_name_prefix="merge")
+        self.free = threading.Semaphore(MERGE_WORKERS)
+        self.pending: list = []
+        self.key: tuple | None = None  # the base kernel decoded whole, its factors
+        self.kernel: np.ndarray | None = None
+        self.factors: dict = {}
+
+    def __enter__(self) -> _MergeWriter:
+        tskv.release_large_buffers()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                for f in self.pending:
+                    f.result()  # raises a worker's error
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def add(self, m: Move) -> None:
+        out = m.out_spec
+        name = orbax_files.param_name(m.dst)
+        store = tskv.create_array(
+            self.dst_json, name, out.shape, out.dtype, chunk_shape(m), use_zarr3=self.zarr3,
+            context=self.ctx,
+        )  # fmt: skip
+        whole = self._whole(m)
+        if m.layer_count is None:  # one layer: unscanned, or one layer of an unroll
+            w = None if whole is None else np.take(whole, m.index, axis=m.axis)
+            self._submit(store, m, 0, self._reader(m, w), None)
+            return
+        for i in range(m.layer_count):
+            self.free.acquire()  # a worker is free: its slice may be taken
+            try:
+                w = merge_base(m, i, self.read_layer) if whole is None else None
+                w = np.take(whole, i, axis=m.axis) if whole is not None else w  # a copy
+            except BaseException:
+                self.free.release()
+                raise
+            self._submit(store, m, i, self._reader(m, w), (m.axis, i), acquired=True)
+
+    def _whole(self, m: Move) -> np.ndarray | None:
+        """The stacked base kernel of ``m`` decoded whole, if it fits in the budget: kept
+        while the next moves read the same one (the layers of an unroll), so each stored
+        chunk is decoded once. Its LoRA factors (small) are decoded whole with it."""
+        key = (m.item, m.src)
+        if key != self.key:
+            self.key, self.kernel, self.factors = key, None, {}  # freed before the next decode
+            if not m.layers and m.axis is not None and m.spec.nbytes <= self.budget:
+                self.kernel = self.read_layer(m.item, m.src, None, None)
+        for f in m.lora:
+            for p in (f.a, f.b):
+                if (f.item, p) not in self.factors:
+                    self.factors[(f.item, p)] = self.read_layer(f.item, p, None, None)
+        return self.kernel
+
+    def _reader(self, m: Move, w: np.ndarray | None):
+        """What `merge_layer` reads: the base layer ``w`` taken by the caller's thread, the
+        factors' layers from their decoded wholes."""
+        read_layer, factors = self.read_layer, self.factors
+        base = {(m.item, m.src), *((m.item, p) for p in m.layers)}
 
         def read(item, path, axis, index):
-            if (item, path) == (m.item, m.src) and axis is not None and index is not None:
-                return np.take(whole, index, axis=axis)  # a copy: merged in place
+            if w is not None and (item, path) in base:
+                return w
+            whole = factors.get((item, path))
+            if whole is not None:
+                return whole if axis is None or index is None else np.take(whole, index, axis)
             return read_layer(item, path, axis, index)
 
-    def layer(i: int) -> None:
-        tskv.write_part(store, merge_layer(m, i, read, inplace=True), (m.axis, i))
+        return read
 
-    with ThreadPoolExecutor(MERGE_WORKERS, thread_name_prefix="merge") as pool:
-        for _ in pool.map(layer, range(m.layer_count)):  # raises a worker's error
-            pass
+    def _submit(self, store, m: Move, i: int, read, layer, *, acquired: bool = False) -> None:
+        if not acquired:
+            self.free.acquire()
+
+        def work() -> None:
+            try:
+                tskv.write_part(store, merge_layer(m, i, read, inplace=True), layer)
+            finally:
+                self.free.release()
+
+        done = [f for f in self.pending if f.done()]
+        for f in done:
+            f.result()  # a worker's error stops the merge at once
+        self.pending = [f for f in self.pending if not f.done()]
+        self.pending.append(self.pool.submit(work))
 
 
 def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
