@@ -1,0 +1,224 @@
+"""Support for test_scan_layers_metadata.py: MaxText 0.2.5's own exporter and SFT trainer,
+run as subprocesses on CPU, offline, for the tiny model of tests/fixtures/maxtext025.
+
+- ``to_huggingface``: ``python -m maxtext.checkpoint_conversion.to_huggingface <base.yml>
+  <the generator's model keys without scan_layers> load_parameters_path=<items>
+  base_output_directory=<out> --override_model_architecture --hf_model_path=<local tokenizer>``
+  (the tiny sizes differ from the HF config of ``llama3.1-8b``, hence the override flag; the
+  tokenizer is a local 64-token one, written by `write_tokenizer`, so nothing is fetched).
+- ``train_sft``: ``train_sft.main`` under absl's ``app.run`` (what its ``__main__`` does),
+  through the fixture generator's ``_train_sft`` (the one substitution it documents: MaxText
+  0.2.5's synthetic iterator is run un-jitted, as ``train_sft`` cannot jit it with its
+  unhashable config). Run as ``python hf_export_support.py train_sft OUT LOAD [KEY=VALUE ...]``.
+
+Top-level imports are the standard library and ``maxtext_loop_support`` only (itself standard
+library at import), so the children start with nothing loaded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import maxtext_loop_support as L
+
+HERE = Path(__file__).resolve().parent
+EXPORT_MODULE = "maxtext.checkpoint_conversion.to_huggingface"
+TIMEOUT_S = 600
+VOCAB = 64  # the tiny model's vocab_size
+SYNCED_FROM_METADATA = "Setting scan_layers={} loaded from checkpoint metadata."
+
+
+def model_keys(*, scan_layers: bool | None = None, seed: int | None = None) -> list[str]:
+    """The fixture generator's MODEL_KEYS, with no ``scan_layers`` key unless one is given
+    (``init_weights_seed`` replaced when ``seed`` is given)."""
+    keys = [k for k in L.generator().MODEL_KEYS if not k.startswith("scan_layers=")]
+    if seed is not None:
+        keys = [k for k in keys if not k.startswith("init_weights_seed=")]
+        keys.append(f"init_weights_seed={seed}")
+    if scan_layers is not None:
+        keys.append(f"scan_layers={str(scan_layers).lower()}")
+    return keys
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """A local Hugging Face tokenizer (``tokenizer.json``, ``tokenizer_config.json``) with the
+    tiny model's 64 tokens, for ``--hf_model_path``; read back with ``AutoTokenizer``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(special)}
+    vocab.update({f"t{i}": i for i in range(len(special), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(str(directory))
+    assert len(AutoTokenizer.from_pretrained(str(directory))) == VOCAB
+    return directory
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@dataclasses.dataclass
+class Proc:
+    """One finished child: its command, exit code, combined output and wall time."""
+
+    name: str
+    cwd: Path
+    argv: list[str]
+    returncode: int
+    log: str
+    seconds: float
+
+    def why(self) -> str:
+        tail = "\n".join(self.log.splitlines()[-40:])
+        return f"{self.name}: exit {self.returncode}; argv {self.argv}\n--- log tail ---\n{tail}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    cwd: Path
+    argv: tuple[str, ...]
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    out.pop("PYTHONPATH", None)  # stock MaxText: this library is not on the path
+    out.update(
+        {
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONHASHSEED": "0",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": str(HERE),
+        }
+    )
+    return out
+
+
+def run(job: Job) -> Proc:
+    job.cwd.mkdir(parents=True, exist_ok=True)
+    log_path = job.cwd / f"{job.name}.log"
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(
+            list(job.argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env(),
+            cwd=job.cwd,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+    seconds = time.monotonic() - start
+    return Proc(
+        job.name,
+        job.cwd,
+        list(job.argv),
+        proc.returncode,
+        log_path.read_text(errors="replace"),
+        seconds,
+    )
+
+
+def run_all(jobs: list[Job], workers: int = 2) -> dict[str, Proc]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {j.name: pool.submit(run, j) for j in jobs}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def export_job(
+    name: str, items: Path, out: Path, tokenizer: Path, *, scan_layers: bool | None = None
+) -> Job:
+    """MaxText's ``to_huggingface`` in Base mode on ``items``, writing to ``out``."""
+    argv = (
+        sys.executable,
+        "-m",
+        EXPORT_MODULE,
+        str(L.base_yml()),
+        *model_keys(scan_layers=scan_layers),
+        "hardware=cpu",
+        "skip_jax_distributed_system=true",
+        f"load_parameters_path={items.resolve()}",
+        f"base_output_directory={out.resolve()}",
+        "--override_model_architecture",
+        f"--hf_model_path={tokenizer.resolve()}",
+    )
+    return Job(name, out.parent, argv)
+
+
+def train_sft_job(name: str, out: Path, load: Path, *extra: str) -> Job:
+    """MaxText's SFT trainer (see the module docstring), run ``run`` under ``out``."""
+    argv = (sys.executable, str(Path(__file__)), "train_sft", str(out), str(load), *extra)
+    return Job(name, out, argv)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def read_hf(directory: Path) -> dict[str, object]:
+    """``{tensor name: numpy array}`` of every ``*.safetensors`` file in ``directory``."""
+    from safetensors.numpy import load_file
+
+    out: dict[str, object] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        assert not set(tensors) & set(out), f"{f}: a tensor in two files"
+        out.update(tensors)
+    return out
+
+
+def hf_diff(got: dict, want: dict) -> list[str]:
+    """Names, shapes, dtypes and bytes of two exports: the names of what differs."""
+    out = [f"missing {n}" for n in sorted(set(want) - set(got))]
+    out += [f"unexpected {n}" for n in sorted(set(got) - set(want))]
+    for n in sorted(set(got) & set(want)):
+        g, w = got[n], want[n]
+        if (g.dtype, g.shape) != (w.dtype, w.shape) or g.tobytes() != w.tobytes():
+            out.append(f"{n}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}")
+    return out
+
+
+def hf_config(directory: Path) -> dict:
+    return json.loads((directory / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def train_sft_main(out: str, load: str, *extra: str) -> None:
+    """``train_sft.main`` (via the generator's ``_train_sft``) under ``app.run``: steps=2,
+    checkpoint_period=2, ``load_parameters_path=load``, no ``scan_layers`` key, init seed 1
+    (so weights it did not load would not pass for loaded ones)."""
+    from absl import app
+
+    gen = L.generator()
+    keys = model_keys(seed=L.INIT_SEED)
+
+    def main(_argv: list[str]) -> None:
+        gen._train_sft(Path(out), "run", keys, [f"load_parameters_path={load}", *extra])
+
+    app.run(main, argv=["train_sft"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["train_sft"] and len(sys.argv) >= 4:
+        train_sft_main(*sys.argv[2:])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} train_sft OUT LOAD [KEY=VALUE ...]")
