@@ -117,7 +117,8 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
                 # Held at another layer (layers_0) only: one stream shared by every layer.
                 shared = any(_unrolled(m.dst, group, j) in want for j in range(m.spec.shape[a]))
                 why = _SHARED_RNG if shared else _UNSCANNED_RNG
-                drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), m.spec, why))
+                layer = dataclasses.replace(m.spec, shape=m.spec.shape[:a] + m.spec.shape[a + 1 :])
+                drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), layer, why))
             else:
                 problems.append(f"{keystr(dst)}: not in the unscanned target")
     missing = want - {m.dst for m in moves} - {STEP_PATH}

@@ -256,6 +256,8 @@ def test_unroll_of_maxtexts_sft_state_against_its_unscanned_model(tmp_path):
     shared = [d for d in report.dropped if "shares one RNG stream" in d["reason"]]
     assert sorted({d["path"].rsplit("/", 1)[1] for d in shared}) == ["[layer 1]", "[layer 2]"]
     assert len(shared) == 2 * 6  # layers 1 and 2 of the six attention RNG leaves
+    # each dropped layer counts its own bytes: a count is 4, a (4,) unsafe_rbg key 16
+    assert sorted({d["bytes"] for d in shared}) == [4, 16]
     src = restore_flat(step / "model_params")
     out = restore_flat(step / "items")
     for p in target.nnx_aux:
