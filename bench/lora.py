@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+if not os.environ.get("OMTL_BENCH_BEFORE"):  # a MODE@before child imports from PYTHONPATH
+    sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from child import _du, _vm_hwm_kib  # noqa: E402  (the bench's one VmHWM reader)
@@ -323,6 +324,7 @@ def run_once(mode: str, work: Path, before: Path | None = None) -> dict:
     env.setdefault("JAX_PLATFORMS", "cpu")
     if tag:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
+        env["OMTL_BENCH_BEFORE"] = "1"
     cmd = [sys.executable, __file__, "child", op, str(work), str(out)]
     cmd.append(str(_size(budget)) if budget else "0")
     try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -286,9 +287,26 @@ def lora_delta_added(
     a32 = np.asarray(a, acc)
     b32 = np.asarray(b, acc)
     block = max(1, (4 << 20) // max(1, b32.shape[1] * np.dtype(acc).itemsize))
+    # One scratch block per thread, reused: a fresh multi-MiB temporary per block is a
+    # fresh mapping whose pages the kernel zeroes on first touch (most of a merge's time
+    # went to those page faults).
+    scratch = _scratch((min(block, rows), b32.shape[1]), acc)
     for r0 in range(0, rows, block):
-        d = a32[r0 : r0 + block] @ b32
+        d = scratch[: min(block, rows - r0)]
+        np.matmul(a32[r0 : r0 + block], b32, out=d)
         d *= acc(scale)
         d += w2[r0 : r0 + block]
         o2[r0 : r0 + block] = d  # the one cast to the base dtype (nearest even)
     return out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: tuple[int, int], dtype: type) -> np.ndarray:
+    """This thread's scratch block of at least ``shape`` (kept for the next call)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    need = shape[0] * shape[1]
+    if buf is None or buf.dtype != np.dtype(dtype) or buf.size < need:
+        buf = _SCRATCH.buf = np.empty(need, dtype)
+    return buf[:need].reshape(shape)

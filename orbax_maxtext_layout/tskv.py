@@ -343,7 +343,12 @@ def create_array(
     if use_zarr3:
         meta = {
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                # Level 1, as Orbax writes zarr2 (its zarr3 default is 3): weights compress
+                # to the same size (their exponent bytes are what compresses), 1.4x faster.
+                {"name": "zstd", "configuration": {"level": 1}},
+            ],
         }
     else:
         meta = {"chunks": chunks, "compressor": {"id": "zstd", "level": 1}}

@@ -19,7 +19,7 @@ is committed (`stepdir.commit`).
 from __future__ import annotations
 
 import os
-import threading
+import queue
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -105,8 +105,8 @@ def write_items(
 
         merges = [m for m in decoded if m.op is Op.MERGE_LORA]
         with _MergeWriter(read_layer, dst_json, zarr3=zarr3, ctx=ctx, budget=budget) as mw:
-            for m in merges:
-                mw.add(m)
+            for k, m in enumerate(merges):
+                mw.add(m, merges[k + 1] if k + 1 < len(merges) else None)
         for m in decoded:  # one array at a time: memory stays near the largest one
             if m.op is Op.MERGE_LORA:
                 continue
@@ -182,11 +182,17 @@ class _MergeWriter:
         self.read_layer, self.dst_json, self.zarr3, self.ctx = read_layer, dst_json, zarr3, ctx
         self.budget = budget
         self.pool = ThreadPoolExecutor(MERGE_WORKERS, thread_name_prefix="merge")
-        self.free = threading.Semaphore(MERGE_WORKERS)
+        # One slot per worker, each with a layer buffer reused from layer to layer (a fresh
+        # one would be a fresh mapping, its pages zeroed by the kernel on first touch).
+        self.slots: queue.Queue[dict] = queue.Queue()
+        for _ in range(MERGE_WORKERS):
+            self.slots.put({})
         self.pending: list = []
         self.key: tuple | None = None  # the base kernel decoded whole, its factors
         self.kernel: np.ndarray | None = None
         self.factors: dict = {}
+        self.decoder: ThreadPoolExecutor | None = None  # decodes the next kernel, if it fits
+        self.ahead: tuple | None = None  # (its key, the decode's future)
 
     def __enter__(self) -> _MergeWriter:
         tskv.release_large_buffers()
@@ -199,8 +205,12 @@ class _MergeWriter:
                     f.result()  # raises a worker's error
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.decoder is not None:
+                self.decoder.shutdown(wait=True, cancel_futures=True)
 
-    def add(self, m: Move) -> None:
+    def add(self, m: Move, following: Move | None = None) -> None:
+        """Writes ``m``; ``following`` (the next move) has its kernel decoded meanwhile on
+        another thread where both kernels fit in the memory bound."""
         out = m.out_spec
         name = orbax_files.param_name(m.dst)
         store = tskv.create_array(
@@ -208,19 +218,12 @@ class _MergeWriter:
             context=self.ctx,
         )  # fmt: skip
         whole = self._whole(m)
+        self._prefetch(m, following)
         if m.layer_count is None:  # one layer: unscanned, or one layer of an unroll
-            w = None if whole is None else np.take(whole, m.index, axis=m.axis)
-            self._submit(store, m, 0, self._reader(m, w), None)
+            self._submit(store, m, 0, whole, m.index, None)
             return
         for i in range(m.layer_count):
-            self.free.acquire()  # a worker is free: its slice may be taken
-            try:
-                w = merge_base(m, i, self.read_layer) if whole is None else None
-                w = np.take(whole, i, axis=m.axis) if whole is not None else w  # a copy
-            except BaseException:
-                self.free.release()
-                raise
-            self._submit(store, m, i, self._reader(m, w), (m.axis, i), acquired=True)
+            self._submit(store, m, i, whole, i, (m.axis, i))
 
     def _whole(self, m: Move) -> np.ndarray | None:
         """The stacked base kernel of ``m`` decoded whole, if it fits in the budget: kept
@@ -229,13 +232,51 @@ class _MergeWriter:
         key = (m.item, m.src)
         if key != self.key:
             self.key, self.kernel, self.factors = key, None, {}  # freed before the next decode
-            if not m.layers and m.axis is not None and m.spec.nbytes <= self.budget:
+            if self.ahead is not None and self.ahead[0] == key:
+                self.kernel = self.ahead[1].result()  # decoded while the last one was merged
+            elif _whole_fits(m, self.budget):
+                self._make_room(m)
                 self.kernel = self.read_layer(m.item, m.src, None, None)
+            self.ahead = None
         for f in m.lora:
             for p in (f.a, f.b):
                 if (f.item, p) not in self.factors:
                     self.factors[(f.item, p)] = self.read_layer(f.item, p, None, None)
         return self.kernel
+
+    def _prefetch(self, m: Move, nxt: Move | None) -> None:
+        """Starts decoding ``nxt``'s kernel now if it is another one that fits beside ``m``'s
+        within ``budget`` plus three layer slices: ``m``'s kernel, ``nxt``'s while decoded
+        (its stored chunk and itself: about twice its size), and the layers in flight."""
+        if nxt is None or (nxt.item, nxt.src) == self.key or not _whole_fits(nxt, self.budget):
+            return
+        layer = max(_layer_bytes(m), _layer_bytes(nxt))
+        held = (self.kernel.nbytes if self.kernel is not None else 0) + _decoding(nxt)
+        if held + MERGE_WORKERS * _IN_FLIGHT * layer > self.budget + 3 * layer:
+            return
+        if self.decoder is None:
+            self.decoder = ThreadPoolExecutor(1, thread_name_prefix="merge-decode")
+        job = self.decoder.submit(self.read_layer, nxt.item, nxt.src, None, None)
+        self.ahead = ((nxt.item, nxt.src), job)
+
+    def _make_room(self, m: Move) -> None:
+        """Before ``m``'s kernel is decoded (`_decoding`): no more layers of the previous
+        kernel in flight than fit beside it within ``budget`` plus three layer slices, and
+        no idle layer buffers kept."""
+        layer = _layer_bytes(m)
+        spare = self.budget + 3 * layer - _decoding(m)
+        allowed = max(0, min(MERGE_WORKERS, spare // max(1, _IN_FLIGHT * layer)))
+        while len(self.pending) > allowed:
+            self.pending.pop(0).result()  # the oldest layer first; raises a worker's error
+        idle = []
+        while True:
+            try:
+                idle.append(self.slots.get_nowait())
+            except queue.Empty:
+                break
+        for slot in idle:
+            slot.pop("buf", None)
+            self.slots.put(slot)
 
     def _reader(self, m: Move, w: np.ndarray | None):
         """What `merge_layer` reads: the base layer ``w`` taken by the caller's thread, the
@@ -253,21 +294,57 @@ class _MergeWriter:
 
         return read
 
-    def _submit(self, store, m: Move, i: int, read, layer, *, acquired: bool = False) -> None:
-        if not acquired:
-            self.free.acquire()
+    def _submit(self, store, m: Move, i: int, whole, index, layer) -> None:
+        """Merges layer ``i`` of ``m`` on a worker, once one is free, and writes it to
+        ``layer`` of ``store``: its base slice is copied out of ``whole`` (at ``index`` on
+        the layer axis) into the free worker's buffer, or read from the source."""
+        slot = self.slots.get()  # waits for a free worker
+        try:
+            w = None
+            if whole is not None and index is not None:
+                view = whole[(slice(None),) * m.axis + (index,)]
+                w = slot.get("buf")
+                if w is None or w.shape != view.shape or w.dtype != view.dtype:
+                    w = slot["buf"] = np.empty(view.shape, view.dtype)
+                w[...] = view  # the worker merges it in place
+            elif m.layer_count is not None:
+                w = merge_base(m, i, self.read_layer)
+            read = self._reader(m, w)
+        except BaseException:
+            self.slots.put(slot)
+            raise
 
         def work() -> None:
             try:
                 tskv.write_part(store, merge_layer(m, i, read, inplace=True), layer)
             finally:
-                self.free.release()
+                self.slots.put(slot)
 
-        done = [f for f in self.pending if f.done()]
-        for f in done:
+        for f in [f for f in self.pending if f.done()]:
             f.result()  # a worker's error stops the merge at once
         self.pending = [f for f in self.pending if not f.done()]
         self.pending.append(self.pool.submit(work))
+
+
+# A layer in flight holds its slice, tensorstore's copy of it, the encoded chunk and the
+# merge's scratch: about four slices.
+_IN_FLIGHT = 4
+
+
+def _decoding(m: Move) -> int:
+    """What decoding a merge_lora move's base kernel whole holds at its peak: the stored
+    chunk (compressed, at most the kernel's size) and the decoded kernel, plus a margin."""
+    return int(2.2 * m.spec.nbytes)
+
+
+def _whole_fits(m: Move, budget: int) -> bool:
+    """Whether a merge_lora move's stacked base kernel is decoded whole (see `_MergeWriter`)."""
+    return not m.layers and m.axis is not None and m.spec.nbytes <= budget
+
+
+def _layer_bytes(m: Move) -> int:
+    """The bytes of one layer of a merge_lora move's base kernel."""
+    return m.spec.nbytes // max(1, m.spec.shape[m.axis] if m.axis is not None else 1)
 
 
 def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
