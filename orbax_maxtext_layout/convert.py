@@ -204,23 +204,9 @@ def convert_step(
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
-        done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
-        report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
-        prov = stepmeta.read_provenance(step_dir)
-        if not dry_run and break_stale_lock(done):
-            report.notes.append("removed the lock of a dead run")
-        if not dry_run:
-            report.notes += stepdir.sweep_dead_work(done)
-        if (in_place or remove_legacy) and not dry_run and prov:
-            # Finish a run killed between its commit and the legacy removal, under the
-            # step lock (which also clears a dead run's lock).
-            try:
-                with step_lock(step_dir):
-                    stepdir.clean_stale_tmp(step_dir)
-                    report.notes += legacy_removal.remove_legacy(step_dir)
-            except StepLocked as e:
-                return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
-        return report
+        return _already_converted(
+            step_dir, dest, dry_run=dry_run, finish_removal=in_place or remove_legacy
+        )
     if layout is Layout.UNKNOWN and not is_committed(step_dir):
         note = (
             f"no {COMMIT_MARKER}: a save, move or conversion to it is in progress or "
@@ -259,6 +245,30 @@ def convert_step(
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
+
+
+def _already_converted(
+    step_dir: epath.Path, dest: epath.Path, *, dry_run: bool, finish_removal: bool
+) -> StepReport:
+    """The report of a step that already has ``items/`` (at ``dest`` or in place). A real
+    run also clears what dead runs left there (their lock, a half-built destination), and
+    with ``finish_removal`` finishes a run killed between its commit and its legacy removal,
+    under the step lock (which also clears a dead run's lock)."""
+    done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
+    report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
+    if dry_run:
+        return report
+    if break_stale_lock(done):
+        report.notes.append("removed the lock of a dead run")
+    report.notes += stepdir.sweep_dead_work(done)
+    if finish_removal and stepmeta.read_provenance(step_dir):
+        try:
+            with step_lock(step_dir):
+                stepdir.clean_stale_tmp(step_dir)
+                report.notes += legacy_removal.remove_legacy(step_dir)
+        except StepLocked as e:
+            return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
+    return report
 
 
 @dataclasses.dataclass(frozen=True)

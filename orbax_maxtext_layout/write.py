@@ -220,10 +220,10 @@ class _MergeWriter:
         whole = self._whole(m)
         self._prefetch(m, following)
         if m.layer_count is None:  # one layer: unscanned, or one layer of an unroll
-            self._submit(store, m, 0, whole, m.index, None)
+            self._submit(store, m, 0, whole=whole, index=m.index, layer=None)
             return
         for i in range(m.layer_count):
-            self._submit(store, m, i, whole, i, (m.axis, i))
+            self._submit(store, m, i, whole=whole, index=i, layer=(m.axis, i))
 
     def _whole(self, m: Move) -> np.ndarray | None:
         """The stacked base kernel of ``m`` decoded whole, if it fits in the budget: kept
@@ -294,7 +294,7 @@ class _MergeWriter:
 
         return read
 
-    def _submit(self, store, m: Move, i: int, whole, index, layer) -> None:
+    def _submit(self, store, m: Move, i: int, *, whole, index, layer) -> None:
         """Merges layer ``i`` of ``m`` on a worker, once one is free, and writes it to
         ``layer`` of ``store``: its base slice is copied out of ``whole`` (at ``index`` on
         the layer axis) into the free worker's buffer, or read from the source."""
