@@ -40,7 +40,7 @@ from .layout import (
 from .legacy_removal import REMOVING
 from .lock import LOCK_NAME, break_stale_lock, step_lock
 from .plan import plan_step
-from .restore import request_target, restore_request
+from .restore import RestoreRequest
 from .stepmeta import read_provenance
 from .steps import find_steps
 from .store import store_for
@@ -191,24 +191,17 @@ class LegacySteps:
     ) -> Any:
         """Legacy step ``step`` (in ``held``) as the MaxText items ``item`` asks for.
 
-        The one restore path of both managers: reads with `restore_request` and, when the
+        The one restore path of both managers: reads with a `RestoreRequest` and, when the
         request describes the whole model, queues the step for migration after the next
         committed save.
         """
-        request = request_target(item, restore_args)
-        specs: dict[str, Any] = {}  # each item's metadata read once, for both plans
         # A model-only step has no optimizer state: the caller's (fresh) one is kept.
-        out = restore_request(
-            held,
-            item,
-            restore_args,
-            partial_restore=partial,
-            transforms=transforms,
-            keep_missing=True,
-            request=request,
-            specs=specs,
+        request = RestoreRequest.of(
+            item, restore_args, partial_restore=partial, transforms=transforms, keep_missing=True
         )
-        target, skipped = request
+        specs: dict[str, Any] = {}  # each item's metadata read once, for both plans
+        out = request.restore(held, specs=specs)
+        target, skipped = request.target, set(request.skipped)
         if self._migrate == "on_save" and _covers_step(
             held, target, skipped, partial=partial, transforms=transforms, specs=specs
         ):
@@ -374,7 +367,7 @@ def _covers_step(
     if not target.nnx_aux or skipped or transforms is not None:
         return False
     if not partial:
-        return True  # restore_request already required every model leaf to fit
+        return True  # the restore already required every model leaf to fit
     try:  # a partial request (v1's partial_load) may still name every leaf
         plan_step(held, target, specs=specs)
     except LayoutMismatchError:

@@ -1,8 +1,8 @@
 """The one restore core: a Tunix-layout step read straight into a MaxText items request.
 
-`RestoreRequest` serves `MaxTextLayoutHandler`, `load_params_from_path` and both
-managers alike (the managers through `restore_request`): it turns the request (an
-items tree of abstract leaves, with its restore args) into a `Target` once, plans the
+`RestoreRequest` serves `MaxTextLayoutHandler`, `load_params_from_path` and both managers
+alike: it turns the request (an items tree of abstract leaves, with its restore args) into
+a `Target` once, plans the
 step against it (metadata only), narrows the plan to the leaves asked for, reads only
 those (each into its requested sharding) and assembles them in the request's structure.
 """
@@ -334,45 +334,6 @@ def _request_target(item: Any, restore_args: Any) -> tuple[Target, frozenset[Pat
     skipped = frozenset(p for p, v in items.items() if v is ocp.PLACEHOLDER)
     abstract = {p: _abstract_leaf(v, rargs.get(p)) for p, v in items.items() if p not in skipped}
     return Target.from_flat_items(abstract) if abstract else Target({}, {}), skipped
-
-
-def request_target(item: Any, restore_args: Any = None) -> tuple[Target, set[Path]]:
-    """The `Target` a request describes and the paths it skips, for a caller that needs
-    them before restoring (the manager); pass them back as ``request=``."""
-    target, skipped = _request_target(item, restore_args)
-    return target, set(skipped)
-
-
-def restore_request(
-    step_dir: epath.Path,
-    item: Any,
-    restore_args: Any = None,
-    *,
-    partial_restore: bool = False,
-    transforms: Any = None,
-    optimizer: OptimizerMode | None = None,
-    ignore: Iterable[str] = (),
-    keep_missing: bool = False,
-    restore: RestoreFn | None = None,
-    request: tuple[Target, set[Path]] | None = None,
-    specs: MutableMapping[str, FlatTree] | None = None,
-) -> Any:
-    """`RestoreRequest` in one call (``.of(...).restore(...)``), for the manager: the
-    options are `RestoreRequest.of`'s, ``restore``/``specs`` its `RestoreRequest.restore`'s;
-    ``request`` is `request_target` of ``item`` if the caller made it already (it is then
-    not flattened again)."""
-    options: dict[str, Any] = {
-        "partial_restore": partial_restore,
-        "transforms": transforms,
-        "optimizer": optimizer,
-        "ignore": ignore,
-        "keep_missing": keep_missing,
-    }
-    if request is None:
-        req = RestoreRequest.of(item, restore_args, **options)
-    else:
-        req = RestoreRequest.for_target(item, *request, **options)
-    return req.restore(step_dir, restore=restore, specs=specs)
 
 
 def _refuse_modelless(

@@ -17,7 +17,7 @@ constructor builds. So:
   ``checkpointables_metadata`` name the directory it is in;
 - ``load_checkpointables(step, {"items": abstract})``, ``load(step, abstract,
   checkpointable_name="items")`` and ``load_pytree`` read it as MaxText items, converted
-  against ``abstract`` and placed with its leaves' shardings (`restore.restore_request`);
+  against ``abstract`` and placed with its leaves' shardings (`restore.RestoreRequest`);
   the context's ``partial_load`` makes it a partial restore (a params-only request reads
   only the weights). Other requested checkpointables (e.g. ``iter``) load the stock v1
   way if the step holds them, else come back as ``None`` with a warning, as in the v0
