@@ -222,8 +222,18 @@ class _MergeWriter:
         if m.layer_count is None:  # one layer: unscanned, or one layer of an unroll
             self._submit(store, m, 0, whole=whole, index=m.index, layer=None)
             return
-        for i in range(m.layer_count):
-            self._submit(store, m, i, whole=whole, index=i, layer=(m.axis, i))
+        # Where the budget leaves no room for two layers in flight beside a decode, one:
+        # the other slots are held here meanwhile.
+        spare = self.budget + 3 * _layer_bytes(m) - _decoding(m)
+        fits = max(1, min(MERGE_WORKERS, spare // max(1, _IN_FLIGHT * _layer_bytes(m))))
+        held = [self.slots.get() for _ in range(MERGE_WORKERS - fits)]
+        try:
+            for i in range(m.layer_count):
+                self._submit(store, m, i, whole=whole, index=i, layer=(m.axis, i))
+        finally:
+            for slot in held:
+                slot.pop("buf", None)
+                self.slots.put(slot)
 
     def _whole(self, m: Move) -> np.ndarray | None:
         """The stacked base kernel of ``m`` decoded whole, if it fits in the budget: kept
@@ -326,9 +336,9 @@ class _MergeWriter:
         self.pending.append(self.pool.submit(work))
 
 
-# A layer in flight holds its slice, tensorstore's copy of it, the encoded chunk and the
-# merge's scratch: about four slices.
-_IN_FLIGHT = 4
+# A layer in flight holds its slice, tensorstore's copy of it, the encoded chunk (and the
+# kvstore's copy of it) and the merge's scratch: about five slices (measured).
+_IN_FLIGHT = 5
 
 
 def _decoding(m: Move) -> int:
