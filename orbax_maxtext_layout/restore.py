@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import jax
@@ -232,31 +232,6 @@ class RestoreRequest:
         """The request for ``item`` (an items tree of abstract leaves) and its
         ``restore_args`` (each leaf's sharding, as Orbax takes them)."""
         target, skipped = _request_target(item, restore_args)
-        return cls.for_target(
-            item,
-            target,
-            skipped,
-            partial_restore=partial_restore,
-            transforms=transforms,
-            optimizer=optimizer,
-            ignore=ignore,
-            keep_missing=keep_missing,
-        )
-
-    @classmethod
-    def for_target(
-        cls,
-        item: Any,
-        target: Target,
-        skipped: Collection[Path],
-        *,
-        partial_restore: bool = False,
-        transforms: Any = None,
-        optimizer: OptimizerMode | None = None,
-        ignore: Iterable[str] = (),
-        keep_missing: bool = False,
-    ) -> RestoreRequest:
-        """The request for ``item`` whose target and skipped paths are known already."""
         explicit = bool(partial_restore or transforms is not None or skipped)
         return cls(
             item, target, frozenset(skipped), explicit, optimizer, tuple(ignore), keep_missing

@@ -17,10 +17,8 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from . import placement
 from .errors import CheckpointReadError
 from .orbax_files import ItemFiles, count_io, open_kvstore, param_name, read_context
-from .store import store_for
 from .treepaths import Path
 
 # Source databases are cloned under the new item with this prefix, like Orbax's
@@ -306,18 +304,6 @@ def _flush(batch: list[tuple[Rename, list[bytes]]], sources: Mapping[str, Source
 def sub_kv(spec: dict, name: str) -> dict:
     """The KvStore spec of array ``name`` inside ``spec`` (paths are prefixes: append)."""
     return {**spec, "path": spec.get("path", "") + name + "/"}
-
-
-def clone_tree(src: epath.Path, dst: epath.Path, *, share: bool) -> placement.Placement:
-    """Clones an item directory; returns how its files were placed (`placement.Placement`).
-
-    ``share``: each file is shared with the source (a reflink where the file system
-    supports it, else a hard link, else a copy, counted with its reason; see `placement`).
-    Sharing is safe because Orbax never modifies a data file once written and the
-    clone is only ever read. Otherwise each file is a streaming copy. On an object
-    store (``gs://``) every object is copied server-side.
-    """
-    return store_for(src).clone_tree(src, dst, share=share)
 
 
 def write_array(dst_spec: dict, name: str, data: np.ndarray, *, use_zarr3: bool, context) -> None:

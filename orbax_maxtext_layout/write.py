@@ -86,7 +86,7 @@ def write_items(
         placed = placement.Placement(mode=placement.COPY_MODE if copy else placement.SHARE_MODE)
         for name in sorted(graft):
             child_dir = tmp / f"{tskv.CHILD_PREFIX}{name}"
-            placed.merge(tskv.clone_tree(sources[name].dir, child_dir, share=not copy))
+            placed.merge(store_for(tmp).clone_tree(sources[name].dir, child_dir, share=not copy))
             children[name] = orbax_files.open_kvstore(child_dir, ctx, use_ocdbt=True)
         parent = orbax_files.open_kvstore(tmp, ctx, use_ocdbt=True, merge=bool(graft))
         tskv.graft([_rename(m) for m in raw if m.item in graft], children, parent)
@@ -171,11 +171,14 @@ class _MergeWriter:
     A stacked base kernel is decoded whole when it fits in ``budget`` (Orbax stores an
     array written from one host as one chunk, so reading any layer decodes all of them:
     reading per layer would decode it once per layer for the same peak); otherwise layer by
-    layer (with per-layer or smaller stored chunks, only those are decoded). The LoRA
-    factors, small, are decoded whole once per move. The caller's thread takes each layer's
-    slice (a copy the worker merges in place) and waits for a free worker before taking the
-    next, so at most `MERGE_WORKERS` slices are in flight; once the last slice of a kernel
-    is taken, the kernel is dropped and the next one is decoded while the workers finish.
+    layer (with per-layer or smaller stored chunks, only those are decoded). A kernel is kept
+    while the next moves read it (the layers of an unroll), and its LoRA factors, small,
+    are decoded whole once with it. The caller's thread copies each layer's slice into a
+    free worker's buffer (merged there in place), so at most `MERGE_WORKERS` slices are in
+    flight, fewer where the budget leaves no room for them beside a decode. The next
+    kernel is decoded on another thread while this one is merged where both fit within
+    ``budget`` plus three layer slices; otherwise the layers in flight are drained to what
+    fits before it is decoded.
     """
 
     def __init__(self, read_layer, dst_json: dict, *, zarr3: bool, ctx, budget: int):

@@ -108,7 +108,7 @@ def test_private_orbax_api_we_rely_on_is_still_there():
     them this fails first, naming what to port."""
     from orbax.checkpoint._src.serialization import tensorstore_utils as tu
 
-    # tskv.open_ocdbt: a root database that references grafted sub-databases.
+    # orbax_files.open_kvstore(merge=True): a root database that references grafted sub-databases.
     assert tu.OcdbtWriteMode.MERGE is not None
     assert "ocdbt_write_options" in inspect.signature(tu.build_kvstore_tspec).parameters
     tu.OcdbtKvStoreWriteOptions(mode=tu.OcdbtWriteMode.MERGE)

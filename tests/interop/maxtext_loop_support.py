@@ -451,6 +451,15 @@ def weights(tree: dict[str, Leaf]) -> dict[str, Leaf]:
     return {p: x for p, x in tree.items() if p.startswith("params/")}
 
 
+def groups(tree: dict[str, Leaf]) -> dict[str, int]:
+    """How many leaves a flat items tree holds under each of its first two path levels."""
+    out: dict[str, int] = {}
+    for p in tree:
+        group = "/".join(p.split("/")[:2]) if "/" in p else p
+        out[group] = out.get(group, 0) + 1
+    return out
+
+
 def diff(got: dict[str, Leaf], want: dict[str, Leaf], *, step_by_value: bool = False) -> list[str]:
     """Paths whose leaves differ (missing or extra paths included). ``step_by_value``: compare
     ``step`` by its integer value only (Tunix stores it as uint32, MaxText as int32)."""
