@@ -460,6 +460,27 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from .export_hf import export_hf
+
+    report = export_hf(
+        args.step,
+        args.out,
+        maxtext_config=args.maxtext_config,
+        base=args.base,
+        alpha=args.alpha,
+        hf_model_path=args.hf_model_path,
+        override_model_architecture=args.override_model_architecture,
+        memory_budget=args.memory_budget,
+        max_shard_size=args.max_shard_size,
+        dry_run=args.dry_run,
+        process_index=args.process_index,
+        process_count=args.process_count,
+    )
+    print(report.to_json() if args.json else report)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Copies the shipped example RL run to a temp dir and converts it."""
     out = Path(args.out or tempfile.mkdtemp(prefix="omtl-demo-"))
@@ -480,7 +501,14 @@ _Subparsers = argparse._SubParsersAction  # the type of `add_subparsers`' result
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbax-maxtext-layout", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for add in (_add_convert, _add_verify, _add_inspect, _add_merge_lora, _add_demo):
+    for add in (
+        _add_convert,
+        _add_verify,
+        _add_inspect,
+        _add_merge_lora,
+        _add_export_hf,
+        _add_demo,
+    ):
         add(sub)
     return p
 
@@ -653,6 +681,51 @@ def _add_merge_lora(sub: _Subparsers) -> None:
     m.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
     _add_json(m)
     m.set_defaults(fn=cmd_merge_lora)
+
+
+def _add_export_hf(sub: _Subparsers) -> None:
+    e = sub.add_parser(
+        "export-hf",
+        help="export a step to Hugging Face safetensors, as MaxText's to_huggingface does "
+        "(streaming; LoRA steps merged with --base)",
+    )
+    e.add_argument(
+        "step",
+        metavar="STEP",
+        help="a MaxText or Tunix step (or its items/ or model_params/), a merge-lora output, "
+        "or a LoRA adapter step (with --base)",
+    )
+    e.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory")
+    e.add_argument("--base", help="a LoRA step's base: the step its run started from")
+    e.add_argument("--alpha", type=float, help="a LoRA run's lora.lora_alpha (unless recorded)")
+    e.add_argument(
+        "--hf-model-path", metavar="PATH", help="a local tokenizer directory to write beside"
+    )
+    e.add_argument(
+        "--override-model-architecture",
+        action="store_true",
+        help="write the MaxText config's sizes where they differ from MaxText's HF config",
+    )
+    _add_memory_budget(e)
+    e.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="split the weights into files of at most SIZE (default 3GiB, as MaxText)",
+    )
+    e.add_argument("--process-index", type=int, help="this process (several-process export)")
+    e.add_argument("--process-count", type=int, help="how many processes share the export")
+    e.add_argument(
+        "--maxtext-config",
+        nargs="+",
+        required=True,
+        action=_MaxTextConfigValues,
+        metavar=("CONFIG", "KEY=VALUE"),
+        help="the model's MaxText config: the config file, then KEY=VALUE overrides",
+    )
+    e.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
+    _add_json(e)
+    e.set_defaults(fn=cmd_export_hf)
 
 
 def _add_demo(sub: _Subparsers) -> None:

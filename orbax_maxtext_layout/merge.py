@@ -141,7 +141,7 @@ def plan_merge(
     if adapters.rank <= 0:
         raise LayoutMismatchError(f"{adapter_dir}: the LoRA factors have different ranks.")
     base_dir, item, item_dir = base_source(base)
-    plan, base_target = _base_plan(base_dir, item, item_dir, target, unnamed)
+    plan, base_target = params_plan(base_dir, item, item_dir, target, unnamed)
     merged, axis = _merge_moves(
         plan, adapters, alpha=alpha, target=base_target, scan_axis=scan_axis, base_dir=base_dir
     )
@@ -166,7 +166,7 @@ def plan_merge(
     return plan, adapters, float(alpha)
 
 
-def _base_plan(
+def params_plan(
     base_dir: epath.Path,
     item: str,
     item_dir: epath.Path,

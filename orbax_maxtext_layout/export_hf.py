@@ -1,0 +1,643 @@
+"""Export any step to Hugging Face safetensors, streaming, on one or many processes.
+
+The export is the plan of the step's MaxText params (`merge.params_plan`: a MaxText step's
+params copied, a Tunix step's weights told from its RNG state by the model, a LoRA step
+merged into ``base`` by the ``merge_lora`` op) with a new sink: each param's layers go
+through MaxText's own Hugging Face mapping (`hf_mapping`) into safetensors shards whose
+layout is fixed from metadata before a byte is read (`safetensors_out`). What it writes
+equals MaxText 0.2.5's ``to_huggingface`` in Base mode for the same weights.
+
+Memory: a param is decoded whole once (Orbax stores an array from one host as one chunk,
+and reading one layer decodes the chunk) when it fits the budget, else layer by layer;
+each layer is transformed and written at its place in its shard, then dropped. Two
+params are in flight at once where the budget holds both.
+
+Publication: the files are built in ``<out>.export-hf-tmp`` beside ``out`` and renamed to
+``out`` last, so a kill leaves nothing under ``out`` and a rerun completes. With several
+processes, process ``p`` writes shards ``p, p + n, ...`` and a marker; process 0 waits for
+every marker of the same export (`fingerprint`), writes the index, ``config.json`` and the
+tokenizer, and publishes. A process whose marker of the same export is already there (a
+rerun after a kill) skips its shards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from . import hf_mapping, safetensors_out, stepmeta, tskv
+from .errors import LayoutMismatchError, StepExistsError, UsageError
+from .hf_mapping import HfModel, Unit
+from .layout import TUNIX_PARAMS_ITEM
+from .merge import NOT_PARAMS, adapter_item, base_source, params_plan, plan_merge, read_adapters
+from .moves import Move, Op, merge_layer
+from .names import Dest
+from .provenance import SCAN_LAYERS_KEY
+from .safetensors_out import Shard, ShardFile, Tensor
+from .spec import read_specs
+from .target import Target
+from .treepaths import keystr
+from .write import DEFAULT_BUDGET
+
+WORK_SUFFIX = ".export-hf-tmp"
+DONE_PREFIX = ".done-"
+PART = ".part."
+WORKERS = 2
+NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
+WAIT_S = 24 * 3600  # process 0 waits this long for the others' shards
+
+
+# -- the report -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class ExportReport:
+    """What an export wrote (or, with ``dry_run``, would write), from metadata."""
+
+    step: str
+    out: str
+    status: str  # "dry-run" | "exported" | "shards written" (a process other than 0)
+    model_name: str
+    scan_layers: bool
+    weight_dtype: str
+    source: str  # what was read: "maxtext" | "tunix" | "tunix-lora-merge"
+    tensors: int
+    bytes: int
+    shards: list[dict[str, Any]]
+    memory: dict[str, int]
+    dropped: list[dict[str, Any]]
+    merged: dict[str, Any] | None = None
+    process: dict[str, int] = dataclasses.field(default_factory=dict)
+    files: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.status}: {self.step} -> {self.out}",
+            f"  model {self.model_name} (scan_layers={str(self.scan_layers).lower()}), "
+            f"{self.tensors} tensors, {self.bytes:,} bytes of {self.weight_dtype}, from "
+            f"{self.source}",
+        ]
+        if self.merged:
+            lines.append(
+                f"  merged LoRA: rank {self.merged['rank']}, alpha {self.merged['alpha']:g}, "
+                f"{len(self.merged['modules'])} modules, base {self.merged['base']}"
+            )
+        for s in self.shards:
+            mine = "" if s.get("process", 0) == self.process.get("index", 0) else " (other)"
+            lines.append(f"  {s['name']}: {s['tensors']} tensors, {s['bytes']:,} bytes{mine}")
+        m = self.memory
+        lines.append(
+            f"  memory: budget {m['budget']:,}, expected peak {m['expected_peak']:,} "
+            f"(largest param {m['largest_param']:,}, largest slice {m['largest_slice']:,})"
+        )
+        for d in self.dropped[:20]:
+            lines.append(f"  not exported: {d['leaf']} ({d['reason']})")
+        if len(self.dropped) > 20:
+            lines.append(f"  ... and {len(self.dropped) - 20} more not exported")
+        if self.files:
+            lines.append(f"  files: {', '.join(self.files)}")
+        return "\n".join(lines)
+
+
+# -- planning ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """Everything an export does, from metadata: the source plan, the HF units, the files."""
+
+    model: HfModel
+    moves: dict[str, Move]  # MaxText param key -> the move that makes it
+    sources: dict[str, epath.Path]  # item name -> directory
+    units: list[Unit]
+    shards: list[Shard]
+    report: ExportReport
+    fingerprint: str
+
+
+def plan_export(
+    step: epath.PathLike,
+    out: epath.PathLike,
+    *,
+    maxtext_config: Sequence[str],
+    base: epath.PathLike | None = None,
+    alpha: float | None = None,
+    override_model_architecture: bool = False,
+    memory_budget: int | None = None,
+    max_shard_size: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> ExportPlan:
+    """The export of ``step`` as an `ExportPlan`, from metadata alone (see `export_hf`)."""
+    step = epath.Path(step)
+    budget = DEFAULT_BUDGET if memory_budget is None else int(memory_budget)
+    src = _Source.of(step, base)
+    argv = src.argv(list(maxtext_config))
+    config = hf_mapping.load_config(argv)
+    model = hf_mapping.load_model(config, override_model_architecture=override_model_architecture)
+    target = Target.from_maxtext_config(argv)
+    plan, sources, merged = src.plan(target, alpha)
+    moves = {
+        "params-" + "-".join(str(k) for k in m.dst[2:]): m
+        for m in plan.moves
+        if m.dest is Dest.PARAMS
+    }
+    _check_model(step if base is None else epath.Path(base), moves, target)
+    units = hf_mapping.plan_units(model, {k: m.out_spec.shape for k, m in moves.items()})
+    problems = hf_mapping.check_units(model, units, {k: m.out_spec for k, m in moves.items()})
+    if problems:
+        raise LayoutMismatchError(
+            f"{step}: MaxText's Hugging Face mapping of {model.model_name} does not fit the "
+            f"step's params ({len(problems)} tensors):",
+            problems,
+            hint="Pass the --maxtext-config of the model that wrote the step.",
+        )
+    tensors = [
+        Tensor(n, s, model.weight_dtype)
+        for u in units
+        for n, s in hf_mapping.out_shapes(model, u).items()
+    ]
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise LayoutMismatchError(f"{step}: MaxText's mapping writes a tensor twice.")
+    shards = safetensors_out.layout_shards(
+        tensors,
+        safetensors_out.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
+    )
+    memory = _memory(model, units, moves, budget)
+    report = ExportReport(
+        step=str(step),
+        out=str(out),
+        status="dry-run",
+        model_name=model.model_name,
+        scan_layers=model.scan_layers,
+        weight_dtype=model.weight_dtype.name,
+        source=src.kind,
+        tensors=len(tensors),
+        bytes=sum(t.nbytes for t in tensors),
+        shards=[
+            {
+                "name": s.name,
+                "tensors": len(s.tensors),
+                "bytes": s.size,
+                "process": k % process_count,
+            }
+            for k, s in enumerate(shards)
+        ],
+        memory=memory,
+        dropped=[
+            {
+                "leaf": f"{d.item}/{keystr(d.src)}",
+                "reason": NOT_WEIGHT if d.reason == NOT_PARAMS else d.reason,
+            }
+            for d in plan.drops
+        ],
+        merged=merged,
+        process={"index": process_index, "count": process_count},
+    )
+    fp = _fingerprint(shards, sources, merged)
+    return ExportPlan(model, moves, sources, units, shards, report, fp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What ``step`` is: a MaxText step, a Tunix step, or a LoRA adapter step (with base)."""
+
+    step: epath.Path
+    base: epath.Path | None
+    kind: str
+    scan_layers: bool | None  # the form the params are stored in, where it can be told
+
+    @classmethod
+    def of(cls, step: epath.Path, base: epath.PathLike | None) -> _Source:
+        lora = _is_lora(step)
+        if lora and base is None:
+            raise LayoutMismatchError(
+                f"{step}: a LoRA adapter step holds only the adapters, not the model: pass "
+                "--base BASE (the step the LoRA run started from) to merge them on the fly, "
+                "or merge first with `orbax-maxtext-layout merge-lora` and export its output."
+            )
+        if base is not None and not lora:
+            raise UsageError(
+                f"{step}: not a LoRA adapter step; --base (and --alpha) are for LoRA steps only."
+            )
+        if lora:
+            assert base is not None
+            b = epath.Path(base)
+            return cls(step, b, "tunix-lora-merge", _scan_form(b))
+        kind = "tunix" if _item(step)[1] == TUNIX_PARAMS_ITEM else "maxtext"
+        return cls(step, None, kind, _scan_form(step))
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """``argv`` with the ``scan_layers`` of the stored form, as MaxText's
+        ``verify_and_sync_scan_layers`` syncs it (a conflicting explicit value is refused)."""
+        given = [a for a in argv if a.split("=", 1)[0] == "scan_layers"]
+        if self.scan_layers is None:
+            return argv
+        if given:
+            value = given[-1].split("=", 1)[1].strip().lower() in ("true", "1")
+            if value != self.scan_layers:
+                raise UsageError(
+                    f"{self.base or self.step}: the params are stored "
+                    f"{'scanned' if self.scan_layers else 'unscanned'}, but the config says "
+                    f"{given[-1]}: drop the key (it is read from the step) or export the "
+                    f"{'--unroll' if value is False else '--stack'} form of the step."
+                )
+            return argv
+        return [*argv, f"scan_layers={str(self.scan_layers).lower()}"]
+
+    def plan(self, target: Target, alpha: float | None):
+        if self.base is not None:
+            plan, adapters, a = plan_merge(self.step, self.base, alpha=alpha, target=target)
+            _, params_dir = adapter_item(self.step)
+            item, item_dir = _item(self.base)
+            merged = {
+                "base": str(self.base),
+                "alpha": a,
+                "rank": adapters.rank,
+                "modules": adapters.modules,
+            }
+            from .merge import LORA_ITEM
+
+            return plan, {item: item_dir, LORA_ITEM: params_dir}, merged
+        base_dir, item, item_dir = base_source(self.step)
+        plan, _ = params_plan(base_dir, item, item_dir, target)
+        return plan, {item: item_dir}, None
+
+
+def _item(step: epath.Path) -> tuple[epath.Path, str]:
+    _, item, item_dir = base_source(step)
+    return item_dir, item
+
+
+def _is_lora(step: epath.Path) -> bool:
+    try:
+        adapter_dir, params_dir = adapter_item(step)
+    except Exception:
+        return False
+    try:
+        read_adapters(adapter_dir, params_dir)
+    except LayoutMismatchError:
+        return False
+    return True
+
+
+def _scan_form(step: epath.Path) -> bool | None:
+    """Whether the params of ``step`` are stored scanned: as recorded (``scan_layers``
+    custom metadata), else from the tree (``layers_<i>`` or a numbered layer: unscanned)."""
+    item_dir, _ = _item(step)
+    recorded = stepmeta.custom(stepmeta.read(item_dir.parent)).get(SCAN_LAYERS_KEY)
+    if isinstance(recorded, bool):
+        return recorded
+    paths = read_specs(item_dir)
+    unscanned = any(
+        (str(k).startswith("layers_") and str(k)[7:].isdigit())
+        or (str(prev) == "layers" and str(k).isdigit())
+        for p in paths
+        for prev, k in itertools.pairwise(p)
+    )
+    has_layers = any("layers" in str(k) for p in paths for k in p)
+    return None if not has_layers else not unscanned
+
+
+def _check_model(step: epath.Path, moves: dict[str, Move], target: Target) -> None:
+    """The step's params against the config's model: every path and shape, both ways."""
+    have = {m.dst[2:]: m.out_spec for m in moves.values()}
+    want = dict(target.params)
+    problems = [
+        f"{keystr(p)}: the step has {have[p]}, the model {want[p]}"
+        for p in sorted(set(have) & set(want), key=keystr)
+        if tuple(have[p].shape) != tuple(want[p].shape)
+    ]
+    problems += [
+        f"{keystr(p)}: in the model, not in the step"
+        for p in sorted(set(want) - set(have), key=keystr)
+    ]
+    problems += [
+        f"{keystr(p)}: in the step, not in the model"
+        for p in sorted(set(have) - set(want), key=keystr)
+    ]
+    if problems:
+        raise LayoutMismatchError(
+            f"{step}: its params are not those of the --maxtext-config model "
+            f"({len(problems)} mismatches):",
+            problems,
+            hint="Pass the config (model_name and size overrides) of the model that wrote the step.",
+        )
+
+
+def _memory(
+    model: HfModel, units: list[Unit], moves: dict[str, Move], budget: int
+) -> dict[str, int]:
+    costs = sorted((_param_cost(model, moves[k]) for k in moves), reverse=True)
+    slices = [_slice_bytes(model, moves[u.keys[0]], u) for u in units]
+    largest_slice = max(slices, default=0)
+    in_flight = sum(c for c in costs[:WORKERS] if c <= budget) if costs else 0
+    held = min(budget, in_flight) if costs and costs[0] <= budget else largest_slice
+    return {
+        "budget": budget,
+        "largest_param": costs[0] if costs else 0,
+        "largest_slice": largest_slice,
+        "expected_peak": held + 3 * largest_slice,
+    }
+
+
+def _param_cost(model: HfModel, m: Move) -> int:
+    """Bytes held to decode a param whole: as stored, plus its cast to ``weight_dtype``
+    (and, for a merge, its factors)."""
+    s = m.out_spec
+    n = int(np.prod(s.shape, dtype=np.int64))
+    cast = n * model.weight_dtype.itemsize if np.dtype(s.dtype) != model.weight_dtype else 0
+    factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in dict.fromkeys(m.lora))
+    return s.nbytes + cast + factors
+
+
+def _slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
+    n = int(np.prod(m.out_spec.shape, dtype=np.int64))
+    if u.index is not None and u.axis is not None:
+        n //= max(1, m.out_spec.shape[u.axis])
+    return n * max(model.weight_dtype.itemsize, np.dtype(m.out_spec.dtype).itemsize) * len(u.keys)
+
+
+def _fingerprint(shards: list[Shard], sources: dict[str, epath.Path], merged: Any) -> str:
+    """Names one export: its files' layouts and its sources (paths and metadata versions)."""
+    from .store import store_for
+
+    h = hashlib.sha256()
+    for s in shards:
+        h.update(s.header)
+    for name, d in sorted(sources.items()):
+        meta = d / "_METADATA"
+        h.update(f"{name}={store_for(d).absolute(d)}:{store_for(d).version(meta)}".encode())
+    h.update(json.dumps(merged, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:32]
+
+
+# -- the export --------------------------------------------------------------------------
+def export_hf(
+    step: epath.PathLike,
+    out: epath.PathLike,
+    *,
+    maxtext_config: Sequence[str],
+    base: epath.PathLike | None = None,
+    alpha: float | None = None,
+    hf_model_path: str | None = None,
+    override_model_architecture: bool = False,
+    memory_budget: int | None = None,
+    max_shard_size: int | None = None,
+    dry_run: bool = False,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> ExportReport:
+    """Exports ``step`` to Hugging Face safetensors in ``out``; returns the report.
+
+    ``step``: a MaxText step (full state or param-only, scanned or not) or its ``items``;
+    a Tunix step (``<n>``, RL ``actor/<n>``) or its ``model_params``; a ``merge-lora``
+    output; or a LoRA adapter step with ``base`` (and ``alpha`` unless recorded), merged
+    on the fly. ``maxtext_config``: the config file, then KEY=VALUE overrides, of the
+    model (``scan_layers`` is read from the step). What is written equals MaxText 0.2.5's
+    ``to_huggingface`` in Base mode (see docs/export-hf.md). ``process_index`` /
+    ``process_count`` default to JAX's where ``jax.distributed`` is initialized.
+
+    Raises:
+      LayoutMismatchError: an adapter step without ``base``; a config of another model
+        (every mismatch named); a model MaxText cannot export; sizes that differ from
+        MaxText's HF config without ``override_model_architecture``.
+      UsageError: no alpha; MaxText not installed (`hf_mapping.MaxTextMissing`).
+      StepExistsError: ``out`` holds files already.
+    """
+    start = time.monotonic()
+    pi, pc = _processes(process_index, process_count)
+    out = epath.Path(out)
+    if not dry_run and out.exists() and any(out.iterdir()):
+        raise StepExistsError(f"{out}: already holds files; remove it or pass another --out.")
+    ep = plan_export(
+        step,
+        out,
+        maxtext_config=maxtext_config,
+        base=base,
+        alpha=alpha,
+        override_model_architecture=override_model_architecture,
+        memory_budget=memory_budget,
+        max_shard_size=max_shard_size,
+        process_index=pi,
+        process_count=pc,
+    )
+    if dry_run:
+        return ep.report
+    if str(out).startswith("gs://"):
+        raise UsageError(
+            f"{out}: export-hf writes to a local directory in this release; copy the "
+            "directory to the bucket afterwards (gsutil -m cp -r)."
+        )
+    work = out.parent / f"{out.name}{WORK_SUFFIX}"
+    work.mkdir(parents=True, exist_ok=True)
+    mine = [s for k, s in enumerate(ep.shards) if k % pc == pi]
+    done = work / f"{DONE_PREFIX}{pi}"
+    if not (done.exists() and done.read_text() == ep.fingerprint):
+        done.unlink(missing_ok=True)
+        _write_shards(ep, work, mine, budget=ep.report.memory["budget"])
+        _replace_text(done, ep.fingerprint)
+    report = ep.report
+    if pi != 0:
+        report.status = "shards written"
+    else:
+        _wait_for_all(work, ep.fingerprint, pc)
+        report.files = _finish(ep, work, out, hf_model_path)
+        report.status = "exported"
+    report.seconds = round(time.monotonic() - start, 3)
+    return report
+
+
+def _processes(index: int | None, count: int | None) -> tuple[int, int]:
+    if index is None and count is None:
+        try:
+            import jax
+
+            if jax.process_count() > 1:
+                return jax.process_index(), jax.process_count()
+        except Exception:
+            pass
+        return 0, 1
+    if index is None or count is None or not 0 <= index < count:
+        raise UsageError("--process-index and --process-count go together, 0 <= index < count.")
+    return index, count
+
+
+def _replace_text(path: epath.Path, text: str) -> None:
+    tmp = path.parent / f"{path.name}{PART}{socket.gethostname()}.{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(str(tmp), str(path))
+
+
+def _wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        missing = [
+            p
+            for p in range(count)
+            if not (
+                (work / f"{DONE_PREFIX}{p}").exists()
+                and (work / f"{DONE_PREFIX}{p}").read_text() == fingerprint
+            )
+        ]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{work}: processes {missing} did not write their shards.")
+        time.sleep(0.2)
+
+
+def _finish(
+    ep: ExportPlan, work: epath.Path, out: epath.Path, hf_model_path: str | None
+) -> list[str]:
+    """Process 0, once every shard is there: the index, config.json, the tokenizer; then
+    whatever else is in ``work`` (markers, parts of killed writers) goes, and ``work``
+    becomes ``out``."""
+    idx = safetensors_out.index(ep.shards)
+    if idx is not None:
+        _replace_text(work / safetensors_out.INDEX_FILE, json.dumps(idx, indent=2))
+    if hf_model_path:
+        hf_mapping.save_tokenizer(hf_model_path, str(work))
+    _replace_text(work / "config.json", hf_mapping.config_json(ep.model))
+    for f in work.iterdir():
+        if f.name.startswith(DONE_PREFIX) or PART in f.name:
+            f.unlink(missing_ok=True)
+    if out.exists():
+        out.rmdir()  # empty (checked first); a rename replaces only an empty directory
+    os.rename(str(work), str(out))
+    return sorted(f.name for f in out.iterdir())
+
+
+# -- writing ----------------------------------------------------------------------------------
+def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budget: int) -> None:
+    """Writes ``shards`` (each to a part file renamed into place when complete)."""
+    if not shards:
+        return
+    wanted = {t.name for s in shards for t in s.tensors}
+    files: dict[str, ShardFile] = {}
+    where: dict[str, ShardFile] = {}
+    who = f"{PART}{socket.gethostname()}.{os.getpid()}"
+    try:
+        for s in shards:
+            f = files[s.name] = ShardFile(str(work / f"{s.name}{who}"), s)
+            where.update({t.name: f for t in s.tensors})
+        groups: dict[tuple[str, ...], list[Unit]] = {}
+        for u in ep.units:
+            if any(n in wanted for n in u.names):
+                groups.setdefault(u.keys, []).append(u)
+        _run_groups(ep, groups, where, budget)
+        for s in shards:
+            files[s.name].close()
+            os.replace(files[s.name].path, str(work / s.name))
+    except BaseException:
+        for f in files.values():
+            try:
+                f.abandon()
+            except OSError:
+                pass
+        raise
+
+
+class _Budget:
+    """Bytes in flight, at most ``limit`` (one claim larger than it runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._cv = threading.Condition()
+
+    def take(self, n: int) -> int:
+        n = min(n, self.limit)
+        with self._cv:
+            self._cv.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    def give(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
+def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budget: int) -> None:
+    ctx = tskv.ts_context()
+    sources = {n: tskv.SourceItem.open(d, ctx) for n, d in ep.sources.items()}
+    gate = _Budget(budget)
+
+    def job(keys: tuple[str, ...], units: list[Unit]) -> None:
+        moves = [ep.moves[k] for k in keys]
+        cost = sum(_param_cost(ep.model, m) for m in moves)
+        whole = cost <= budget or any(u.whole for u in units)
+        held = gate.take(cost if whole else 0)
+        try:
+            reader = _Reader(sources, ctx, whole=whole)
+            for u in units:
+                arrays = [
+                    hf_mapping.restored(reader.layer(m, u.axis, u.index), ep.model.weight_dtype)
+                    for m in moves
+                ]
+                for name, arr in hf_mapping.transform(ep.model, u, arrays):
+                    if name in where:
+                        where[name].write(name, arr)
+                del arrays
+        finally:
+            gate.give(held)
+
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        futures = [pool.submit(job, k, us) for k, us in groups.items()]
+        for f in concurrent.futures.as_completed(futures):
+            f.result()
+
+
+class _Reader:
+    """Layers of a param's move, in stored form: decoded whole once (``whole``) and
+    sliced, or read layer by layer from storage."""
+
+    def __init__(self, sources: dict, ctx: Any, *, whole: bool) -> None:
+        self.sources, self.ctx, self.whole = sources, ctx, whole
+        self.cache: dict[tuple[str, Any], np.ndarray] = {}
+
+    def read_layer(self, item: str, path: Any, axis: int | None, index: int | None) -> np.ndarray:
+        if self.whole:
+            if (item, path) not in self.cache:
+                self.cache[item, path] = tskv.read_array(self.sources[item], path, self.ctx)
+            x = self.cache[item, path]
+            return x if axis is None or index is None else np.take(x, index, axis=axis)
+        layer = None if axis is None or index is None else (axis, index)
+        return tskv.read_array(self.sources[item], path, self.ctx, layer)
+
+    def layer(self, m: Move, axis: int | None, index: int | None) -> np.ndarray:
+        if m.op is Op.MERGE_LORA:
+            if index is None:
+                return (
+                    merge_layer(m, 0, self.read_layer)
+                    if m.layer_count is None
+                    else _stack(m, self.read_layer)
+                )
+            if m.axis != axis:
+                raise LayoutMismatchError(
+                    f"{keystr(m.dst)}: merged on layer axis {m.axis}, exported on {axis}."
+                )
+            return merge_layer(m, index, self.read_layer)
+        if m.op is not Op.COPY:
+            raise LayoutMismatchError(f"{keystr(m.dst)}: cannot export a {m.op.value} move.")
+        return self.read_layer(m.item, m.src, axis, index)
+
+
+def _stack(m: Move, read_layer: Callable) -> np.ndarray:
+    return np.stack([merge_layer(m, i, read_layer) for i in range(m.layer_count or 0)], axis=m.axis)

@@ -1,0 +1,185 @@
+"""Hugging Face safetensors files written in place, header first: the sink of `export_hf`.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (every
+tensor's dtype, shape and byte range, plus ``__metadata__``) and the tensors' bytes. Every
+shape and dtype of an export is known from metadata before a byte is computed, so the
+whole layout (`layout_shards`: which tensor goes in which file, at which offset) is fixed
+first, each file is created at its final size with its header, and each tensor is written
+at its offset (`ShardFile.write`) as soon as it is computed, in any order, by any thread:
+nothing is held until a file is complete.
+
+Shards follow MaxText 0.2.5's ``shard_checkpoint``: tensors in sorted name order, a new
+file when the next tensor would pass ``max_shard_size``; one file is
+``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 3 << 30  # MaxText's utils.DEFAULT_MAX_SHARD_SIZE (3 GiB)
+FILE_METADATA = {"format": "pt"}  # what MaxText's numpy save_file writes in every file
+
+_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def st_dtype(dtype: np.dtype | str) -> str:
+    """The safetensors name of a numpy dtype (``float32`` -> ``F32``)."""
+    name = np.dtype(dtype).name
+    if name not in _DTYPES:
+        raise ValueError(f"safetensors has no dtype for {name}")
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor of the export: its name, shape and dtype (what the header says)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One file: its name, its tensors in file order, and each one's byte range."""
+
+    name: str
+    tensors: tuple[Tensor, ...]
+    header: bytes  # the length prefix and the JSON header, as written at offset 0
+    offsets: dict[str, tuple[int, int]]  # tensor name -> (start, end) in the file
+
+    @property
+    def size(self) -> int:
+        """The file's size in bytes."""
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def layout_shards(
+    tensors: Iterable[Tensor], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+) -> list[Shard]:
+    """The files of ``tensors``: MaxText's greedy split over sorted names (module docstring)."""
+    groups: list[list[Tensor]] = [[]]
+    size = 0
+    for t in sorted(tensors, key=lambda t: t.name):
+        if groups[-1] and size + t.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    if len(groups) == 1:
+        return [_shard(WEIGHTS_FILE, groups[0])]
+    n = len(groups)
+    return [
+        _shard(WEIGHTS_FILE.replace(".safetensors", f"-{i:05d}-of-{n:05d}.safetensors"), g)
+        for i, g in enumerate(groups, 1)
+    ]
+
+
+def _shard(name: str, tensors: Sequence[Tensor]) -> Shard:
+    # Larger alignments first, then by name, as the safetensors library orders its files.
+    ordered = sorted(tensors, key=lambda t: (-np.dtype(t.dtype).itemsize, t.name))
+    header: dict[str, object] = {"__metadata__": dict(FILE_METADATA)}
+    ranges: dict[str, tuple[int, int]] = {}
+    at = 0
+    for t in ordered:
+        header[t.name] = {
+            "dtype": st_dtype(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [at, at + t.nbytes],
+        }
+        ranges[t.name] = (at, at + t.nbytes)
+        at += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    prefix = struct.pack("<Q", len(text)) + text
+    offsets = {k: (len(prefix) + a, len(prefix) + b) for k, (a, b) in ranges.items()}
+    return Shard(name, tuple(ordered), prefix, offsets)
+
+
+def index(shards: Sequence[Shard]) -> dict | None:
+    """``model.safetensors.index.json`` of a split export (None for a single file)."""
+    if len(shards) == 1:
+        return None
+    return {
+        "metadata": {"total_size": sum(s.data_bytes for s in shards)},
+        "weight_map": {t.name: s.name for s in shards for t in sorted(s.tensors, key=_by_name)},
+    }
+
+
+def _by_name(t: Tensor) -> str:
+    return t.name
+
+
+class ShardFile:
+    """A shard being written: created at its final size with its header; `write` puts a
+    tensor's bytes at its offset (thread-safe: ``os.pwrite`` on disjoint ranges)."""
+
+    def __init__(self, path: str, shard: Shard) -> None:
+        self.path = path
+        self.shard = shard
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, shard.size)
+        os.pwrite(self._fd, shard.header, 0)
+        self._left = {t.name: t for t in shard.tensors}
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        t = self._left.pop(name)
+        a = np.ascontiguousarray(array)
+        if a.shape != t.shape or a.dtype != np.dtype(t.dtype):
+            raise ValueError(
+                f"{self.shard.name}: {name} is {a.dtype}{list(a.shape)}, its header says "
+                f"{np.dtype(t.dtype)}{list(t.shape)}"
+            )
+        start, end = self.shard.offsets[name]
+        view = memoryview(a.reshape(-1).view(np.uint8))
+        done = 0
+        while done < end - start:  # pwrite may write less than asked
+            done += os.pwrite(self._fd, view[done:], start + done)
+
+    @property
+    def missing(self) -> list[str]:
+        return sorted(self._left)
+
+    def close(self) -> None:
+        """Flushes the file to disk (after every tensor was written) and closes it."""
+        if self._left:
+            raise ValueError(f"{self.shard.name}: tensors never written: {self.missing[:5]}")
+        os.fsync(self._fd)
+        os.close(self._fd)
+
+    def abandon(self) -> None:
+        os.close(self._fd)
