@@ -265,7 +265,7 @@ class _Source:
         if self.base is not None:
             plan, adapters, a = plan_merge(self.step, self.base, alpha=alpha, target=target)
             _, params_dir = adapter_item(self.step)
-            item, item_dir = _item(self.base)
+            item_dir, item = _item(self.base)
             merged = {
                 "base": str(self.base),
                 "alpha": a,
