@@ -157,7 +157,7 @@ class ShardFile:
         self._left = {t.name: t for t in shard.tensors}
 
     def write(self, name: str, array: np.ndarray) -> None:
-        t = self._left.pop(name)
+        t = self._left[name]
         a = np.ascontiguousarray(array)
         if a.shape != t.shape or a.dtype != np.dtype(t.dtype):
             raise ValueError(
@@ -169,6 +169,7 @@ class ShardFile:
         done = 0
         while done < end - start:  # pwrite may write less than asked
             done += os.pwrite(self._fd, view[done:], start + done)
+        self._left.pop(name)
 
     @property
     def missing(self) -> list[str]:

@@ -1,0 +1,113 @@
+"""The safetensors sink of export-hf: files laid out from shapes alone, written tensor by
+tensor in any order, read back by the safetensors library itself."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import random
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from orbax_maxtext_layout import safetensors_out as so
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - jax brings ml_dtypes
+    BF16 = None
+
+
+def _tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {}
+    for i in range(12):
+        shape = tuple(int(x) for x in rng.integers(1, 9, size=int(rng.integers(1, 4))))
+        dtype = [np.float32, np.float16, np.int32, np.float64][i % 4]
+        out[f"model.layers.{i}.w{i % 3}.weight"] = (rng.standard_normal(shape) * 9).astype(dtype)
+    out["model.embed_tokens.weight"] = rng.standard_normal((5, 3)).astype(np.float32)
+    return out
+
+
+def _write(tmp_path, arrays: dict[str, np.ndarray], max_shard_size: int) -> list[so.Shard]:
+    shards = so.layout_shards(
+        [so.Tensor(n, a.shape, a.dtype) for n, a in arrays.items()], max_shard_size
+    )
+    files = [so.ShardFile(str(tmp_path / s.name), s) for s in shards]
+    where = {t.name: f for f in files for t in f.shard.tensors}
+    names = list(arrays)
+    random.Random(0).shuffle(names)  # any order, from two threads
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda n: where[n].write(n, arrays[n]), names))
+    for f in files:
+        f.close()
+    return shards
+
+
+def test_one_file_reads_back_with_safetensors(tmp_path):
+    arrays = _tensors(np.random.default_rng(0))
+    shards = _write(tmp_path, arrays, so.DEFAULT_MAX_SHARD_SIZE)
+    assert [s.name for s in shards] == ["model.safetensors"]
+    assert so.index(shards) is None
+    got = load_file(str(tmp_path / "model.safetensors"))
+    assert set(got) == set(arrays)
+    for n, a in arrays.items():
+        assert got[n].dtype == a.dtype and got[n].shape == a.shape
+        assert got[n].tobytes() == a.tobytes(), n
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert (tmp_path / "model.safetensors").stat().st_size == shards[0].size
+
+
+def test_shards_split_greedily_over_sorted_names_with_a_consistent_index(tmp_path):
+    arrays = _tensors(np.random.default_rng(1))
+    limit = 300
+    shards = _write(tmp_path, arrays, limit)
+    n = len(shards)
+    assert n > 2
+    assert [s.name for s in shards] == [
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]
+    # MaxText's shard_checkpoint: sorted names, a new file when the next would pass the limit
+    order = [t.name for s in shards for t in sorted(s.tensors, key=lambda t: t.name)]
+    assert order == sorted(arrays)
+    for s, nxt in itertools.pairwise(shards):
+        assert s.data_bytes + min(nxt.tensors, key=lambda t: t.name).nbytes > limit
+    idx = so.index(shards)
+    assert idx["metadata"]["total_size"] == sum(a.nbytes for a in arrays.values())
+    assert set(idx["weight_map"]) == set(arrays)
+    for name, file in idx["weight_map"].items():
+        got = load_file(str(tmp_path / file))
+        assert got[name].tobytes() == arrays[name].tobytes()
+        with safe_open(str(tmp_path / file), "np") as f:
+            assert f.metadata() == {"format": "pt"}
+    json.dumps(idx)
+
+
+@pytest.mark.skipif(BF16 is None, reason="needs ml_dtypes")
+def test_bfloat16_is_named_bf16(tmp_path):
+    a = np.arange(6, dtype=np.float32).reshape(2, 3).astype(BF16)
+    _write(tmp_path, {"x": a}, so.DEFAULT_MAX_SHARD_SIZE)
+    header_len = int.from_bytes((tmp_path / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((tmp_path / "model.safetensors").read_bytes()[8 : 8 + header_len])
+    assert header["x"]["dtype"] == "BF16" and header["x"]["shape"] == [2, 3]
+    assert (8 + header_len) % 8 == 0
+
+
+def test_a_tensor_of_another_shape_or_dtype_is_refused_and_a_missing_one_blocks_close(tmp_path):
+    shard = so.layout_shards(
+        [so.Tensor("a", (2, 2), np.float32), so.Tensor("b", (3,), np.float32)]
+    )[0]
+    f = so.ShardFile(str(tmp_path / shard.name), shard)
+    with pytest.raises(ValueError, match="header says"):
+        f.write("a", np.zeros((4,), np.float32))
+    f2 = so.ShardFile(str(tmp_path / "other.safetensors"), shard)
+    f2.write("a", np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="never written"):
+        f2.close()
+    f.abandon()
+    f2.abandon()
