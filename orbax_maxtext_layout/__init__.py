@@ -18,6 +18,7 @@ from .errors import (
     StepLocked,
     UsageError,
 )
+from .export_hf import ExportReport, export_hf, plan_export
 from .handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointReadError",
     "Dest",
     "Drop",
+    "ExportReport",
     "Layout",
     "LayoutMismatchError",
     "LeafSpec",
@@ -83,12 +85,14 @@ __all__ = [
     "convert_step",
     "converted_provenance",
     "detect_layout",
+    "export_hf",
     "find_steps",
     "load_params_from_path",
     "make_plan",
     "maxtext_opt_state",
     "merge_lora",
     "narrow",
+    "plan_export",
     "plan_merge",
     "plan_step",
     "read_specs",

@@ -47,6 +47,7 @@ from .names import Dest
 from .provenance import SCAN_LAYERS_KEY
 from .safetensors_out import Shard, ShardFile, Tensor
 from .spec import read_specs
+from .store import store_for
 from .target import Target
 from .treepaths import keystr
 from .write import DEFAULT_BUDGET
@@ -376,8 +377,6 @@ def _slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
 
 def _fingerprint(shards: list[Shard], sources: dict[str, epath.Path], merged: Any) -> str:
     """Names one export: its files' layouts and its sources (paths and metadata versions)."""
-    from .store import store_for
-
     h = hashlib.sha256()
     for s in shards:
         h.update(s.header)
@@ -440,7 +439,7 @@ def export_hf(
     )
     if dry_run:
         return ep.report
-    if str(out).startswith("gs://"):
+    if store_for(out).builds_in_place:  # an object store: no rename to publish with
         raise UsageError(
             f"{out}: export-hf writes to a local directory in this release; copy the "
             "directory to the bucket afterwards (gsutil -m cp -r)."
