@@ -334,9 +334,28 @@ def check(got_dir: Path, want_dir: Path) -> list[str]:
             diffs.append(f"missing {name}")
         elif json.loads(g.read_text()) != json.loads(w.read_text()):
             a, b = json.loads(g.read_text()), json.loads(w.read_text())
-            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            diffs.append(f"{name} differs in {keys}")
+            # Ours names the dtype written (MaxText's keeps its HF default, or none), and
+            # keeps one layer_types entry per layer (docs/export-hf.md).
+            keys = sorted(
+                k
+                for k in set(a) | set(b)
+                if a.get(k) != b.get(k) and k not in ("dtype", "layer_types")
+            )
+            if keys:
+                diffs.append(f"{name} differs in {keys}")
+            if a.get("dtype") not in (None, i_dtype(got_dir)):
+                diffs.append(f"{name}: dtype {a.get('dtype')} is not the dtype written")
     return diffs
+
+
+def i_dtype(directory: Path) -> str:
+    """The dtype of the tensors in ``directory``'s first safetensors file, as HF names it."""
+    f = sorted(directory.glob("*.safetensors"))[0]
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    st = next(v["dtype"] for k, v in header.items() if k != "__metadata__")
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[st]
 
 
 # -- the run -----------------------------------------------------------------------------------

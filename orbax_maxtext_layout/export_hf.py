@@ -56,6 +56,7 @@ WORK_SUFFIX = ".export-hf-tmp"
 DONE_PREFIX = ".done-"
 PART = ".part."
 WORKERS = 2
+DECODING = 2.2  # a whole-chunk decode holds ~2.2x the array (write._decoding, measured)
 NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
 WAIT_S = 24 * 3600  # process 0 waits this long for the others' shards
 
@@ -345,27 +346,35 @@ def _check_model(step: epath.Path, moves: dict[str, Move], target: Target) -> No
 def _memory(
     model: HfModel, units: list[Unit], moves: dict[str, Move], budget: int
 ) -> dict[str, int]:
-    costs = sorted((_param_cost(model, moves[k]) for k in moves), reverse=True)
-    slices = [_slice_bytes(model, moves[u.keys[0]], u) for u in units]
-    largest_slice = max(slices, default=0)
-    in_flight = sum(c for c in costs[:WORKERS] if c <= budget) if costs else 0
-    held = min(budget, in_flight) if costs and costs[0] <= budget else largest_slice
+    """What the export holds at once: at most ``WORKERS`` params in flight within the
+    budget (a param over it runs alone), plus the slices being transformed."""
+    groups: dict[tuple[str, ...], list[Unit]] = {}
+    for u in units:
+        groups.setdefault(u.keys, []).append(u)
+    costs = sorted(
+        (_group_cost(model, [moves[k] for k in ks], us) for ks, us in groups.items()),
+        reverse=True,
+    )
+    largest_slice = max((_slice_bytes(model, moves[u.keys[0]], u) for u in units), default=0)
+    fitting = [c for c in costs if c <= budget]
+    held = max(min(budget, sum(fitting[:WORKERS])), costs[0] if costs else 0)
     return {
         "budget": budget,
-        "largest_param": costs[0] if costs else 0,
+        "largest_param": max((m.out_spec.nbytes for m in moves.values()), default=0),
         "largest_slice": largest_slice,
         "expected_peak": held + 3 * largest_slice,
     }
 
 
-def _param_cost(model: HfModel, m: Move) -> int:
-    """Bytes held to decode a param whole: as stored, plus its cast to ``weight_dtype``
-    (and, for a merge, its factors)."""
-    s = m.out_spec
-    n = int(np.prod(s.shape, dtype=np.int64))
-    cast = n * model.weight_dtype.itemsize if np.dtype(s.dtype) != model.weight_dtype else 0
-    factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in dict.fromkeys(m.lora))
-    return s.nbytes + cast + factors
+def _group_cost(model: HfModel, moves: list[Move], units: list[Unit]) -> int:
+    """Bytes a param's job holds: the param decoded whole (its stored chunk and the
+    decoded array side by side while decoding, measured at 2.2 times the array), a
+    merge's factors, and its largest slice three times over (cast to ``weight_dtype``,
+    handed to the hooks, and their output)."""
+    stored = int(DECODING * sum(m.out_spec.nbytes for m in moves))
+    factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for m in moves for f in dict.fromkeys(m.lora))
+    biggest = max((_slice_bytes(model, moves[0], u) for u in units), default=0)
+    return stored + factors + 3 * biggest
 
 
 def _slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
@@ -580,9 +589,11 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
 
     def job(keys: tuple[str, ...], units: list[Unit]) -> None:
         moves = [ep.moves[k] for k in keys]
-        cost = sum(_param_cost(ep.model, m) for m in moves)
+        cost = _group_cost(ep.model, moves, units)
         whole = cost <= budget or any(u.whole for u in units)
-        held = gate.take(cost if whole else 0)
+        held = gate.take(
+            cost if whole else 3 * max(_slice_bytes(ep.model, moves[0], u) for u in units)
+        )
         try:
             reader = _Reader(sources, ctx, whole=whole)
             for u in units:
@@ -590,10 +601,12 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
                     hf_mapping.restored(reader.layer(m, u.axis, u.index), ep.model.weight_dtype)
                     for m in moves
                 ]
+                if u.index is None:
+                    reader.cache.clear()  # the param's only unit: hold the slice only
                 for name, arr in hf_mapping.transform(ep.model, u, arrays):
                     if name in where:
                         where[name].write(name, arr)
-                del arrays
+                    del arr
         finally:
             gate.give(held)
 

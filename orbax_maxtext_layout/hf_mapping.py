@@ -296,11 +296,13 @@ def _hooked(model: HfModel, unit: Unit, arrays: list) -> Any:
 
 def transform(model: HfModel, unit: Unit, arrays: list[np.ndarray]) -> list[tuple[str, np.ndarray]]:
     """The HF tensors of one unit, from its slice(s) as MaxText restores them (floats
-    already in ``weight_dtype``): MaxText's hooks, then its cast to ``weight_dtype``."""
+    already in ``weight_dtype``): MaxText's hooks, then its cast to ``weight_dtype``.
+    ``arrays`` is emptied once JAX holds its slices, so that they are not held twice."""
     import jax.numpy as jnp
 
     _, mu, _, _ = _maxtext()
     xs = [jnp.asarray(a) for a in arrays]
+    arrays.clear()  # the caller's host copies go once JAX holds the slices
     if unit.whole:
         x = xs if len(unit.keys) > 1 else xs[0]
         key = unit.keys if len(unit.keys) > 1 else unit.keys[0]
