@@ -23,12 +23,15 @@ rerun after a kill) skips its shards.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,12 +50,12 @@ from .names import Dest
 from .provenance import SCAN_LAYERS_KEY
 from .safetensors_out import Shard, ShardFile, Tensor
 from .spec import read_specs
-from .store import store_for
+from .store import EXPORT_WORK_SUFFIX, store_for
 from .target import Target
 from .treepaths import keystr
 from .write import DEFAULT_BUDGET
 
-WORK_SUFFIX = ".export-hf-tmp"
+CONFIG_FILE = "config.json"  # published last on an object store
 DONE_PREFIX = ".done-"
 PART = ".part."
 WORKERS = 2
@@ -432,7 +435,8 @@ def export_hf(
     start = time.monotonic()
     pi, pc = _processes(process_index, process_count)
     out = epath.Path(out)
-    if not dry_run and out.exists() and any(out.iterdir()):
+    store = store_for(out)
+    if not dry_run and store.dir_taken(out, last=CONFIG_FILE):
         raise StepExistsError(f"{out}: already holds files; remove it or pass another --out.")
     ep = plan_export(
         step,
@@ -448,19 +452,15 @@ def export_hf(
     )
     if dry_run:
         return ep.report
-    if store_for(out).builds_in_place:  # an object store: no rename to publish with
-        raise UsageError(
-            f"{out}: export-hf writes to a local directory in this release; copy the "
-            "directory to the bucket afterwards (gsutil -m cp -r)."
-        )
-    work = out.parent / f"{out.name}{WORK_SUFFIX}"
-    work.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f"{out.name}{EXPORT_WORK_SUFFIX}"
+    if not store.builds_in_place:
+        work.mkdir(parents=True, exist_ok=True)
     mine = [s for k, s in enumerate(ep.shards) if k % pc == pi]
     done = work / f"{DONE_PREFIX}{pi}"
-    if not (done.exists() and done.read_text() == ep.fingerprint):
+    if _marker(store, done) != ep.fingerprint:
         done.unlink(missing_ok=True)
         _write_shards(ep, work, mine, budget=ep.report.memory["budget"])
-        _replace_text(done, ep.fingerprint)
+        store.replace_file(done, ep.fingerprint)
     report = ep.report
     if pi != 0:
         report.status = "shards written"
@@ -487,22 +487,21 @@ def _processes(index: int | None, count: int | None) -> tuple[int, int]:
     return index, count
 
 
-def _replace_text(path: epath.Path, text: str) -> None:
-    tmp = path.parent / f"{path.name}{PART}{socket.gethostname()}.{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(str(tmp), str(path))
+def _marker(store: Any, path: epath.Path) -> str | None:
+    """The fingerprint a process's marker holds (None: no marker)."""
+    store.refresh(path)
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
 def _wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
+    store = store_for(work)
     deadline = time.monotonic() + WAIT_S
     while True:
         missing = [
-            p
-            for p in range(count)
-            if not (
-                (work / f"{DONE_PREFIX}{p}").exists()
-                and (work / f"{DONE_PREFIX}{p}").read_text() == fingerprint
-            )
+            p for p in range(count) if _marker(store, work / f"{DONE_PREFIX}{p}") != fingerprint
         ]
         if not missing:
             return
@@ -514,21 +513,26 @@ def _wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
 def _finish(
     ep: ExportPlan, work: epath.Path, out: epath.Path, hf_model_path: str | None
 ) -> list[str]:
-    """Process 0, once every shard is there: the index, config.json, the tokenizer; then
-    whatever else is in ``work`` (markers, parts of killed writers) goes, and ``work``
-    becomes ``out``."""
+    """Process 0, once every shard is there: the index, the tokenizer, config.json; then
+    the markers go, and ``work`` becomes ``out`` (config.json last on an object store)."""
+    store = store_for(work)
     idx = safetensors_out.index(ep.shards)
     if idx is not None:
-        _replace_text(work / safetensors_out.INDEX_FILE, json.dumps(idx, indent=2))
+        store.replace_file(work / safetensors_out.INDEX_FILE, json.dumps(idx, indent=2))
     if hf_model_path:
-        hf_mapping.save_tokenizer(hf_model_path, str(work))
-    _replace_text(work / "config.json", hf_mapping.config_json(ep.model))
+        staging = epath.Path(tempfile.mkdtemp(prefix="orbax-maxtext-layout-tokenizer-"))
+        try:
+            for name in hf_mapping.save_tokenizer(hf_model_path, str(staging)):
+                store.put_file(staging / name, work / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    store.replace_file(work / CONFIG_FILE, hf_mapping.config_json(ep.model))
+    store.refresh(work)
     for f in work.iterdir():
         if f.name.startswith(DONE_PREFIX) or PART in f.name:
-            f.unlink(missing_ok=True)
-    if out.exists():
-        out.rmdir()  # empty (checked first); a rename replaces only an empty directory
-    os.rename(str(work), str(out))
+            f.unlink(missing_ok=True)  # markers, and parts of writers killed on the way
+    store.publish_dir(work, out, last=CONFIG_FILE)
+    store.refresh(out)
     return sorted(f.name for f in out.iterdir())
 
 
@@ -541,9 +545,11 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budg
     files: dict[str, ShardFile] = {}
     where: dict[str, ShardFile] = {}
     who = f"{PART}{socket.gethostname()}.{os.getpid()}"
+    store = store_for(work)
+    staging = store.staging_dir(work)
     try:
         for s in shards:
-            f = files[s.name] = ShardFile(str(work / f"{s.name}{who}"), s)
+            f = files[s.name] = ShardFile(str(staging / f"{s.name}{who}"), s)
             where.update({t.name: f for t in s.tensors})
         groups: dict[tuple[str, ...], list[Unit]] = {}
         for u in ep.units:
@@ -552,14 +558,15 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budg
         _run_groups(ep, groups, where, budget)
         for s in shards:
             files[s.name].close()
-            os.replace(files[s.name].path, str(work / s.name))
+            store.put_file(epath.Path(files[s.name].path), work / s.name)
     except BaseException:
         for f in files.values():
-            try:
+            with contextlib.suppress(OSError):
                 f.abandon()
-            except OSError:
-                pass
         raise
+    finally:
+        if str(staging) != str(work):
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 class _Budget:

@@ -92,13 +92,27 @@ def _objects(fs: Any, path: epath.PathLike) -> list[str]:
     return [f[len(root) :] for f in fs.find(root) if not f.endswith("/")]
 
 
-def copy_tree(src: epath.Path, dst: epath.Path, *, skip: tuple[str, ...] = ()) -> None:
-    """Copies every object under ``src`` (but the relative names in ``skip``) to ``dst``
-    with server-side copies (no data through the client)."""
+def copy_tree(
+    src: epath.Path,
+    dst: epath.Path,
+    *,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """Copies every object under ``src`` (but the relative names in ``skip``; only those
+    in ``only`` if given) to ``dst`` with server-side copies (no data through the client)."""
     fs = _fs(src)
     s, d = _key(fs, src), _key(fs, dst)
-    names = [n for n in _objects(fs, src) if n not in skip]
-    fs.copy([f"{s}/{n}" for n in names], [f"{d}/{n}" for n in names])
+    names = [n for n in _objects(fs, src) if n not in skip and (only is None or n in only)]
+    if names:
+        fs.copy([f"{s}/{n}" for n in names], [f"{d}/{n}" for n in names])
+    refresh(dst)
+
+
+def upload(local: epath.PathLike, dst: epath.Path) -> None:
+    """Uploads the local file ``local`` to the object ``dst``, streamed from disk."""
+    fs = _fs(dst)
+    fs.put_file(str(local), _key(fs, dst))
     refresh(dst)
 
 

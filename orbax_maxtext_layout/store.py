@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Container, Hashable
@@ -114,6 +115,28 @@ class StepStore:
 
     def dest_taken(self, dest: epath.Path) -> bool:
         """Whether a separate destination already holds something a write must not replace."""
+        raise NotImplementedError
+
+    # -- a directory of plain files published whole (export-hf) ------------------------------
+    def staging_dir(self, work: epath.Path) -> epath.Path:
+        """A local directory where files bound for ``work`` are written (``work`` itself on
+        a disk; a local temporary directory for an object store, removed by `put_file`'s
+        caller)."""
+        raise NotImplementedError
+
+    def put_file(self, local: epath.Path, dst: epath.Path) -> None:
+        """Makes the complete local file ``local`` (from `staging_dir`) appear whole at
+        ``dst``, and removes ``local``."""
+        raise NotImplementedError
+
+    def publish_dir(self, work: epath.Path, dest: epath.Path, *, last: str) -> None:
+        """Makes the files in ``work`` appear at ``dest`` (absent or empty), the file named
+        ``last`` after all the others, and removes ``work``."""
+        raise NotImplementedError
+
+    def dir_taken(self, dest: epath.Path, *, last: str) -> bool:
+        """Whether ``dest`` holds files a `publish_dir` of it must not replace: a published
+        directory (``last`` is there) or files of someone else."""
         raise NotImplementedError
 
     # -- files ----------------------------------------------------------------------------
@@ -266,6 +289,21 @@ class LocalStore(StepStore):
         work.rmtree(missing_ok=True)  # a temporary sibling: no one else's lock inside
 
     def dest_taken(self, dest: epath.Path) -> bool:
+        return dest.exists() and any(dest.iterdir())
+
+    def staging_dir(self, work: epath.Path) -> epath.Path:
+        return work
+
+    def put_file(self, local: epath.Path, dst: epath.Path) -> None:
+        if str(local) != str(dst):
+            os.replace(str(local), str(dst))  # the same directory: a rename
+
+    def publish_dir(self, work: epath.Path, dest: epath.Path, *, last: str) -> None:
+        if dest.exists():
+            dest.rmdir()  # empty (`dir_taken`): a rename replaces only an empty directory
+        os.rename(str(work), str(dest))  # every file appears at once
+
+    def dir_taken(self, dest: epath.Path, *, last: str) -> bool:
         return dest.exists() and any(dest.iterdir())
 
     def replace_file(self, path: epath.Path, text: str) -> None:
@@ -421,6 +459,29 @@ class ObjectStore(StepStore):
     def dest_taken(self, dest: epath.Path) -> bool:
         return self.step_committed(dest)
 
+    def staging_dir(self, work: epath.Path) -> epath.Path:
+        return epath.Path(tempfile.mkdtemp(prefix="orbax-maxtext-layout-staging-"))
+
+    def put_file(self, local: epath.Path, dst: epath.Path) -> None:
+        objstore.upload(local, dst)  # one object, whole once its upload completes
+        local.unlink()
+
+    def publish_dir(self, work: epath.Path, dest: epath.Path, *, last: str) -> None:
+        # No rename: server-side copies, ``last`` after the others (a reader of the
+        # directory starts from it), then the work objects go. A copy cut short leaves
+        # ``dest`` without ``last``, and the work objects for a rerun to publish again.
+        objstore.copy_tree(work, dest, skip=(last,))
+        objstore.copy_tree(work, dest, only=(last,))
+        objstore.remove_tree(work)
+
+    def dir_taken(self, dest: epath.Path, *, last: str) -> bool:
+        objstore.refresh(dest)
+        if (dest / last).exists():
+            return True
+        work = dest.parent / f"{dest.name}{EXPORT_WORK_SUFFIX}"
+        # Files without ``last`` beside a work directory: a publish cut short, redone.
+        return dest.exists() and any(dest.iterdir()) and not work.exists()
+
     def replace_file(self, path: epath.Path, text: str) -> None:
         path.write_text(text)  # one object write replaces it atomically
         objstore.refresh(path)
@@ -490,6 +551,9 @@ class ObjectStore(StepStore):
 
 
 _LOCAL, _OBJECT = LocalStore(), ObjectStore()
+
+
+EXPORT_WORK_SUFFIX = ".export-hf-tmp"  # where export-hf builds <out>, beside it
 
 
 def store_for(path: epath.PathLike) -> StepStore:
