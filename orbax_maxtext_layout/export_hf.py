@@ -212,7 +212,7 @@ def plan_export(
         merged=merged,
         process={"index": process_index, "count": process_count},
     )
-    fp = _fingerprint(shards, sources, merged)
+    fp = _fingerprint(shards, sources, merged, process_count)
     return ExportPlan(model, moves, sources, units, shards, report, fp)
 
 
@@ -384,9 +384,13 @@ def _slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
     return n * max(model.weight_dtype.itemsize, np.dtype(m.out_spec.dtype).itemsize) * len(u.keys)
 
 
-def _fingerprint(shards: list[Shard], sources: dict[str, epath.Path], merged: Any) -> str:
-    """Names one export: its files' layouts and its sources (paths and metadata versions)."""
+def _fingerprint(
+    shards: list[Shard], sources: dict[str, epath.Path], merged: Any, process_count: int
+) -> str:
+    """Names one export: its files' layouts, its sources (paths and metadata versions) and
+    how many processes share the shards (``.done-<p>`` stands for shards ``p, p + n, ...``)."""
     h = hashlib.sha256()
+    h.update(f"processes={process_count};".encode())
     for s in shards:
         h.update(s.header)
     for name, d in sorted(sources.items()):
