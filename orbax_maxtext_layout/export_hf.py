@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -518,9 +519,16 @@ def _wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
 def _finish(
     ep: ExportPlan, work: epath.Path, out: epath.Path, hf_model_path: str | None
 ) -> list[str]:
-    """Process 0, once every shard is there: the index, config.json, the tokenizer; then
-    whatever else is in ``work`` (markers, parts of killed writers) goes, and ``work``
-    becomes ``out``."""
+    """Process 0, once every shard is there: what is not this export's goes (another
+    export's shards, parts of killed writers, a killed ``_finish``'s files), then the index,
+    config.json, the tokenizer; then the markers go, and ``work`` becomes ``out``."""
+    ours = {s.name for s in ep.shards}
+    for f in work.iterdir():
+        if f.name not in ours and not f.name.startswith(DONE_PREFIX):
+            if f.is_dir():
+                shutil.rmtree(str(f))
+            else:
+                f.unlink(missing_ok=True)
     idx = safetensors_out.index(ep.shards)
     if idx is not None:
         _replace_text(work / safetensors_out.INDEX_FILE, json.dumps(idx, indent=2))
