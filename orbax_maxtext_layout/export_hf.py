@@ -215,7 +215,7 @@ def plan_export(
         merged=merged,
         process={"index": process_index, "count": process_count},
     )
-    fp = _fingerprint(shards, sources, merged)
+    fp = _fingerprint(shards, sources, merged, process_count)
     return ExportPlan(model, moves, sources, units, shards, report, fp)
 
 
@@ -387,9 +387,13 @@ def _slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
     return n * max(model.weight_dtype.itemsize, np.dtype(m.out_spec.dtype).itemsize) * len(u.keys)
 
 
-def _fingerprint(shards: list[Shard], sources: dict[str, epath.Path], merged: Any) -> str:
-    """Names one export: its files' layouts and its sources (paths and metadata versions)."""
+def _fingerprint(
+    shards: list[Shard], sources: dict[str, epath.Path], merged: Any, process_count: int
+) -> str:
+    """Names one export: its files' layouts, its sources (paths and metadata versions) and
+    how many processes share the shards (``.done-<p>`` stands for shards ``p, p + n, ...``)."""
     h = hashlib.sha256()
+    h.update(f"processes={process_count};".encode())
     for s in shards:
         h.update(s.header)
     for name, d in sorted(sources.items()):
@@ -513,9 +517,19 @@ def _wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
 def _finish(
     ep: ExportPlan, work: epath.Path, out: epath.Path, hf_model_path: str | None
 ) -> list[str]:
-    """Process 0, once every shard is there: the index, the tokenizer, config.json; then
-    the markers go, and ``work`` becomes ``out`` (config.json last on an object store)."""
+    """Process 0, once every shard is there: what is not this export's goes (another
+    export's shards, parts of killed writers, a killed ``_finish``'s files), then the index,
+    the tokenizer, config.json; then the markers go, and ``work`` becomes ``out``
+    (config.json last on an object store)."""
     store = store_for(work)
+    ours = {s.name for s in ep.shards}
+    store.refresh(work)
+    for f in work.iterdir():
+        if f.name not in ours and not f.name.startswith(DONE_PREFIX):
+            if f.is_dir():
+                f.rmtree()
+            else:
+                f.unlink(missing_ok=True)
     idx = safetensors_out.index(ep.shards)
     if idx is not None:
         store.replace_file(work / safetensors_out.INDEX_FILE, json.dumps(idx, indent=2))
@@ -527,10 +541,8 @@ def _finish(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     store.replace_file(work / CONFIG_FILE, hf_mapping.config_json(ep.model))
-    store.refresh(work)
-    for f in work.iterdir():
-        if f.name.startswith(DONE_PREFIX) or PART in f.name:
-            f.unlink(missing_ok=True)  # markers, and parts of writers killed on the way
+    for p in range(ep.report.process["count"]):
+        (work / f"{DONE_PREFIX}{p}").unlink(missing_ok=True)
     store.publish_dir(work, out, last=CONFIG_FILE)
     store.refresh(out)
     return sorted(f.name for f in out.iterdir())
