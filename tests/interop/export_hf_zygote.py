@@ -48,7 +48,7 @@ def _preload() -> None:
         from maxtext.configs import pyconfig  # noqa: F401
         from maxtext.utils import globals  # noqa: F401
 
-        import orbax_maxtext_layout.cli  # noqa: F401
+        import orbax_maxtext_layout.cli
         import orbax_maxtext_layout.export_hf  # noqa: F401
 
 

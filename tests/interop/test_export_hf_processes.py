@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -83,7 +82,7 @@ class Zygote:
     def __init__(self, logs: Path) -> None:
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
-        self.err = open(logs / "zygote.stderr", "wb")  # noqa: SIM115
+        self.err = open(logs / "zygote.stderr", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "export_hf_zygote.py")],
             stdin=subprocess.PIPE,
