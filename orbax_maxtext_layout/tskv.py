@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -18,6 +19,11 @@ import tensorstore as ts
 from etils import epath
 
 from .errors import CheckpointReadError
+
+try:  # decodes a whole stored chunk ~2.4x faster than tensorstore (`_read_one_chunk`)
+    import zstandard as _zstd
+except ImportError:  # pragma: no cover - a dependency; tensorstore reads without it
+    _zstd = None
 from .orbax_files import ItemFiles, count_io, open_kvstore, param_name, read_context
 from .treepaths import Path
 
@@ -206,6 +212,10 @@ def read_array(
     ``layer=(axis, i)`` reads only index ``i`` on ``axis`` (tensorstore decodes the
     stored chunks that hold it, one at a time).
     """
+    if layer is None:
+        fast = _read_one_chunk(src, param_name(path))
+        if fast is not None:
+            return fast
     driver = "zarr3" if src.use_zarr3 else "zarr"
     spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(path))}
     # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
@@ -217,6 +227,135 @@ def read_array(
         return np.asarray(store.read().result())
     except ValueError as e:
         raise CheckpointReadError(f"{src.dir}: cannot read {param_name(path)}: {e}") from e
+
+
+def _read_one_chunk(src: SourceItem, name: str) -> np.ndarray | None:
+    """Array ``name`` decoded from its one stored chunk by the zstandard library, or None
+    where that does not apply (then tensorstore reads it).
+
+    Orbax stores an array saved from one host as one zstd chunk, and tensorstore decodes
+    a chunk on one thread at about a third of zstandard's speed (measured: 224 MiB of
+    bfloat16 in 1.2 s against 0.5 s). Only the plain layouts are taken here: one chunk
+    covering the array, C order, little-endian bytes, zstd alone (zarr3 ``bytes`` +
+    ``zstd``; zarr2 ``compressor`` zstd, no filters); a missing chunk falls back too (the
+    tensorstore path reports it).
+    """
+    if _zstd is None:
+        return None
+    layout = _one_chunk_layout(src, name)
+    if layout is None:
+        return None
+    key, shape, dtype, index = layout
+    got = src.kv.read(f"{name}/{key}").result()
+    if got.state != "value":
+        return None
+    frame = memoryview(got.value)
+    if index:  # a zarr3 shard of one inner chunk: its index (offset, size) at the end
+        offset, size = struct.unpack(
+            "<QQ", bytes(frame[len(frame) - index : len(frame) - index + 16])
+        )
+        if offset == _MISSING or offset + size > len(frame) - index:
+            return None
+        frame = frame[offset : offset + size]
+    out = np.empty(shape, dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    done = 0
+    try:
+        with _zstd.ZstdDecompressor().stream_reader(frame, read_size=1 << 20) as r:
+            while done < len(view):
+                n = r.readinto(view[done:])
+                if not n:
+                    break
+                done += n
+    except _zstd.ZstdError as e:
+        raise CheckpointReadError(f"{src.dir}: cannot read {name}: its chunk: {e}") from e
+    if done != len(view):
+        raise CheckpointReadError(
+            f"{src.dir}: cannot read {name}: its chunk decodes to {done} bytes, the array "
+            f"has {len(view)}."
+        )
+    return out
+
+
+def _one_chunk_layout(src: SourceItem, name: str) -> tuple[str, tuple, np.dtype, int] | None:
+    """``(chunk key, shape, dtype, shard index bytes)`` of an array stored as one plain zstd
+    chunk (alone, or the one inner chunk of a zarr3 shard), else None."""
+    import json
+
+    meta_key = f"{name}/zarr.json" if src.use_zarr3 else f"{name}/.zarray"
+    got = src.kv.read(meta_key).result()
+    if got.state != "value":
+        return None
+    meta = json.loads(bytes(got.value))
+    shape = tuple(meta.get("shape", ()))
+    index = 0
+    if src.use_zarr3:
+        grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        codecs = meta.get("codecs", [])
+        if [c.get("name") for c in codecs] == ["sharding_indexed"]:  # Orbax v1's default
+            conf = codecs[0].get("configuration") or {}
+            index = _shard_index_bytes(conf)
+            if index is None or tuple(conf.get("chunk_shape") or ()) != shape:
+                return None
+            codecs = conf.get("codecs", [])
+        enc = meta.get("chunk_key_encoding", {"name": "default"})
+        sep = (enc.get("configuration") or {}).get("separator", "/")
+        if tuple(grid or ()) != shape or not _plain_zstd(codecs):
+            return None
+        if enc.get("name") != "default":
+            return None
+        key = sep.join(["c", *("0" for _ in shape)])
+        dtype = _np_dtype(meta.get("data_type"))
+    else:
+        comp = meta.get("compressor") or {}
+        if tuple(meta.get("chunks", ())) != shape or comp.get("id") != "zstd":
+            return None
+        if meta.get("filters") or meta.get("order", "C") != "C":
+            return None
+        sep = meta.get("dimension_separator", ".")
+        key = sep.join("0" for _ in shape) or "0"
+        dtype = _np_dtype(meta.get("dtype"))
+        if dtype is not None and dtype.byteorder == ">":
+            return None
+    if dtype is None or not shape:
+        return None
+    return key, shape, dtype, index
+
+
+_MISSING = (1 << 64) - 1  # a shard index's offset of a chunk never written
+
+
+def _plain_zstd(codecs: list) -> bool:
+    """zarr3 codecs ``bytes`` (little-endian) then ``zstd``, nothing else."""
+    if [c.get("name") for c in codecs] != ["bytes", "zstd"]:
+        return False
+    return (codecs[0].get("configuration") or {}).get("endian", "little") == "little"
+
+
+def _shard_index_bytes(conf: dict) -> int | None:
+    """Bytes of a one-chunk shard's index at its end (offset and size, little-endian, then
+    an optional crc32c), or None for another index layout."""
+    if conf.get("index_location", "end") != "end":
+        return None
+    names = [c.get("name") for c in conf.get("index_codecs", [])]
+    if names == ["bytes"]:
+        return 16
+    if names == ["bytes", "crc32c"]:
+        return 20
+    return None
+
+
+def _np_dtype(name: object) -> np.dtype | None:
+    if not isinstance(name, str):
+        return None
+    if name in ("bfloat16", "<bfloat16"):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
 
 
 def release_large_buffers() -> None:
