@@ -83,6 +83,7 @@ class ExportReport:
     dropped: list[dict[str, Any]]
     merged: dict[str, Any] | None = None
     process: dict[str, int] = dataclasses.field(default_factory=dict)
+    tensor_list: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     files: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -112,6 +113,9 @@ class ExportReport:
             f"  memory: budget {m['budget']:,}, expected peak {m['expected_peak']:,} "
             f"(largest param {m['largest_param']:,}, largest slice {m['largest_slice']:,})"
         )
+        if self.status == "dry-run":
+            for t in self.tensor_list:
+                lines.append(f"  tensor {t['name']} {t['dtype']}{t['shape']} -> {t['file']}")
         for d in self.dropped[:20]:
             lines.append(f"  not exported: {d['leaf']} ({d['reason']})")
         if len(self.dropped) > 20:
@@ -214,6 +218,16 @@ def plan_export(
         ],
         merged=merged,
         process={"index": process_index, "count": process_count},
+        tensor_list=[
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": np.dtype(t.dtype).name,
+                "file": sh.name,
+            }
+            for sh in shards
+            for t in sorted(sh.tensors, key=lambda t: t.name)
+        ],
     )
     fp = _fingerprint(shards, sources, merged, process_count)
     return ExportPlan(model, moves, sources, units, shards, report, fp)
