@@ -44,7 +44,15 @@ from . import hf_mapping, safetensors_out, stepmeta, tskv
 from .errors import LayoutMismatchError, StepExistsError, UsageError
 from .hf_mapping import HfModel, Unit
 from .layout import TUNIX_PARAMS_ITEM
-from .merge import NOT_PARAMS, adapter_item, base_source, params_plan, plan_merge, read_adapters
+from .merge import (
+    NOT_PARAMS,
+    adapter_item,
+    base_source,
+    merge_sources,
+    params_plan,
+    plan_merge,
+    read_adapters,
+)
 from .moves import Move, Op, merge_layer
 from .names import Dest
 from .provenance import SCAN_LAYERS_KEY
@@ -188,36 +196,49 @@ def plan_export(
         tensors,
         safetensors_out.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
     )
-    memory = _memory(model, units, moves, budget)
-    report = ExportReport(
+    report = _report(
+        step,
+        out,
+        model=model,
+        kind=src.kind,
+        shards=shards,
+        drops=plan.drops,
+        merged=merged,
+        process=(process_index, process_count),
+    )
+    report.memory = _memory(model, units, moves, budget)
+    fp = _fingerprint(shards, sources, merged, process_count)
+    return ExportPlan(model, moves, sources, units, shards, report, fp)
+
+
+def _report(step, out, *, model, kind, shards, drops, merged, process) -> ExportReport:
+    """The dry-run report of an export (`export_hf` fills in what it did)."""
+    tensors = [(sh, t) for sh in shards for t in sorted(sh.tensors, key=lambda t: t.name)]
+    index, count = process
+    return ExportReport(
         step=str(step),
         out=str(out),
         status="dry-run",
         model_name=model.model_name,
         scan_layers=model.scan_layers,
         weight_dtype=model.weight_dtype.name,
-        source=src.kind,
+        source=kind,
         tensors=len(tensors),
-        bytes=sum(t.nbytes for t in tensors),
+        bytes=sum(t.nbytes for _, t in tensors),
         shards=[
-            {
-                "name": s.name,
-                "tensors": len(s.tensors),
-                "bytes": s.size,
-                "process": k % process_count,
-            }
-            for k, s in enumerate(shards)
+            {"name": sh.name, "tensors": len(sh.tensors), "bytes": sh.size, "process": k % count}
+            for k, sh in enumerate(shards)
         ],
-        memory=memory,
+        memory={},
         dropped=[
             {
                 "leaf": f"{d.item}/{keystr(d.src)}",
                 "reason": NOT_WEIGHT if d.reason == NOT_PARAMS else d.reason,
             }
-            for d in plan.drops
+            for d in drops
         ],
         merged=merged,
-        process={"index": process_index, "count": process_count},
+        process={"index": index, "count": count},
         tensor_list=[
             {
                 "name": t.name,
@@ -225,12 +246,9 @@ def plan_export(
                 "dtype": np.dtype(t.dtype).name,
                 "file": sh.name,
             }
-            for sh in shards
-            for t in sorted(sh.tensors, key=lambda t: t.name)
+            for sh, t in tensors
         ],
     )
-    fp = _fingerprint(shards, sources, merged, process_count)
-    return ExportPlan(model, moves, sources, units, shards, report, fp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,17 +301,13 @@ class _Source:
     def plan(self, target: Target, alpha: float | None):
         if self.base is not None:
             plan, adapters, a = plan_merge(self.step, self.base, alpha=alpha, target=target)
-            _, params_dir = adapter_item(self.step)
-            item_dir, item = _item(self.base)
             merged = {
                 "base": str(self.base),
                 "alpha": a,
                 "rank": adapters.rank,
                 "modules": adapters.modules,
             }
-            from .merge import LORA_ITEM
-
-            return plan, {item: item_dir, LORA_ITEM: params_dir}, merged
+            return plan, merge_sources(self.step, self.base), merged
         base_dir, item, item_dir = base_source(self.step)
         plan, _ = params_plan(base_dir, item, item_dir, target)
         return plan, {item: item_dir}, None
