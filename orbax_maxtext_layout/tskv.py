@@ -249,7 +249,11 @@ def _read_one_chunk(src: SourceItem, name: str) -> np.ndarray | None:
     got = src.kv.read(f"{name}/{key}").result()
     if got.state != "value":
         return None
-    frame = memoryview(got.value)
+    # The read holds the chunk once and `.value` copies it out: drop the first before the
+    # array is allocated, so a decode holds the chunk once beside the array.
+    raw = got.value
+    del got
+    frame = memoryview(raw)
     if index:  # a zarr3 shard of one inner chunk: its index (offset, size) at the end
         offset, size = struct.unpack(
             "<QQ", bytes(frame[len(frame) - index : len(frame) - index + 16])
