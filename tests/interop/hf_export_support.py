@@ -144,15 +144,24 @@ def run_all(jobs: list[Job], workers: int = 2) -> dict[str, Proc]:
 
 
 def export_job(
-    name: str, items: Path, out: Path, tokenizer: Path, *, scan_layers: bool | None = None
+    name: str,
+    items: Path,
+    out: Path,
+    tokenizer: Path,
+    *,
+    scan_layers: bool | None = None,
+    keys: list[str] | None = None,
 ) -> Job:
-    """MaxText's ``to_huggingface`` in Base mode on ``items``, writing to ``out``."""
+    """MaxText's ``to_huggingface`` in Base mode on ``items``, writing to ``out``; ``keys``:
+    the model's keys (default `model_keys`, the tiny llama), without ``scan_layers``."""
+    if keys is not None and scan_layers is not None:
+        keys = [*keys, f"scan_layers={str(scan_layers).lower()}"]
     argv = (
         sys.executable,
         "-m",
         EXPORT_MODULE,
         str(L.base_yml()),
-        *model_keys(scan_layers=scan_layers),
+        *(model_keys(scan_layers=scan_layers) if keys is None else keys),
         "hardware=cpu",
         "skip_jax_distributed_system=true",
         f"load_parameters_path={items.resolve()}",
