@@ -67,7 +67,6 @@ CONFIG_FILE = "config.json"  # published last on an object store
 DONE_PREFIX = ".done-"
 PART = ".part."
 WORKERS = 2
-DECODING = 2.2  # a whole-chunk decode holds ~2.2x the array (write._decoding, measured)
 NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
 WAIT_S = 24 * 3600  # process 0 waits this long for the others' shards
 
@@ -383,7 +382,7 @@ def _memory(
     for u in units:
         groups.setdefault(u.keys, []).append(u)
     costs = sorted(
-        (_group_cost(model, [moves[k] for k in ks], us) for ks, us in groups.items()),
+        (_group_cost(model, [moves[k] for k in ks], us, budget) for ks, us in groups.items()),
         reverse=True,
     )
     largest_slice = max((_slice_bytes(model, moves[u.keys[0]], u) for u in units), default=0)
@@ -397,12 +396,18 @@ def _memory(
     }
 
 
-def _group_cost(model: HfModel, moves: list[Move], units: list[Unit]) -> int:
+def _decode_factor(moves: list[Move], budget: int) -> float:
+    """zstandard decodes a whole param where its larger peak fits the budget (`_Reader`)."""
+    fast = tskv.FAST_DECODING * sum(m.out_spec.nbytes for m in moves) <= budget
+    return tskv.FAST_DECODING if fast else tskv.TS_DECODING
+
+
+def _group_cost(model: HfModel, moves: list[Move], units: list[Unit], budget: int) -> int:
     """Bytes a param's job holds: the param decoded whole (its stored chunk and the
-    decoded array side by side while decoding, measured at 2.2 times the array), a
+    decoded array side by side while decoding: `tskv.FAST_DECODING` or `TS_DECODING`), a
     merge's factors, and its largest slice three times over (cast to ``weight_dtype``,
     handed to the hooks, and their output)."""
-    stored = int(DECODING * sum(m.out_spec.nbytes for m in moves))
+    stored = int(_decode_factor(moves, budget) * sum(m.out_spec.nbytes for m in moves))
     factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for m in moves for f in dict.fromkeys(m.lora))
     biggest = max((_slice_bytes(model, moves[0], u) for u in units), default=0)
     return stored + factors + 3 * biggest
@@ -636,13 +641,15 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
 
     def job(keys: tuple[str, ...], units: list[Unit]) -> None:
         moves = [ep.moves[k] for k in keys]
-        cost = _group_cost(ep.model, moves, units)
+        cost = _group_cost(ep.model, moves, units, budget)
         whole = cost <= budget or any(u.whole for u in units)
         held = gate.take(
             cost if whole else 3 * max(_slice_bytes(ep.model, moves[0], u) for u in units)
         )
         try:
-            reader = _Reader(sources, ctx, whole=whole)
+            reader = _Reader(
+                sources, ctx, whole=whole, fast=_decode_factor(moves, budget) == tskv.FAST_DECODING
+            )
             for u in units:
                 arrays = [
                     hf_mapping.restored(reader.layer(m, u.axis, u.index), ep.model.weight_dtype)
@@ -667,14 +674,16 @@ class _Reader:
     """Layers of a param's move, in stored form: decoded whole once (``whole``) and
     sliced, or read layer by layer from storage."""
 
-    def __init__(self, sources: dict, ctx: Any, *, whole: bool) -> None:
-        self.sources, self.ctx, self.whole = sources, ctx, whole
+    def __init__(self, sources: dict, ctx: Any, *, whole: bool, fast: bool) -> None:
+        self.sources, self.ctx, self.whole, self.fast = sources, ctx, whole, fast
         self.cache: dict[tuple[str, Any], np.ndarray] = {}
 
     def read_layer(self, item: str, path: Any, axis: int | None, index: int | None) -> np.ndarray:
         if self.whole:
             if (item, path) not in self.cache:
-                self.cache[item, path] = tskv.read_array(self.sources[item], path, self.ctx)
+                self.cache[item, path] = tskv.read_array(
+                    self.sources[item], path, self.ctx, fast=self.fast
+                )
             x = self.cache[item, path]
             return x if axis is None or index is None else np.take(x, index, axis=axis)
         layer = None if axis is None or index is None else (axis, index)

@@ -99,9 +99,9 @@ def write_items(
         def read(item: str, path):
             return tskv.read_array(sources[item], path, ctx)
 
-        def read_layer(item: str, path, axis, index):
+        def read_layer(item: str, path, axis, index, fast: bool = True):
             layer = None if axis is None or index is None else (axis, index)
-            return tskv.read_array(sources[item], path, ctx, layer)
+            return tskv.read_array(sources[item], path, ctx, layer, fast=fast)
 
         merges = [m for m in decoded if m.op is Op.MERGE_LORA]
         with _MergeWriter(read_layer, dst_json, zarr3=zarr3, ctx=ctx, budget=budget) as mw:
@@ -227,7 +227,7 @@ class _MergeWriter:
             return
         # Where the budget leaves no room for two layers in flight beside a decode, one:
         # the other slots are held here meanwhile.
-        spare = self.budget + 3 * _layer_bytes(m) - _decoding(m)
+        spare = self.budget + 3 * _layer_bytes(m) - _decoding(m, self.budget)
         fits = max(1, min(MERGE_WORKERS, spare // max(1, _IN_FLIGHT * _layer_bytes(m))))
         held = [self.slots.get() for _ in range(MERGE_WORKERS - fits)]
         try:
@@ -249,7 +249,7 @@ class _MergeWriter:
                 self.kernel = self.ahead[1].result()  # decoded while the last one was merged
             elif _whole_fits(m, self.budget):
                 self._make_room(m)
-                self.kernel = self.read_layer(m.item, m.src, None, None)
+                self.kernel = self.read_layer(m.item, m.src, None, None, fast=_fast(m, self.budget))
             self.ahead = None
         for f in m.lora:
             for p in (f.a, f.b):
@@ -264,12 +264,20 @@ class _MergeWriter:
         if nxt is None or (nxt.item, nxt.src) == self.key or not _whole_fits(nxt, self.budget):
             return
         layer = max(_layer_bytes(m), _layer_bytes(nxt))
-        held = (self.kernel.nbytes if self.kernel is not None else 0) + _decoding(nxt)
-        if held + MERGE_WORKERS * _IN_FLIGHT * layer > self.budget + 3 * layer:
+        kept = self.kernel.nbytes if self.kernel is not None else 0
+        # zstandard where its larger peak fits beside the kernel being merged, else tensorstore
+        room = self.budget + 3 * layer - MERGE_WORKERS * _IN_FLIGHT * layer - kept
+        fits = [
+            fast
+            for fast, factor in ((True, tskv.FAST_DECODING), (False, tskv.TS_DECODING))
+            if int(factor * nxt.spec.nbytes) <= room
+        ]
+        if not fits:
             return
+        fast = fits[0]
         if self.decoder is None:
             self.decoder = ThreadPoolExecutor(1, thread_name_prefix="merge-decode")
-        job = self.decoder.submit(self.read_layer, nxt.item, nxt.src, None, None)
+        job = self.decoder.submit(self.read_layer, nxt.item, nxt.src, None, None, fast)
         self.ahead = ((nxt.item, nxt.src), job)
 
     def _make_room(self, m: Move) -> None:
@@ -277,7 +285,7 @@ class _MergeWriter:
         kernel in flight than fit beside it within ``budget`` plus three layer slices, and
         no idle layer buffers kept."""
         layer = _layer_bytes(m)
-        spare = self.budget + 3 * layer - _decoding(m)
+        spare = self.budget + 3 * layer - _decoding(m, self.budget)
         allowed = max(0, min(MERGE_WORKERS, spare // max(1, _IN_FLIGHT * layer)))
         while len(self.pending) > allowed:
             self.pending.pop(0).result()  # the oldest layer first; raises a worker's error
@@ -344,10 +352,16 @@ class _MergeWriter:
 _IN_FLIGHT = 5
 
 
-def _decoding(m: Move) -> int:
-    """What decoding a merge_lora move's base kernel whole holds at its peak: the stored
-    chunk (compressed, at most the kernel's size) and the decoded kernel, plus a margin."""
-    return int(2.2 * m.spec.nbytes)
+def _decoding(m: Move, budget: int) -> int:
+    """What decoding a merge_lora move's base kernel whole holds at its peak (`_fast`)."""
+    factor = tskv.FAST_DECODING if _fast(m, budget) else tskv.TS_DECODING
+    return int(factor * m.spec.nbytes)
+
+
+def _fast(m: Move, budget: int) -> bool:
+    """Whether the kernel is decoded by zstandard: faster, and where its larger peak
+    (`tskv.FAST_DECODING`) fits within ``budget`` plus three layer slices."""
+    return tskv.FAST_DECODING * m.spec.nbytes <= budget + 3 * _layer_bytes(m)
 
 
 def _whole_fits(m: Move, budget: int) -> bool:
