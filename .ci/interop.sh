@@ -10,6 +10,12 @@
 # fresh machine builds them from scratch. Python 3.12 comes from pyenv (maxtext needs it);
 # set INTEROP_PYTHON=/path/to/python3.12 to use another interpreter.
 #
+# The hf venv (constraints/hf.txt: transformers with the CPU build of torch 2.13.0 that lies on
+# this machine's disk for Python 3.11 only) is built the same way from Python 3.11 (pyenv's
+# newest 3.11.x, else python3 if it is 3.11; INTEROP_HF_PYTHON=/path/to/python3.11 overrides)
+# and its python is exported to the interop suite as OMTL_HF_PYTHON, for
+# tests/interop/test_export_hf_logits.py (which skips without it).
+#
 # Usage: .ci/interop.sh [--no-core]     (--no-core: interop tests only)
 #        INTEROP_OLDEST_ORBAX=0.12.5 .ci/interop.sh   (core suite at a candidate lower bound)
 # Exits non-zero if a venv cannot be built or any test run fails.
@@ -18,6 +24,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 CONSTRAINTS="$REPO/constraints/interop.txt"
+HF_CONSTRAINTS="$REPO/constraints/hf.txt"
 CACHE_ROOT="${ORBAX_MAXTEXT_LAYOUT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/orbax-maxtext-layout}"
 RECIPE=1 # bump to invalidate every cached venv (change of build steps, not of pins)
 RUN_CORE=1
@@ -36,6 +43,24 @@ find_python312() {
   version="$(pyenv versions --bare | tr -d ' *' | grep -E '^3\.12\.[0-9]+$' | sort -V | tail -n 1 || true)"
   [[ -n "$version" ]] || die "pyenv has no 3.12.x (pyenv versions --bare); install one or set INTEROP_PYTHON"
   PYENV_VERSION="$version" pyenv which python3.12
+}
+
+find_python311() {
+  if [[ -n "${INTEROP_HF_PYTHON:-}" ]]; then
+    echo "$INTEROP_HF_PYTHON"
+    return
+  fi
+  local version=""
+  if command -v pyenv >/dev/null 2>&1; then
+    version="$(pyenv versions --bare | tr -d ' *' | grep -E '^3\.11\.[0-9]+$' | sort -V | tail -n 1 || true)"
+  fi
+  if [[ -n "$version" ]]; then
+    PYENV_VERSION="$version" pyenv which python3.11
+  elif python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    command -v python3
+  else
+    die "no Python 3.11 (pyenv versions --bare, python3) for the hf venv; set INTEROP_HF_PYTHON"
+  fi
 }
 
 # build_venv NAME REQUIREMENTS_FILE -> prints the venv path. Reuses a complete venv of the
@@ -84,10 +109,15 @@ pytest_in() { # pytest_in VENV ARGS...: from the repo root, no cache writes
 }
 
 [[ -f "$CONSTRAINTS" ]] || die "$CONSTRAINTS missing"
+[[ -f "$HF_CONSTRAINTS" ]] || die "$HF_CONSTRAINTS missing"
 PY312="$(find_python312)"
 [[ -x "$PY312" ]] || die "no Python 3.12 interpreter at '$PY312'"
 "$PY312" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' \
   || die "$PY312 is not Python 3.12"
+PY311="$(find_python311)"
+[[ -x "$PY311" ]] || die "no Python 3.11 interpreter at '$PY311'"
+"$PY311" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
+  || die "$PY311 is not Python 3.11 (the CPU torch on disk is for 3.11 only)"
 
 START=$SECONDS
 status=0
@@ -100,7 +130,15 @@ install_repo "$INTEROP_VENV"
 log "versions: $("$INTEROP_VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
   | grep -iE '^(orbax-checkpoint|jax|flax|optax|google-tunix|maxtext)==' | tr '\n' ' ')"
 
-log "interop suite (python -m pytest -q tests/interop)"
+# -- 1b. hf venv: transformers + CPU torch, for the logits of export-hf's output ----------
+HF_VENV="$(build_venv hf-venv "$HF_CONSTRAINTS" "$PY311")"
+"$HF_VENV/bin/python" -c 'import torch, transformers, safetensors' 2>/dev/null \
+  || die "the hf venv cannot import torch / transformers / safetensors"
+log "hf venv: $("$HF_VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
+  | grep -iE '^(torch|transformers|safetensors|tokenizers)==' | tr '\n' ' ')"
+export OMTL_HF_PYTHON="$HF_VENV/bin/python"
+
+log "interop suite (python -m pytest -q tests/interop), OMTL_HF_PYTHON=$OMTL_HF_PYTHON"
 pytest_in "$INTEROP_VENV" tests/interop || status=1
 
 if [[ "$RUN_CORE" == 1 ]]; then
