@@ -635,6 +635,7 @@ class _Budget:
 
 
 def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budget: int) -> None:
+    tskv.release_large_buffers()  # freed slices go back to the OS, not to a grown heap
     ctx = tskv.ts_context()
     sources = {n: tskv.SourceItem.open(d, ctx) for n, d in ep.sources.items()}
     gate = _Budget(budget)
