@@ -396,10 +396,13 @@ def _memory(
     }
 
 
+def _fast(moves: list[Move], budget: int) -> bool:
+    """Whether zstandard decodes the param whole (`tskv.fast_decode_fits`, `_Reader`)."""
+    return tskv.fast_decode_fits(sum(m.out_spec.nbytes for m in moves), budget)
+
+
 def _decode_factor(moves: list[Move], budget: int) -> float:
-    """zstandard decodes a whole param where its larger peak fits the budget (`_Reader`)."""
-    fast = tskv.FAST_DECODING * sum(m.out_spec.nbytes for m in moves) <= budget
-    return tskv.FAST_DECODING if fast else tskv.TS_DECODING
+    return tskv.FAST_DECODING if _fast(moves, budget) else tskv.TS_DECODING
 
 
 def _group_cost(model: HfModel, moves: list[Move], units: list[Unit], budget: int) -> int:
@@ -648,9 +651,7 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
             cost if whole else 3 * max(_slice_bytes(ep.model, moves[0], u) for u in units)
         )
         try:
-            reader = _Reader(
-                sources, ctx, whole=whole, fast=_decode_factor(moves, budget) == tskv.FAST_DECODING
-            )
+            reader = _Reader(sources, ctx, whole=whole, fast=_fast(moves, budget))
             for u in units:
                 arrays = [
                     hf_mapping.restored(reader.layer(m, u.axis, u.index), ep.model.weight_dtype)

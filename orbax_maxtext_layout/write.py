@@ -98,11 +98,11 @@ def write_items(
 
         sizes = {(i, p): spec.nbytes for m in plan.moves for i, p, spec in m.reads}
 
-        def read(item: str, path):  # zstandard's faster decode where its peak fits
-            fast = tskv.FAST_DECODING * sizes.get((item, path), 0) <= budget
+        def read(item: str, path):  # zstandard's faster decode where it gains and fits
+            fast = tskv.fast_decode_fits(sizes.get((item, path), 0), budget)
             return tskv.read_array(sources[item], path, ctx, fast=fast)
 
-        def read_layer(item: str, path, axis, index, fast: bool = True):
+        def read_layer(item: str, path, axis, index, fast: bool = False):
             layer = None if axis is None or index is None else (axis, index)
             return tskv.read_array(sources[item], path, ctx, layer, fast=fast)
 
@@ -274,6 +274,7 @@ class _MergeWriter:
             fast
             for fast, factor in ((True, tskv.FAST_DECODING), (False, tskv.TS_DECODING))
             if int(factor * nxt.spec.nbytes) <= room
+            and (not fast or tskv.fast_decode_fits(nxt.spec.nbytes, room))
         ]
         if not fits:
             return
@@ -364,7 +365,7 @@ def _decoding(m: Move, budget: int) -> int:
 def _fast(m: Move, budget: int) -> bool:
     """Whether the kernel is decoded by zstandard: faster, and where its larger peak
     (`tskv.FAST_DECODING`) fits within ``budget`` plus three layer slices."""
-    return tskv.FAST_DECODING * m.spec.nbytes <= budget + 3 * _layer_bytes(m)
+    return tskv.fast_decode_fits(m.spec.nbytes, budget + 3 * _layer_bytes(m))
 
 
 def _whole_fits(m: Move, budget: int) -> bool:
