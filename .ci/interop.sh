@@ -139,13 +139,16 @@ log "hf venv: $("$HF_VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
 export OMTL_HF_PYTHON="$HF_VENV/bin/python"
 
 log "interop suite (python -m pytest -q tests/interop), OMTL_HF_PYTHON=$OMTL_HF_PYTHON"
-pytest_in "$INTEROP_VENV" tests/interop || status=1
+# The gs:// tests that need MaxText (export-hf to and from a bucket) run here, beside the
+# interop suite; the rest of tests/gcs runs in .ci/run's own core pass.
+pytest_in "$INTEROP_VENV" tests/interop tests/gcs/test_gcs_export_hf.py || status=1
 
 if [[ "$RUN_CORE" == 1 ]]; then
   # -- 2. core suite at the newest pinned orbax-checkpoint (the interop venv) ---------------
   NEWEST="$(sed -nE 's/^orbax-checkpoint==([^ ]+).*/\1/p' "$CONSTRAINTS")"
   log "core suite, orbax-checkpoint $NEWEST (newest pinned)"
-  pytest_in "$INTEROP_VENV" --ignore=tests/interop --ignore=tests/reliability tests || status=1
+  pytest_in "$INTEROP_VENV" --ignore=tests/interop --ignore=tests/reliability --ignore=tests/gcs tests \
+    || status=1
 
   # -- 3. core suite at the oldest orbax-checkpoint pyproject declares ----------------------
   # INTEROP_OLDEST_ORBAX=X tries a lower bound before pyproject.toml declares it.
