@@ -34,7 +34,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ from .merge import (
     plan_merge,
     read_adapters,
 )
-from .moves import Move, Op, merge_layer
+from .moves import Move, Op, apply_op, merge_layer
 from .names import Dest
 from .provenance import SCAN_LAYERS_KEY
 from .safetensors_out import Shard, ShardFile, Tensor
@@ -693,12 +693,8 @@ class _Reader:
 
     def layer(self, m: Move, axis: int | None, index: int | None) -> np.ndarray:
         if m.op is Op.MERGE_LORA:
-            if index is None:
-                return (
-                    merge_layer(m, 0, self.read_layer)
-                    if m.layer_count is None
-                    else _stack(m, self.read_layer)
-                )
+            if index is None:  # the whole merged param: what the op computes
+                return apply_op(m, lambda item, p: self.read_layer(item, p, None, None))
             if m.axis != axis:
                 raise LayoutMismatchError(
                     f"{keystr(m.dst)}: merged on layer axis {m.axis}, exported on {axis}."
@@ -707,7 +703,3 @@ class _Reader:
         if m.op is not Op.COPY:
             raise LayoutMismatchError(f"{keystr(m.dst)}: cannot export a {m.op.value} move.")
         return self.read_layer(m.item, m.src, axis, index)
-
-
-def _stack(m: Move, read_layer: Callable) -> np.ndarray:
-    return np.stack([merge_layer(m, i, read_layer) for i in range(m.layer_count or 0)], axis=m.axis)
