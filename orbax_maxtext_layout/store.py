@@ -67,6 +67,9 @@ class StepStore:
     #: Data files can be shared with the source (reflink or hard link), so a converted
     #: item's record of them can prove it holds the legacy bytes.
     shares_files: bool = False
+    #: Stored values can be read straight from their data files (`os.pread`), not only
+    #: through tensorstore's kvstore (whose reads copy each value piece by piece).
+    reads_files: bool = False
 
     # -- commit ---------------------------------------------------------------------------
     def item_committed(self, item: epath.Path) -> bool:
@@ -231,6 +234,7 @@ class LocalStore(StepStore):
     """A POSIX file system: rename is the commit point; data files are shared."""
 
     shares_files = True
+    reads_files = True
 
     def item_committed(self, item: epath.Path) -> bool:
         return item.is_dir()  # it appears whole, by a rename

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -24,7 +25,8 @@ try:  # decodes a whole stored chunk ~2.4x faster than tensorstore (`_read_one_c
     import zstandard as _zstd
 except ImportError:  # pragma: no cover - a dependency; tensorstore reads without it
     _zstd = None
-from .orbax_files import ItemFiles, count_io, open_kvstore, param_name, read_context
+from .orbax_files import ItemFiles, count, count_io, open_kvstore, param_name, read_context
+from .store import store_for
 from .treepaths import Path
 
 # Source databases are cloned under the new item with this prefix, like Orbax's
@@ -86,6 +88,8 @@ class SourceItem:
 
     files: ItemFiles
     kv: ts.KvStore
+    # key -> (data file, offset, length) of its stored value (`value_files`), once read
+    _value_files: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def dir(self) -> epath.Path:
@@ -103,6 +107,29 @@ class SourceItem:
     def open(cls, item_dir: epath.Path, context: ts.Context) -> SourceItem:
         files = ItemFiles.read(item_dir)
         return cls(files, open_kvstore(files.dir, context, use_ocdbt=files.use_ocdbt))
+
+    def value_file(self, key: str) -> tuple[str, int, int] | None:
+        """Where the stored value ``key`` lies, as ``(data file, offset, length)``, where it
+        can be read from that file directly (an OCDBT item on a local disk, the value not
+        inline); else None (then it is read through the kvstore).
+
+        The B-tree of the item's latest version is read once (nodes only, no value), on
+        the first call. Orbax never rewrites a data file, so a location stays valid.
+        """
+        if not self.is_ocdbt or not store_for(self.dir).reads_files:
+            return None
+        if self._value_files is None:
+            found = {}
+            try:
+                for entry, _ in _btree_entries(self.dir):
+                    ref = entry.get("indirect_value")
+                    if ref:
+                        rel, offset, length = _value_ref(ref)
+                        found[bytes(entry["key"])] = (os.fspath(self.dir / rel), offset, length)
+            except ValueError:  # an unreadable B-tree: the kvstore's reads report it
+                found = {}
+            self._value_files = found
+        return self._value_files.get(key.encode())
 
 
 def keys(kv: ts.KvStore, name: str) -> list[bytes]:
@@ -153,14 +180,13 @@ def check_complete(reads: Sequence[Read], sources: Mapping[str, SourceItem]) -> 
 def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
     """Data files an item's OCDBT database references that cannot hold those values.
 
-    Walks the B-tree of the latest version (`tensorstore.ocdbt.dump`: B-tree nodes
-    only, no value is read) and checks that every indirect value lies inside an
-    existing regular file (``offset + length <= size``). Returns ``{file relative to
-    item_dir: what is wrong}``; a B-tree node that cannot be read is reported too.
-    Damage inside a value (a flipped bit) is not visible here: `verify` decodes.
+    Walks the B-tree of the latest version (`_btree_entries`: nodes only, no value is
+    read) and checks that every indirect value lies inside an existing regular file
+    (``offset + length <= size``). Returns ``{file relative to item_dir: what is wrong}``;
+    a B-tree node that cannot be read is reported too. Damage inside a value (a flipped
+    bit) is not visible here: `verify` decodes.
     """
     item_dir = epath.Path(item_dir)
-    base = open_kvstore(item_dir, ts.Context(), use_ocdbt=False)  # the directory itself
     bad: dict[str, str] = {}
     sizes: dict[str, int | None] = {}
 
@@ -170,15 +196,30 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
             sizes[rel] = f.stat().length if f.exists() and not f.is_dir() else None
         return sizes[rel]
 
-    def refs(location: str) -> tuple[str, int, int]:
-        # "<kind>:<base path>:<relative path>:<offset>:<length>"
-        _, prefix, rel, offset, length = location.split(":")
-        return prefix + rel, int(offset), int(length)
+    def unreadable(location: str, e: ValueError) -> None:
+        bad.setdefault(_value_ref(location)[0], f"B-tree node unreadable ({e})")
 
     try:
-        manifest = ts.ocdbt.dump(base).result()
+        for entry, _ in _btree_entries(item_dir, unreadable):
+            ref = entry.get("indirect_value")
+            if ref:
+                rel, offset, length = _value_ref(ref)
+                have = size(rel)
+                if have is None:
+                    bad.setdefault(rel, "missing, or not a file")
+                elif offset + length > have:
+                    bad.setdefault(rel, f"{have} bytes, a value ends at {offset + length}")
     except ValueError as e:
         return {"manifest.ocdbt": f"cannot be read ({e})"}
+    return bad
+
+
+def _btree_entries(item_dir: epath.Path, unreadable=None) -> Iterator[tuple[dict, str]]:
+    """Every entry of the B-tree of an OCDBT item's latest version, with its node's location
+    (`tensorstore.ocdbt.dump`: nodes only). A node that cannot be read goes to
+    ``unreadable(location, error)``, or raises; so does an unreadable manifest."""
+    base = open_kvstore(epath.Path(item_dir), ts.Context(), use_ocdbt=False)  # the directory
+    manifest = ts.ocdbt.dump(base).result()
     versions = manifest.get("versions") or []
     todo = [versions[-1]["root"]["location"]] if versions else []
     while todo:
@@ -186,19 +227,20 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
         try:
             node = ts.ocdbt.dump(base, location).result()
         except ValueError as e:
-            bad.setdefault(refs(location)[0], f"B-tree node unreadable ({e})")
+            if unreadable is None:
+                raise
+            unreadable(location, e)
             continue
         for entry in node.get("entries", []):
-            ref = entry.get("indirect_value")
-            if ref:
-                rel, offset, length = refs(ref)
-                have = size(rel)
-                if have is None:
-                    bad.setdefault(rel, "missing, or not a file")
-                elif offset + length > have:
-                    bad.setdefault(rel, f"{have} bytes, a value ends at {offset + length}")
+            yield entry, location
             todo += [v for v in entry.values() if isinstance(v, str) and v.startswith("btreenode:")]
-    return bad
+
+
+def _value_ref(location: str) -> tuple[str, int, int]:
+    """``(file relative to the item, offset, length)`` of a B-tree location,
+    ``"<kind>:<base path>:<relative path>:<offset>:<length>"``."""
+    _, prefix, rel, offset, length = location.split(":")
+    return prefix + rel, int(offset), int(length)
 
 
 # What decoding a whole array holds at its peak, in times the array's bytes: tensorstore
@@ -206,6 +248,9 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
 # the array and one piece of the chunk (`_ValueReader`). Both with a margin.
 TS_DECODING = 2.2
 FAST_DECODING = 1.2
+# What zstandard's layer-by-layer decode holds beyond the array (`read_layers`): the stored
+# value's piece being decoded, and the block of rows being split into layers.
+FAST_EXTRA = 2 * (8 << 20)
 # Below this the zstandard path's extra kvstore reads (metadata, byte ranges) cost more than
 # its faster decode saves (measured: +19% on a test run of small arrays).
 FAST_MIN_BYTES = 4 << 20
@@ -232,10 +277,12 @@ def read_array(
     whole array stored as one zstd chunk is decoded by zstandard (`_read_one_chunk`):
     faster, and holding less (`FAST_DECODING` against `TS_DECODING`).
     """
+    name = param_name(path)
+    count("array decoded" if layer is None else "layer decoded", f"{src.dir}/{name}")
     if layer is None and fast:
-        fast = _read_one_chunk(src, param_name(path))
-        if fast is not None:
-            return fast
+        got = _read_one_chunk(src, name)
+        if got is not None:
+            return got
     driver = "zarr3" if src.use_zarr3 else "zarr"
     spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(path))}
     # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
@@ -249,9 +296,32 @@ def read_array(
         raise CheckpointReadError(f"{src.dir}: cannot read {param_name(path)}: {e}") from e
 
 
-def _read_one_chunk(src: SourceItem, name: str) -> np.ndarray | None:
+def read_layers(
+    src: SourceItem, path: Path, axis: int | None, context: ts.Context, fast: bool
+) -> tuple[list[np.ndarray], bool]:
+    """Array ``path`` decoded once, as its layers on ``axis`` (``axis`` None: ``[array]``),
+    and whether each layer is a buffer of its own.
+
+    With ``fast`` (`fast_decode_fits`), an array stored as one zstd chunk is split into
+    layers as zstandard decodes it (`_decode_layers`): they hold the array's bytes plus
+    `FAST_EXTRA`, and each can be freed on its own. Otherwise tensorstore decodes it
+    (`TS_DECODING`) and the layers are views of the whole array.
+    """
+    if fast:
+        got = _read_one_chunk(src, param_name(path), axis)
+        if got is not None:
+            count("array decoded", f"{src.dir}/{param_name(path)}")
+            return (got if axis is not None else [got]), True
+    whole = read_array(src, path, context)
+    if axis is None:
+        return [whole], False
+    return [whole[(slice(None),) * axis + (i,)] for i in range(whole.shape[axis])], False
+
+
+def _read_one_chunk(src: SourceItem, name: str, axis: int | None = None):
     """Array ``name`` decoded from its one stored chunk by the zstandard library, or None
-    where that does not apply (then tensorstore reads it).
+    where that does not apply (then tensorstore reads it). With ``axis``: its layers on that
+    axis, each decoded into a buffer of its own (`_decode_layers`).
 
     Orbax stores an array saved from one host as one zstd chunk, and tensorstore decodes
     a chunk on one thread at about a third of zstandard's speed (measured: 224 MiB of
@@ -266,46 +336,150 @@ def _read_one_chunk(src: SourceItem, name: str) -> np.ndarray | None:
     if layout is None:
         return None
     key, shape, dtype, index = layout
-    value = _ValueReader(src.kv, f"{name}/{key}")
-    if index:  # a zarr3 shard of one inner chunk: its index (offset, size) at the end
-        tail = value.suffix(index)
-        if tail is None:
-            return None
-        offset, size = struct.unpack("<QQ", tail[:16])
-        if offset == _MISSING:
-            return None
-        value = _ValueReader(src.kv, f"{name}/{key}", offset, offset + size)
-    elif not value.exists():
+    value = _stored_value(src, f"{name}/{key}")
+    if value is None:
         return None
-    frame = value
-    out = np.empty(shape, dtype)
+    with value:
+        if index:  # a zarr3 shard of one inner chunk: its index (offset, size) at the end
+            tail = value.suffix(index)
+            if tail is None:
+                return None
+            offset, size = struct.unpack("<QQ", tail[:16])
+            if offset == _MISSING:
+                return None
+            value = value.part(offset, size)
+        return _decode_frame(src, name, value, shape, dtype, axis)
+
+
+def _decode_frame(src: SourceItem, name: str, frame, shape: tuple, dtype: np.dtype, axis=None):
+    """The array of ``shape`` and ``dtype`` whose bytes are the zstd frame ``frame`` (read
+    piece by piece), or its layers on ``axis``; a `CheckpointReadError` names the array."""
+    try:
+        with _zstd.ZstdDecompressor().stream_reader(frame, read_size=_PIECE) as r:
+            if axis is None:
+                out = np.empty(shape, dtype)
+                _read_exactly(r, out)
+                return out
+            return _decode_layers(r, shape, dtype, axis)
+    except (_zstd.ZstdError, OSError) as e:
+        raise CheckpointReadError(f"{src.dir}: cannot read {name}: its chunk: {e}") from e
+    except _Short as e:
+        raise CheckpointReadError(
+            f"{src.dir}: cannot read {name}: its chunk decodes to fewer bytes than the array "
+            f"has ({e})."
+        ) from e
+
+
+class _Short(Exception):
+    """A stream ended before the bytes it should hold."""
+
+
+def _read_exactly(r, out: np.ndarray) -> None:
+    """Fills ``out`` (C-contiguous) from the stream ``r``."""
     view = memoryview(out.reshape(-1).view(np.uint8))
     done = 0
-    try:
-        with _zstd.ZstdDecompressor().stream_reader(frame, read_size=_ValueReader.PIECE) as r:
-            while done < len(view):
-                n = r.readinto(view[done:])
-                if not n:
-                    break
-                done += n
-    except _zstd.ZstdError as e:
-        raise CheckpointReadError(f"{src.dir}: cannot read {name}: its chunk: {e}") from e
-    if done != len(view):
-        raise CheckpointReadError(
-            f"{src.dir}: cannot read {name}: its chunk decodes to {done} bytes, the array "
-            f"has {len(view)}."
+    while done < len(view):
+        n = r.readinto(view[done:])
+        if not n:
+            raise _Short(f"{done} of {len(view)} bytes")
+        done += n
+
+
+def _decode_layers(r, shape: tuple, dtype: np.dtype, axis: int) -> list[np.ndarray]:
+    """The layers on ``axis`` of the C-order array of ``shape`` streamed by ``r``, each a
+    C-contiguous buffer of its own, filled as the stream goes: so the array is decoded once
+    and never held whole, and each layer can be freed on its own.
+
+    Seen as ``(rows, layers, run)``, the stream is rows of one run per layer. Rows are
+    decoded a piece at a time into a scratch block and each layer's runs copied out; a row
+    larger than a piece has its runs decoded straight into their layers.
+    """
+    rows, count = math.prod(shape[:axis]), shape[axis]
+    run = math.prod(shape[axis + 1 :])
+    layers = [np.empty(shape[:axis] + shape[axis + 1 :], dtype) for _ in range(count)]
+    flat = [x.reshape(rows, run) for x in layers]
+    row_bytes = count * run * np.dtype(dtype).itemsize
+    if not row_bytes:
+        return layers
+    if row_bytes > _PIECE:
+        for p in range(rows):
+            for f in flat:
+                _read_exactly(r, f[p])
+        return layers
+    step = _PIECE // row_bytes
+    block = np.empty((min(step, rows), count, run), dtype)
+    for p0 in range(0, rows, step):
+        part = block[: min(step, rows - p0)]
+        _read_exactly(r, part)
+        for i, f in enumerate(flat):
+            f[p0 : p0 + len(part)] = part[:, i]
+    return layers
+
+
+# A stored value is read in pieces of this size, so a decode holds one piece of the stored
+# chunk at a time, not all of it (and the kvstore's copies of it).
+_PIECE = 8 << 20
+
+
+def _stored_value(src: SourceItem, key: str) -> _FileValue | _KvValue | None:
+    """The stored value ``key`` to read piece by piece: from its data file where it lies in
+    one on a local disk (`SourceItem.value_file`; tensorstore's kvstore reads cost as much
+    as the decode), else through the kvstore; None if it is not stored."""
+    where = src.value_file(key)
+    if where is not None:
+        path, offset, length = where
+        try:
+            return _FileValue(path, offset, offset + length)
+        except OSError:  # gone or unreadable: the kvstore's read reports it
+            pass
+    value = _KvValue(src.kv, key)
+    return value if value.exists() else None
+
+
+class _FileValue:
+    """Bytes ``[start, end)`` of a data file, read (``read``, as a file is) with `os.pread`."""
+
+    def __init__(self, path: str, start: int, end: int, fd: int | None = None):
+        self.path, self.pos, self.end = path, start, end
+        self.fd = os.open(path, os.O_RDONLY) if fd is None else fd
+        self.owns = fd is None
+
+    def __enter__(self) -> _FileValue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.owns:
+            os.close(self.fd)
+
+    def suffix(self, n: int) -> bytes | None:
+        got = os.pread(self.fd, n, self.end - n) if self.end - n >= self.pos else b""
+        return got if len(got) == n else None
+
+    def part(self, offset: int, size: int) -> _FileValue:
+        """Bytes ``[offset, offset + size)`` of this value (the same open file)."""
+        start = self.pos + offset
+        return _FileValue(self.path, start, min(self.end, start + size), self.fd)
+
+    def read(self, n: int = -1) -> bytes:
+        n = _PIECE if n is None or n < 0 else n
+        got = (
+            os.pread(self.fd, min(n, self.end - self.pos), self.pos) if self.pos < self.end else b""
         )
-    return out
+        self.pos += len(got)
+        return got
 
 
-class _ValueReader:
-    """A stored value read piece by piece (``read``, as a file is), so that a decode holds
-    one piece of the stored chunk at a time, not all of it (and the kvstore's copies)."""
-
-    PIECE = 8 << 20
+class _KvValue:
+    """A stored value read through the kvstore, piece by piece (``read``, as a file is)."""
 
     def __init__(self, kv: ts.KvStore, key: str, start: int = 0, end: int | None = None):
         self.kv, self.key, self.pos, self.end, self.done = kv, key, start, end, False
+
+    def __enter__(self) -> _KvValue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
     def exists(self) -> bool:
         return self.kv.read(self.key, byte_range=slice(0, 0)).result().state == "value"
@@ -314,10 +488,14 @@ class _ValueReader:
         got = self.kv.read(self.key, byte_range=slice(-n, None)).result()
         return bytes(got.value) if got.state == "value" and len(got.value) == n else None
 
+    def part(self, offset: int, size: int) -> _KvValue:
+        """Bytes ``[offset, offset + size)`` of this value."""
+        return _KvValue(self.kv, self.key, offset, offset + size)
+
     def read(self, n: int = -1) -> bytes:
         if self.done:
             return b""
-        n = self.PIECE if n is None or n < 0 else n
+        n = _PIECE if n is None or n < 0 else n
         stop = self.pos + n if self.end is None else min(self.end, self.pos + n)
         if stop <= self.pos:
             self.done = True

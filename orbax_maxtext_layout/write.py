@@ -18,18 +18,15 @@ is committed (`stepdir.commit`).
 
 from __future__ import annotations
 
-import os
-import queue
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import numpy as np
 from etils import epath
 
 from . import orbax_files, placement, stepdir, tskv
 from .errors import CheckpointReadError
-from .moves import Move, Op, Plan, apply_op, merge_base, merge_layer
+from .merge_writer import chunk_shape, write_merges
+from .moves import Move, Op, Plan, apply_op
 from .names import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from .provenance import SCAN_LAYERS_KEY, scan_layers
 from .store import store_for
@@ -102,14 +99,8 @@ def write_items(
             fast = tskv.fast_decode_fits(sizes.get((item, path), 0), budget)
             return tskv.read_array(sources[item], path, ctx, fast=fast)
 
-        def read_layer(item: str, path, axis, index, fast: bool = False):
-            layer = None if axis is None or index is None else (axis, index)
-            return tskv.read_array(sources[item], path, ctx, layer, fast=fast)
-
         merges = [m for m in decoded if m.op is Op.MERGE_LORA]
-        with _MergeWriter(read_layer, dst_json, zarr3=zarr3, ctx=ctx, budget=budget) as mw:
-            for k, m in enumerate(merges):
-                mw.add(m, merges[k + 1] if k + 1 < len(merges) else None)
+        write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
         for m in decoded:  # one array at a time: memory stays near the largest one
             if m.op is Op.MERGE_LORA:
                 continue
@@ -149,233 +140,6 @@ def write_items(
 def _rename(m: Move) -> tskv.Rename:
     name = orbax_files.param_name
     return tskv.Rename(m.item, name(m.src), name(m.dst), m.spec.nbytes)
-
-
-def chunk_shape(m: Move) -> tuple[int, ...]:
-    """The chunk shape a decoded leaf is written with: one chunk, or one per layer for a
-    merge that writes a stacked weight layer by layer."""
-    out = m.out_spec.shape
-    if m.op is Op.MERGE_LORA and m.layer_count is not None:
-        assert m.axis is not None
-        return out[: m.axis] + (1,) + out[m.axis + 1 :]
-    return out
-
-
-# Layers merged and encoded at once: one per core (numpy's merge and tensorstore's zstd
-# both run without the GIL), each costing one layer slice plus its encoded chunk.
-MERGE_WORKERS = max(1, min(2, os.cpu_count() or 1))
-
-
-class _MergeWriter:
-    """Writes the merge_lora moves of one item: each stored chunk decoded once, on the
-    caller's thread, while `MERGE_WORKERS` workers merge and encode the layers already
-    decoded (one chunk per layer).
-
-    A stacked base kernel is decoded whole when it fits in ``budget`` (Orbax stores an
-    array written from one host as one chunk, so reading any layer decodes all of them:
-    reading per layer would decode it once per layer for the same peak); otherwise layer by
-    layer (with per-layer or smaller stored chunks, only those are decoded). A kernel is kept
-    while the next moves read it (the layers of an unroll), and its LoRA factors, small,
-    are decoded whole once with it. The caller's thread copies each layer's slice into a
-    free worker's buffer (merged there in place), so at most `MERGE_WORKERS` slices are in
-    flight, fewer where the budget leaves no room for them beside a decode. The next
-    kernel is decoded on another thread while this one is merged where both fit within
-    ``budget`` plus three layer slices; otherwise the layers in flight are drained to what
-    fits before it is decoded.
-    """
-
-    def __init__(self, read_layer, dst_json: dict, *, zarr3: bool, ctx, budget: int):
-        self.read_layer, self.dst_json, self.zarr3, self.ctx = read_layer, dst_json, zarr3, ctx
-        self.budget = budget
-        self.pool = ThreadPoolExecutor(MERGE_WORKERS, thread_name_prefix="merge")
-        # One slot per worker, each with a layer buffer reused from layer to layer (a fresh
-        # one would be a fresh mapping, its pages zeroed by the kernel on first touch).
-        self.slots: queue.Queue[dict] = queue.Queue()
-        for _ in range(MERGE_WORKERS):
-            self.slots.put({})
-        self.pending: list = []
-        self.key: tuple | None = None  # the base kernel decoded whole, its factors
-        self.kernel: np.ndarray | None = None
-        self.factors: dict = {}
-        self.decoder: ThreadPoolExecutor | None = None  # decodes the next kernel, if it fits
-        self.ahead: tuple | None = None  # (its key, the decode's future)
-
-    def __enter__(self) -> _MergeWriter:
-        tskv.release_large_buffers()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if exc[0] is None:
-                for f in self.pending:
-                    f.result()  # raises a worker's error
-        finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            if self.decoder is not None:
-                self.decoder.shutdown(wait=True, cancel_futures=True)
-
-    def add(self, m: Move, following: Move | None = None) -> None:
-        """Writes ``m``; ``following`` (the next move) has its kernel decoded meanwhile on
-        another thread where both kernels fit in the memory bound."""
-        out = m.out_spec
-        name = orbax_files.param_name(m.dst)
-        store = tskv.create_array(
-            self.dst_json, name, out.shape, out.dtype, chunk_shape(m), use_zarr3=self.zarr3,
-            context=self.ctx,
-        )  # fmt: skip
-        whole = self._whole(m)
-        self._prefetch(m, following)
-        if m.layer_count is None:  # one layer: unscanned, or one layer of an unroll
-            self._submit(store, m, 0, whole=whole, index=m.index, layer=None)
-            return
-        # Where the budget leaves no room for two layers in flight beside a decode, one:
-        # the other slots are held here meanwhile.
-        spare = self.budget + 3 * _layer_bytes(m) - _decoding(m, self.budget)
-        fits = max(1, min(MERGE_WORKERS, spare // max(1, _IN_FLIGHT * _layer_bytes(m))))
-        held = [self.slots.get() for _ in range(MERGE_WORKERS - fits)]
-        try:
-            for i in range(m.layer_count):
-                self._submit(store, m, i, whole=whole, index=i, layer=(m.axis, i))
-        finally:
-            for slot in held:
-                slot.pop("buf", None)
-                self.slots.put(slot)
-
-    def _whole(self, m: Move) -> np.ndarray | None:
-        """The stacked base kernel of ``m`` decoded whole, if it fits in the budget: kept
-        while the next moves read the same one (the layers of an unroll), so each stored
-        chunk is decoded once. Its LoRA factors (small) are decoded whole with it."""
-        key = (m.item, m.src)
-        if key != self.key:
-            self.key, self.kernel, self.factors = key, None, {}  # freed before the next decode
-            if self.ahead is not None and self.ahead[0] == key:
-                self.kernel = self.ahead[1].result()  # decoded while the last one was merged
-            elif _whole_fits(m, self.budget):
-                self._make_room(m)
-                self.kernel = self.read_layer(m.item, m.src, None, None, fast=_fast(m, self.budget))
-            self.ahead = None
-        for f in m.lora:
-            for p in (f.a, f.b):
-                if (f.item, p) not in self.factors:
-                    self.factors[(f.item, p)] = self.read_layer(f.item, p, None, None)
-        return self.kernel
-
-    def _prefetch(self, m: Move, nxt: Move | None) -> None:
-        """Starts decoding ``nxt``'s kernel now if it is another one that fits beside ``m``'s
-        within ``budget`` plus three layer slices: ``m``'s kernel, ``nxt``'s while decoded
-        (its stored chunk and itself: about twice its size), and the layers in flight."""
-        if nxt is None or (nxt.item, nxt.src) == self.key or not _whole_fits(nxt, self.budget):
-            return
-        layer = max(_layer_bytes(m), _layer_bytes(nxt))
-        kept = self.kernel.nbytes if self.kernel is not None else 0
-        # zstandard where its larger peak fits beside the kernel being merged, else tensorstore
-        room = self.budget + 3 * layer - MERGE_WORKERS * _IN_FLIGHT * layer - kept
-        fits = [
-            fast
-            for fast, factor in ((True, tskv.FAST_DECODING), (False, tskv.TS_DECODING))
-            if int(factor * nxt.spec.nbytes) <= room
-            and (not fast or tskv.fast_decode_fits(nxt.spec.nbytes, room))
-        ]
-        if not fits:
-            return
-        fast = fits[0]
-        if self.decoder is None:
-            self.decoder = ThreadPoolExecutor(1, thread_name_prefix="merge-decode")
-        job = self.decoder.submit(self.read_layer, nxt.item, nxt.src, None, None, fast)
-        self.ahead = ((nxt.item, nxt.src), job)
-
-    def _make_room(self, m: Move) -> None:
-        """Before ``m``'s kernel is decoded (`_decoding`): no more layers of the previous
-        kernel in flight than fit beside it within ``budget`` plus three layer slices, and
-        no idle layer buffers kept."""
-        layer = _layer_bytes(m)
-        spare = self.budget + 3 * layer - _decoding(m, self.budget)
-        allowed = max(0, min(MERGE_WORKERS, spare // max(1, _IN_FLIGHT * layer)))
-        while len(self.pending) > allowed:
-            self.pending.pop(0).result()  # the oldest layer first; raises a worker's error
-        idle = []
-        while True:
-            try:
-                idle.append(self.slots.get_nowait())
-            except queue.Empty:
-                break
-        for slot in idle:
-            slot.pop("buf", None)
-            self.slots.put(slot)
-
-    def _reader(self, m: Move, w: np.ndarray | None):
-        """What `merge_layer` reads: the base layer ``w`` taken by the caller's thread, the
-        factors' layers from their decoded wholes."""
-        read_layer, factors = self.read_layer, self.factors
-        base = {(m.item, m.src), *((m.item, p) for p in m.layers)}
-
-        def read(item, path, axis, index):
-            if w is not None and (item, path) in base:
-                return w
-            whole = factors.get((item, path))
-            if whole is not None:
-                return whole if axis is None or index is None else np.take(whole, index, axis)
-            return read_layer(item, path, axis, index)
-
-        return read
-
-    def _submit(self, store, m: Move, i: int, *, whole, index, layer) -> None:
-        """Merges layer ``i`` of ``m`` on a worker, once one is free, and writes it to
-        ``layer`` of ``store``: its base slice is copied out of ``whole`` (at ``index`` on
-        the layer axis) into the free worker's buffer, or read from the source."""
-        slot = self.slots.get()  # waits for a free worker
-        try:
-            w = None
-            if whole is not None and index is not None:
-                view = whole[(slice(None),) * m.axis + (index,)]
-                w = slot.get("buf")
-                if w is None or w.shape != view.shape or w.dtype != view.dtype:
-                    w = slot["buf"] = np.empty(view.shape, view.dtype)
-                w[...] = view  # the worker merges it in place
-            elif m.layer_count is not None:
-                w = merge_base(m, i, self.read_layer)
-            read = self._reader(m, w)
-        except BaseException:
-            self.slots.put(slot)
-            raise
-
-        def work() -> None:
-            try:
-                tskv.write_part(store, merge_layer(m, i, read, inplace=True), layer)
-            finally:
-                self.slots.put(slot)
-
-        for f in [f for f in self.pending if f.done()]:
-            f.result()  # a worker's error stops the merge at once
-        self.pending = [f for f in self.pending if not f.done()]
-        self.pending.append(self.pool.submit(work))
-
-
-# A layer in flight holds its slice, tensorstore's copy of it, the encoded chunk (and the
-# kvstore's copy of it) and the merge's scratch: about five slices (measured).
-_IN_FLIGHT = 5
-
-
-def _decoding(m: Move, budget: int) -> int:
-    """What decoding a merge_lora move's base kernel whole holds at its peak (`_fast`)."""
-    factor = tskv.FAST_DECODING if _fast(m, budget) else tskv.TS_DECODING
-    return int(factor * m.spec.nbytes)
-
-
-def _fast(m: Move, budget: int) -> bool:
-    """Whether the kernel is decoded by zstandard: faster, and where its larger peak
-    (`tskv.FAST_DECODING`) fits within ``budget`` plus three layer slices."""
-    return tskv.fast_decode_fits(m.spec.nbytes, budget + 3 * _layer_bytes(m))
-
-
-def _whole_fits(m: Move, budget: int) -> bool:
-    """Whether a merge_lora move's stacked base kernel is decoded whole (see `_MergeWriter`)."""
-    return not m.layers and m.axis is not None and m.spec.nbytes <= budget
-
-
-def _layer_bytes(m: Move) -> int:
-    """The bytes of one layer of a merge_lora move's base kernel."""
-    return m.spec.nbytes // max(1, m.spec.shape[m.axis] if m.axis is not None else 1)
 
 
 def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:

@@ -22,13 +22,21 @@ from etils import epath
 from orbax_maxtext_layout.treepaths import Path, unflatten
 
 EMB, HEADS, HEAD_DIM, MLP, VOCAB = 16, 2, 8, 32, 64
-# weight -> (per-layer kernel shape, number of leading contracting dims)
-KERNELS: dict[str, tuple[tuple[int, ...], int]] = {
-    "self_attention/query": ((EMB, HEADS, HEAD_DIM), 1),
-    "self_attention/out": ((HEADS, HEAD_DIM, EMB), 2),
-    "mlp/wi_0": ((EMB, MLP), 1),
-    "mlp/wo": ((MLP, EMB), 1),
-}
+
+
+def kernels(
+    emb: int = EMB, heads: int = HEADS, head_dim: int = HEAD_DIM, mlp: int = MLP
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """weight -> (per-layer kernel shape, number of leading contracting dims)."""
+    return {
+        "self_attention/query": ((emb, heads, head_dim), 1),
+        "self_attention/out": ((heads, head_dim, emb), 2),
+        "mlp/wi_0": ((emb, mlp), 1),
+        "mlp/wo": ((mlp, emb), 1),
+    }
+
+
+KERNELS = kernels()
 
 
 def _stacked(shape: tuple[int, ...], layers: int, axis: int) -> tuple[int, ...]:
@@ -36,16 +44,23 @@ def _stacked(shape: tuple[int, ...], layers: int, axis: int) -> tuple[int, ...]:
 
 
 def base_params(
-    *, layers: int = 3, axis: int | None = 1, dtype: Any = np.float32, seed: int = 0
+    *,
+    layers: int = 3,
+    axis: int | None = 1,
+    dtype: Any = np.float32,
+    seed: int = 0,
+    shapes: dict | None = None,
 ) -> dict[Path, np.ndarray]:
     """Flat MaxText params (``decoder/...``, no ``params/params`` prefix); ``axis=None``:
-    unscanned (``layers_<i>``)."""
+    unscanned (``layers_<i>``); ``shapes``: `kernels` of other sizes."""
+    shapes = shapes or KERNELS
+    emb = shapes["mlp/wi_0"][0][0]
     rng = np.random.default_rng(seed)
     out: dict[Path, np.ndarray] = {
-        ("token_embedder", "embedding"): rng.normal(size=(VOCAB, EMB)),
-        ("decoder", "decoder_norm", "scale"): rng.normal(size=(EMB,)),
+        ("token_embedder", "embedding"): rng.normal(size=(VOCAB, emb)),
+        ("decoder", "decoder_norm", "scale"): rng.normal(size=(emb,)),
     }
-    for name, (shape, _) in KERNELS.items():
+    for name, (shape, _) in shapes.items():
         mod = tuple(name.split("/"))
         if axis is None:
             for i in range(layers):
@@ -57,9 +72,9 @@ def base_params(
     norm = ("pre_self_attention_layer_norm", "scale")
     if axis is None:
         for i in range(layers):
-            out[("decoder", f"layers_{i}", *norm)] = rng.normal(size=(EMB,))
+            out[("decoder", f"layers_{i}", *norm)] = rng.normal(size=(emb,))
     else:
-        out[("decoder", "layers", *norm)] = rng.normal(size=_stacked((EMB,), layers, axis))
+        out[("decoder", "layers", *norm)] = rng.normal(size=_stacked((emb,), layers, axis))
     return {p: np.asarray(v, dtype) for p, v in out.items()}
 
 
@@ -71,12 +86,14 @@ def lora_factors(
     scale: float = 0.1,
     seed: int = 1,
     modules: tuple[str, ...] = tuple(KERNELS),
+    shapes: dict | None = None,
 ) -> dict[Path, np.ndarray]:
-    """Flat qwix factors of ``modules`` (model paths, no ``value`` level), float32."""
+    """Flat qwix factors of ``modules`` (model paths, no ``value`` level), float32;
+    ``shapes``: `kernels` of other sizes."""
     rng = np.random.default_rng(seed)
     out: dict[Path, np.ndarray] = {}
     for name in modules:
-        shape, k = KERNELS[name]
+        shape, k = (shapes or KERNELS)[name]
         a2 = (math.prod(shape[:k]), rank)
         b2 = (rank, math.prod(shape[k:]))
         mod = tuple(name.split("/"))

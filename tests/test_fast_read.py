@@ -71,3 +71,55 @@ def test_a_damaged_chunk_is_a_read_error_naming_the_array(tmp_path):
     src = tskv.SourceItem.open(d, tskv.ts_context())
     with pytest.raises(CheckpointReadError, match=name.replace(".", r"\.")):
         tskv.read_array(src, path, ctx)
+
+
+@pytest.mark.parametrize("item", ITEMS[:2])
+def test_a_local_item_is_read_from_its_data_files_as_through_the_kvstore(item):
+    """On a local disk a value is read straight from its data file (`os.pread`); through the
+    kvstore (as on an object store) it reads the same bytes."""
+    d = epath.Path(FIXTURES / item)
+    ctx = tskv.ts_context()
+    src = tskv.SourceItem.open(d, ctx)
+    in_files = 0
+    for p, s in read_specs(d).items():
+        if s.shape == ():
+            continue
+        name = tskv.param_name(p)
+        key, *_ = tskv._one_chunk_layout(src, name)
+        # in a data file at an offset, unless small enough to sit in the B-tree (1 KiB)
+        in_files += src.value_file(f"{name}/{key}") is not None
+        from_file = tskv._read_one_chunk(src, name)
+        through_kv = tskv.SourceItem.open(d, ctx)
+        through_kv._value_files = {}  # no data file known: the kvstore path
+        assert through_kv.value_file(f"{name}/{key}") is None
+        assert from_file.tobytes() == tskv._read_one_chunk(through_kv, name).tobytes(), p
+    assert in_files >= 3
+
+
+@pytest.mark.parametrize("piece", [64, 1 << 20], ids=["rows-larger-than-a-piece", "row-blocks"])
+@pytest.mark.parametrize("zarr3", [True, False], ids=["zarr3", "zarr2"])
+def test_layers_are_split_out_as_the_chunk_is_decoded(tmp_path, monkeypatch, piece, zarr3):
+    """`read_layers` decodes a one-chunk array once into one buffer per layer, on every
+    axis, bit for bit the tensorstore slices."""
+    monkeypatch.setattr(tskv, "_PIECE", piece)
+    ctx = tskv.ts_context()
+    kv = tskv.open_kvstore(epath.Path(tmp_path), ctx, use_ocdbt=True)
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(6, 5, 7, 3)).astype(np.float32)
+    out = tskv.create_array(kv.spec().to_json(), "w", data.shape, data.dtype, data.shape,
+                            use_zarr3=zarr3, context=ctx)  # fmt: skip
+    out.write(data).result()
+    files = type("F", (), {"use_zarr3": zarr3, "use_ocdbt": True, "dir": epath.Path(tmp_path)})
+    item = tskv.SourceItem(files(), kv)  # no Orbax files around it: its kvstore alone
+    for axis in range(data.ndim):
+        layers, own = tskv.read_layers(item, ("w",), axis, ctx, fast=True)
+        assert own and len(layers) == data.shape[axis]
+        for i, layer in enumerate(layers):
+            assert layer.flags.c_contiguous and layer.flags.owndata
+            assert np.array_equal(layer, np.take(data, i, axis)), (axis, i)
+    # Written layer by layer, one chunk each (as a merge writes): read back whole.
+    stacked = tskv.create_array(kv.spec().to_json(), "s", data.shape, data.dtype, (6, 1, 7, 3),
+                                use_zarr3=zarr3, context=ctx)  # fmt: skip
+    for i in range(5):
+        tskv.write_part(stacked, np.ascontiguousarray(data[:, i]), (1, i))
+    assert np.array_equal(stacked.read().result(), data)

@@ -19,7 +19,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import MAXTEXT_NATIVE, copy_fixture, raw, restore_flat, tree_digest
-from lora_writers import base_params, expected_merge, lora_factors, write_adapters, write_base
+from lora_writers import (
+    base_params,
+    expected_merge,
+    kernels,
+    lora_factors,
+    write_adapters,
+    write_base,
+)
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.cli import main as cli
@@ -236,6 +243,71 @@ def test_merge_lora(tmp_path, capsys, axis, dtype):
     assert len(prov["modules"]) == (4 if axis is not None else 12)  # unscanned: per layer
     assert oml.verify_step(out / "0").ok
     assert ocp.CheckpointManager(out).all_steps() == [0]
+
+
+@pytest.mark.parametrize(
+    "budget", [1 << 30, 14 << 20, 8 << 20], ids=["roomy", "one-kernel-at-a-time", "below-a-kernel"]
+)
+@pytest.mark.parametrize("axis", [1, 0])
+def test_merge_of_large_kernels_decodes_each_stored_chunk_once(tmp_path, axis, budget):
+    """Kernels of several MiB (zstandard's path, each one stored chunk): each is decoded
+    once, split into its layers as it is decoded, where it fits the budget; a kernel larger
+    than the budget is read layer by layer. The merge is right either way."""
+    from orbax_maxtext_layout.orbax_files import io_counts
+
+    shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)  # 6 to 12 MiB kernels
+    base = base_params(layers=3, axis=axis, shapes=shapes)
+    factors = lora_factors(layers=3, axis=axis, shapes=shapes)
+    b = write_base(tmp_path / "base", 0, base)
+    a = write_adapters(tmp_path / "sft", 2, factors)
+    with io_counts() as counts:
+        oml.merge_lora(a, b, alpha=8, out=tmp_path / "m", memory_budget=budget)
+    got = _params(tmp_path / "m" / "0")
+    want = expected_merge(base, factors, 8.0, 4, axis)
+    for p, w in want.items():
+        if p[-1] != "kernel":
+            continue
+        assert np.abs(w - base[p]).max() > 1e-2, p  # the adapters move it
+        np.testing.assert_allclose(got[p], w, rtol=1e-6, atol=1e-6, err_msg=keystr(p))
+        name = f"{b}/items/" + ".".join(PP + p)
+        whole, layers = counts[("array decoded", name)], counts[("layer decoded", name)]
+        assert (whole, layers) == ((1, 0) if base[p].nbytes <= budget else (0, 3)), p
+    assert oml.verify_step(tmp_path / "m" / "0").ok
+
+
+@pytest.mark.parametrize("which", ["mlp.wo", "self_attention.query"])
+def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
+    """A kernel whose stored chunk is cut short fails its decode (on the decoder's thread,
+    while other kernels are merged): the merge stops with an error naming it, promptly, and
+    leaves no step."""
+    import threading
+
+    from orbax_maxtext_layout import tskv
+    from orbax_maxtext_layout.errors import CheckpointReadError
+
+    shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)
+    b = write_base(tmp_path / "base", 0, base_params(layers=3, shapes=shapes))
+    a = write_adapters(tmp_path / "sft", 2, lora_factors(layers=3, shapes=shapes))
+    src = tskv.SourceItem.open(b / "items", tskv.ts_context())
+    name = f"params.params.decoder.layers.{which}.kernel"
+    key, *_ = tskv._one_chunk_layout(src, name)
+    raw = src.kv.read(f"{name}/{key}").result().value
+    src.kv.write(f"{name}/{key}", raw[: len(raw) // 2]).result()
+    failure: list = []
+
+    def merge():
+        try:
+            oml.merge_lora(a, b, alpha=8, out=tmp_path / "m", memory_budget=14 << 20)
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=merge, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the merge hung after a failed decode"
+    [e] = failure
+    assert isinstance(e, CheckpointReadError) and name in str(e), e
+    assert not (tmp_path / "m").exists() or ocp.CheckpointManager(tmp_path / "m").all_steps() == []
 
 
 def test_merge_copies_unmerged_leaves_as_stored_bytes(tmp_path):
