@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 from etils import epath
+from threadpoolctl import threadpool_limits
 
 from . import hf_mapping, safetensors_out, stepmeta, tskv
 from .errors import LayoutMismatchError, StepExistsError, UsageError
@@ -666,7 +667,11 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
         finally:
             gate.give(held)
 
-    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+    # One BLAS thread per worker, as in merge-lora (`merge_writer`): its own would spin.
+    with (
+        threadpool_limits(1, user_api="blas"),
+        concurrent.futures.ThreadPoolExecutor(WORKERS) as pool,
+    ):
         futures = [pool.submit(job, k, us) for k, us in groups.items()]
         for f in concurrent.futures.as_completed(futures):
             f.result()

@@ -348,12 +348,13 @@ def _read_one_chunk(src: SourceItem, name: str, axis: int | None = None):
             if offset == _MISSING:
                 return None
             value = value.part(offset, size)
-        return _decode_frame(src, name, value, shape, dtype, axis)
+        return _decode_frame(f"{src.dir}: cannot read {name}", value, shape, dtype, axis=axis)
 
 
-def _decode_frame(src: SourceItem, name: str, frame, shape: tuple, dtype: np.dtype, axis=None):
+def _decode_frame(what: str, frame, shape: tuple, dtype: np.dtype, *, axis: int | None = None):
     """The array of ``shape`` and ``dtype`` whose bytes are the zstd frame ``frame`` (read
-    piece by piece), or its layers on ``axis``; a `CheckpointReadError` names the array."""
+    piece by piece), or its layers on ``axis``; else a `CheckpointReadError` starting with
+    ``what`` (which array could not be read)."""
     try:
         with _zstd.ZstdDecompressor().stream_reader(frame, read_size=_PIECE) as r:
             if axis is None:
@@ -362,11 +363,10 @@ def _decode_frame(src: SourceItem, name: str, frame, shape: tuple, dtype: np.dty
                 return out
             return _decode_layers(r, shape, dtype, axis)
     except (_zstd.ZstdError, OSError) as e:
-        raise CheckpointReadError(f"{src.dir}: cannot read {name}: its chunk: {e}") from e
+        raise CheckpointReadError(f"{what}: its chunk: {e}") from e
     except _Short as e:
         raise CheckpointReadError(
-            f"{src.dir}: cannot read {name}: its chunk decodes to fewer bytes than the array "
-            f"has ({e})."
+            f"{what}: its chunk decodes to fewer bytes than the array has ({e})."
         ) from e
 
 
