@@ -305,7 +305,8 @@ def read_layers(
     With ``fast`` (`fast_decode_fits`), an array stored as one zstd chunk is split into
     layers as zstandard decodes it (`_decode_layers`): they hold the array's bytes plus
     `FAST_EXTRA`, and each can be freed on its own. Otherwise tensorstore decodes it
-    (`TS_DECODING`) and the layers are views of the whole array.
+    (`TS_DECODING`) and the layers are views of the whole array (with ``axis`` None, the
+    array itself: its own buffer).
     """
     if fast:
         got = _read_one_chunk(src, param_name(path), axis)
@@ -313,8 +314,8 @@ def read_layers(
             count("array decoded", f"{src.dir}/{param_name(path)}")
             return (got if axis is not None else [got]), True
     whole = read_array(src, path, context)
-    if axis is None:
-        return [whole], False
+    if axis is None:  # the one layer is the array tensorstore decoded: a buffer of its own
+        return [whole], True
     return [whole[(slice(None),) * axis + (i,)] for i in range(whole.shape[axis])], False
 
 
