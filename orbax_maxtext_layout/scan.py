@@ -1,33 +1,31 @@
 """Scanned layer blocks: the axis each leaf's layers are stacked on, and (un)stacking.
 
-MaxText's ``scan_layers=True`` keeps all decoder layers in one stacked block
-(DOMAIN.md section 6): an ``nnx.Param`` has its layers at its
-``param_scan_axis`` (usually 1), every other Variable (RNG counts and keys,
-custom Variables) at axis 0, and optimizer moments (``mu``/``nu``, ...) at the
-axis of the Param they mirror. The axis always comes from the model (a
-`Target`), never from a leaf's rank: rank rules are what crashed earlier
-unrollers on ``(L,)`` counts, raw ``(L, 2)`` keys, rank-2 custom Variables,
-unstacked scalars and models past 256 layers (DOMAIN.md section 9, 22-28).
+MaxText's ``scan_layers=True`` keeps decoder layers in stacked scans (DOMAIN.md section
+6): an ``nnx.Param`` has its layers at its ``param_scan_axis`` (usually 1), every other
+Variable (RNG counts and keys, custom Variables) at axis 0, and optimizer moments
+(``mu``/``nu``, ...) at the axis of the Param they mirror. The axis always comes from the
+model (a `Target`), never from a leaf's rank: rank rules are what crashed earlier
+unrollers on ``(L,)`` counts, raw ``(L, 2)`` keys, rank-2 custom Variables, unstacked
+scalars and models past 256 layers (DOMAIN.md section 9, 22-28).
 
-**Blocks.** A scanned block is the model subtree under a key in `SCAN_GROUPS`
-(the outermost one on a path): Llama ``decoder/layers``; Gemma3 ``layers``,
-whose ``layers_<k>`` sub-layers belong to each scan step (the unscanned
-``layers_remainder`` is no block); DeepSeek ``dense_layers`` and
-``moe_layers``; Gemma4/DeepSeek ``scanned_blocks``. Unrolled, scan step ``i``
-of group ``g`` is named ``g_<i>``, as in MaxText's unscanned models.
+**Layers.** Which subtrees are scans and what each layer is called unrolled is the
+model's `layermap.LayerMap` (`layer_map`): llama's plain scan ``decoder/layers``
+(step ``i`` is ``decoder/layers_<i>``); gemma3's block scan ``decoder/layers/layers_<k>``
+(step ``r`` of sub-layer ``k`` of ``B`` is ``decoder/layers_<r·B+k>``) and its
+``layers_remainder/layers_<j>``, stored per layer in both forms; DeepSeek's
+``dense_layers`` and ``moe_layers``; gemma4's ``scanned_blocks``.
 
 **Paths.** `scan_axes` is keyed by full items paths: ``("params", "params",
 *model)``, ``("nnx_aux", "model", *model)`` and ``("opt_state", *path)``. The
 tree functions take pure trees in any layout whose leaf paths *end* in a model
 path (MaxText items; Tunix ``model_params`` with its ``base/`` adapter and
 ``value`` levels; optimizer states, whose moments mirror the Params) and keep
-that layout; only the group key changes (``layers`` <-> ``layers_<i>``).
+that layout; only the layer's own keys change (``layers`` <-> ``layers_<i>``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -36,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import layermap as LM
 from . import rules as R
 from .errors import LayoutMismatchError
+from .layermap import SCAN_GROUPS, Layer, LayerMap, layer_of
 from .rng import fresh_rng, is_rng
 from .spec import LeafSpec, spec_of
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, Target
@@ -46,6 +46,7 @@ from .treepaths import FlatTree, Path, flatten, keystr, unflatten
 __all__ = [
     "SCAN_GROUPS",
     "StackReport",
+    "layer_map",
     "layer_of",
     "scan_axes",
     "stack",
@@ -54,16 +55,6 @@ __all__ = [
     "unroll_target",
     "unstack_layer",
 ]
-
-SCAN_GROUPS: tuple[str, ...] = ("layers", "dense_layers", "moe_layers", "scanned_blocks")
-_UNROLLED = re.compile(rf"^({'|'.join(SCAN_GROUPS)})_(\d+)$")
-
-
-def layer_of(key: str | int) -> tuple[str, int] | None:
-    """``(group, i)`` of an unrolled layer key ``<group>_<i>`` (``layers_0``,
-    ``moe_layers_3``), or None for any other key: the one parser of layer keys."""
-    m = _UNROLLED.match(key) if isinstance(key, str) else None
-    return (m[1], int(m[2])) if m else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +85,9 @@ class _Leaf:
     spec: LeafSpec  # stored form (a typed key of shape S is uint32 S + (2,))
     param: bool
     rng: bool  # RNG state: nnx_aux ``.../rngs/<stream>/{count,key}``
-    axis: int | None  # layer axis; None outside scanned blocks
-    block: Path | None  # model path of its scanned group, e.g. ("decoder", "layers")
+    axis: int | None  # layer axis; None outside scans
+    prefix: Path | None  # its layer's path in the scanned model (`LayerMap.stacked_prefix`)
+    scan: LM.Scan | None  # the scan it is stacked in (None: a remainder layer, or no layer)
 
     @property
     def stacked(self) -> bool:
@@ -108,50 +100,44 @@ def _rank(spec: LeafSpec) -> int:
     return len(spec.shape) - (1 if spec.key_impl else 0)
 
 
-def _block(path: Path) -> Path | None:
-    for i, k in enumerate(path):
-        # A group holding a list (``layers/0/...``, NNX unscanned decoders) is no block.
-        nxt = path[i + 1] if i + 1 < len(path) else None
-        if k in SCAN_GROUPS and not (isinstance(nxt, int) or str(nxt).isdigit()):
-            return path[: i + 1]
-    return None
+def _axes_in(target: Target, param_scan_axis: int) -> dict[Path, tuple[LeafSpec, bool, int]]:
+    out = {
+        p: (s, True, target.param_scan_axes.get(p, param_scan_axis))
+        for p, s in target.params.items()
+    }
+    return out | {p: (s, False, 0) for p, s in target.nnx_aux.items()}
 
 
-def _model_leaves(target: Target, param_scan_axis: int) -> dict[Path, _Leaf]:
+def layer_map(
+    target: Target,
+    *,
+    num_layers: int | None = None,
+    param_scan_axis: int = 1,
+    lengths: bool = True,
+) -> LayerMap:
+    """The layers of a scanned model (`layermap.LayerMap`): its scans, their lengths, and
+    every layer's name in both forms. Empty for an unscanned target.
+
+    The scans are read from the target's paths and each leaf's layer axis (a Param's
+    ``param_scan_axis`` metadata, else ``param_scan_axis``; 0 for other Variables);
+    ``num_layers`` gives the length of a scan none of whose leaves is stacked;
+    ``lengths=False`` skips the lengths (`layermap.infer`).
+    """
+    leaves = _axes_in(target, param_scan_axis)
+    shapes = {p: (s.shape[: _rank(s)], a) for p, (s, _, a) in leaves.items()}
+    return LM.infer(shapes, num_layers, lengths=lengths)
+
+
+def _model_leaves(
+    target: Target, param_scan_axis: int, num_layers: int | None = None, lengths: bool = True
+) -> tuple[dict[Path, _Leaf], LayerMap]:
+    lm = layer_map(target, num_layers=num_layers, param_scan_axis=param_scan_axis, lengths=lengths)
     out: dict[Path, _Leaf] = {}
-    for p, s in target.params.items():
-        b = _block(p)
-        axis = target.param_scan_axes.get(p, param_scan_axis) if b else None
-        out[p] = _Leaf(s, param=True, rng=False, axis=axis, block=b)
-    for p, s in target.nnx_aux.items():
-        b = _block(p)
-        out[p] = _Leaf(s, param=False, rng=is_rng(p), axis=0 if b else None, block=b)
-    return out
-
-
-def _lengths(leaves: Mapping[Path, _Leaf], num_layers: int | None) -> dict[Path, int]:
-    """Scan length of every block, from its stacked leaves (checked against ``num_layers``)."""
-    sizes: dict[Path, dict[int, list[Path]]] = defaultdict(lambda: defaultdict(list))
-    for p, leaf in leaves.items():
-        if leaf.block is not None:
-            found = sizes[leaf.block]  # a block with no stacked leaf still gets an entry
-            if leaf.stacked:
-                found[leaf.spec.shape[leaf.axis]].append(p)
-    out, problems = {}, []
-    for block, found in sizes.items():
-        if len(found) == 1 and num_layers in (None, *found):
-            out[block] = next(iter(found))
-        elif not found and num_layers is not None:
-            out[block] = num_layers
-        elif not found:
-            problems.append(f"{keystr(block)}: no leaf is stacked; pass num_layers")
-        else:
-            seen = "; ".join(f"{n} layers at {keystr(ps[0])}" for n, ps in found.items())
-            want = f" (num_layers={num_layers})" if num_layers is not None else ""
-            problems.append(f"{keystr(block)}: leaves disagree on the scan length{want}: {seen}")
-    if problems:
-        raise LayoutMismatchError("Cannot tell the number of scanned layers:", problems)
-    return out
+    for p, (s, param, axis) in _axes_in(target, param_scan_axis).items():
+        prefix, scan = lm.stacked_prefix(p), lm.scan_at(p)
+        rng = not param and is_rng(p)
+        out[p] = _Leaf(s, param, rng, axis if scan else None, prefix, scan)
+    return out, lm
 
 
 def scan_axes(target: Target, *, param_scan_axis: int = 1) -> dict[Path, int | None]:
@@ -161,7 +147,7 @@ def scan_axes(target: Target, *, param_scan_axis: int = 1) -> dict[Path, int | N
     ``param_scan_axis``; every other Variable uses 0; an ``opt_state`` moment uses
     the axis of the Param it mirrors. Keys are full items paths (module docstring).
     """
-    leaves = _model_leaves(target, param_scan_axis)
+    leaves, _ = _model_leaves(target, param_scan_axis, lengths=False)
     out = {PARAMS_ROOT + p: leaves[p].axis for p in target.params}
     out |= {AUX_ROOT + p: leaves[p].axis for p in target.nnx_aux}
     for p in target.opt_state or {}:
@@ -175,7 +161,7 @@ def scan_axes(target: Target, *, param_scan_axis: int = 1) -> dict[Path, int | N
 class _Hit:
     leaf: _Leaf
     model: Path
-    at: int | None  # index of the scanned group key in the tree path
+    span: tuple[int, int] | None  # tree path positions of its layer's keys (the prefix)
     frame: tuple[Path, Path]  # tree keys before the model path, 'value' levels after it
 
 
@@ -186,20 +172,29 @@ def _hit(path: Path, kept: tuple[int, ...], leaves: Mapping[Path, _Leaf]) -> _Hi
     if start is None:
         return None
     leaf = leaves[u[start:]]
-    at = kept[start + len(leaf.block) - 1] if leaf.block else None
-    return _Hit(leaf, u[start:], at, (path[: kept[start]], path[kept[-1] + 1 :]))
+    span = None
+    if leaf.prefix is not None:
+        span = (kept[start], kept[start + len(leaf.prefix) - 1] + 1)
+    return _Hit(leaf, u[start:], span, (path[: kept[start]], path[kept[-1] + 1 :]))
 
 
-def _rename(path: Path, at: int, name: str) -> Path:
-    return (*path[:at], name, *path[at + 1 :])
+def _splice(path: Path, span: tuple[int, int], new: Path) -> Path:
+    return (*path[: span[0]], *new, *path[span[1] :])
 
 
-def _unrolled_key(path: Path, kept: tuple[int, ...]) -> tuple[int, str, int] | None:
-    """(position, group, layer) of the first ``<group>_<i>`` key of a path."""
-    for pos in kept:
-        if hit := layer_of(path[pos]):
-            return pos, *hit
-    return None
+def _kept_after(kept: tuple[int, ...], span: tuple[int, int], new: Path) -> tuple[int, ...]:
+    """`rules.unwrapped_positions` of a path after `_splice` (the new keys are all kept)."""
+    delta = len(new) - (span[1] - span[0])
+    before = tuple(i for i in kept if i < span[0])
+    after = tuple(i + delta for i in kept if i >= span[1])
+    return (*before, *range(span[0], span[0] + len(new)), *after)
+
+
+def _number(layer: Layer) -> int:
+    """The layer's index among its unrolled group's layers (``layers_<i>``)."""
+    hit = layer_of(layer.unrolled[-1])
+    assert hit is not None, layer
+    return hit[1]
 
 
 def _flat(tree: Any) -> FlatTree:
@@ -279,26 +274,31 @@ def _unroll_flat(
 ) -> FlatTree:
     flat = _flat(tree)
     kept = R.unwrapped_positions(flat)
-    leaves = _model_leaves(target, param_scan_axis)
-    lengths = _lengths(leaves, num_layers)
+    leaves, lm = _model_leaves(target, param_scan_axis, num_layers)
     out: FlatTree = {}
     problems: list[str] = []
     for p, x in flat.items():
         hit = _hit(p, kept[p], leaves)
-        if hit is None or hit.leaf.block is None:
-            if hit is None and any(k in SCAN_GROUPS for k in p):
+        if hit is None or hit.span is None:
+            keys = tuple(p[i] for i in kept[p])
+            if hit is None and (lm.find_stacked(keys) or any(k in SCAN_GROUPS for k in keys)):
                 problems.append(f"{keystr(p)}: in a scanned block but not in the target")
             elif only is None:
                 out[p] = x
             continue
-        assert hit.at is not None and hit.leaf.axis is not None
-        n = lengths[hit.leaf.block]
-        stacked = _fit(p, x, hit.leaf, n, problems)
-        if stacked is None:
-            continue
-        for i in range(n) if only is None else range(only, min(only + 1, n)):
-            name = f"{p[hit.at]}_{i}"
-            out[_rename(p, hit.at, name)] = _take(x, hit.leaf.axis, i) if stacked else x
+        assert hit.leaf.prefix is not None
+        layers = lm.of_stacked(hit.leaf.prefix)
+        stacked = None
+        if hit.leaf.scan is not None:
+            stacked = _fit(p, x, hit.leaf, hit.leaf.scan.length, problems)
+            if stacked is None:
+                continue
+        for la in layers:
+            if only is not None and _number(la) != only:
+                continue
+            assert hit.leaf.axis is not None or not stacked
+            value = _take(x, hit.leaf.axis, la.index) if stacked else x  # type: ignore[arg-type]
+            out[_splice(p, hit.span, la.unrolled)] = value
     _raise(problems, "The tree does not fit the target's scanned layout", _HINT)
     return out
 
@@ -306,7 +306,8 @@ def _unroll_flat(
 def unroll(
     tree: Any, target: Target, *, num_layers: int | None = None, param_scan_axis: int = 1
 ) -> Any:
-    """A scanned tree as ``<group>_0 … <group>_{L-1}``, each leaf sliced on its own axis.
+    """A scanned tree in the unscanned form: every layer under its own name
+    (``layers_<i>``), each leaf sliced on its own axis.
 
     Args:
       tree: pure nested dicts/lists of arrays (layouts in the module docstring).
@@ -316,8 +317,9 @@ def unroll(
       param_scan_axis: the Param axis where the target carries no metadata.
 
     A leaf the target says is per-layer but that holds one value (a scan-broadcast
-    scalar) is replicated once per layer. Raises `LayoutMismatchError` naming every
-    leaf inside a block the target does not know, or whose shape fits neither form.
+    scalar) is replicated once per layer; a remainder layer (``layers_remainder/layers_<j>``)
+    is only renamed. Raises `LayoutMismatchError` naming every leaf inside a layer the
+    target does not know, or whose shape fits neither form.
     """
     return unflatten(_unroll_flat(tree, target, num_layers, param_scan_axis, None))
 
@@ -330,12 +332,13 @@ def unstack_layer(
     num_layers: int | None = None,
     param_scan_axis: int = 1,
 ) -> Any:
-    """Scan step ``i`` of every block (``…/layers_<i>/…``) without touching other layers.
+    """Layer ``i`` of every layer group (``…/layers_<i>/…``, as `unroll` names it) without
+    touching other layers.
 
     Leaves are sliced by basic indexing, so numpy inputs give views, jax inputs
     one slice, and lazy array readers (anything with ``shape``, ``dtype`` and
-    ``__getitem__``, e.g. a ``tensorstore.TensorStore``) read nothing yet. Blocks
-    shorter than ``i + 1`` (DeepSeek ``dense_layers``) contribute nothing.
+    ``__getitem__``, e.g. a ``tensorstore.TensorStore``) read nothing yet. Groups
+    with fewer than ``i + 1`` layers (DeepSeek ``dense_layers``) contribute nothing.
     """
     out = _unroll_flat(tree, target, num_layers, param_scan_axis, i) if i >= 0 else {}
     if not out:
@@ -351,7 +354,7 @@ def stack(
     param_scan_axis: int = 1,
     rng_seed: int = 0,
 ) -> tuple[Any, StackReport]:
-    """The inverse of `unroll`: ``<group>_<i>`` leaves stacked back onto the target's axes.
+    """The inverse of `unroll`: every layer's leaves stacked back onto the target's axes.
 
     ``nnx_aux`` follows the *target's* paths: an RNG leaf (or some layers of it)
     that the unscanned tree lacks is initialised and listed in the `StackReport`;
@@ -361,8 +364,8 @@ def stack(
     derived from the leaf's items path and layer), with ``rng_seed`` folded in when
     it is not 0.
     """
-    leaves = _model_leaves(target, param_scan_axis)
-    run = _Stacking(leaves, _lengths(leaves, num_layers), rng_seed)
+    leaves, lm = _model_leaves(target, param_scan_axis, num_layers)
+    run = _Stacking(leaves, lm, rng_seed)
     parts, seen = run.sort(_flat(tree))
     for path, (hit, got) in parts.items():
         run.family(path, hit, got)
@@ -371,7 +374,8 @@ def stack(
     return unflatten(run.out), StackReport(run.fresh)
 
 
-_Parts = dict[Path, tuple[_Hit, dict[int, Any]]]  # stacked tree path -> (its hit, {layer: leaf})
+# stacked tree path -> (its hit, {scan step: (the unrolled path, its leaf)})
+_Parts = dict[Path, tuple[_Hit, dict[int, tuple[Path, Any]]]]
 _Seen = dict[tuple[Path, Path], set[Path]]  # a tree frame -> the non-Param model paths it holds
 
 
@@ -380,67 +384,80 @@ class _Stacking:
     """One `stack` call: what the target says, and the stacked leaves made so far."""
 
     leaves: Mapping[Path, _Leaf]
-    lengths: Mapping[Path, int]
+    layers: LayerMap
     seed: int
     out: FlatTree = dataclasses.field(default_factory=dict)
     fresh: dict[Path, tuple[int, ...] | None] = dataclasses.field(default_factory=dict)
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def sort(self, flat: FlatTree) -> tuple[_Parts, _Seen]:
-        """Leaves outside blocks go to ``out`` as they are; per-layer leaves are grouped
-        under their stacked path."""
+        """Leaves outside layers go to ``out`` as they are; per-layer leaves are grouped
+        under their stacked path (a remainder layer's only renamed)."""
         kept = R.unwrapped_positions(flat)
         parts: _Parts = {}
         seen: _Seen = defaultdict(set)
         for p, x in flat.items():
             hit = _hit(p, kept[p], self.leaves)
-            if hit is not None and hit.leaf.block is None:
+            if hit is not None and hit.span is None:
                 self.out[p] = x
             elif hit is not None:
                 self.problems.append(f"{keystr(p)}: already stacked")
                 continue
-            elif (u := _unrolled_key(p, kept[p])) is None:
-                self.out[p] = x  # no model leaf (optimizer counts, step, ...)
+            elif (u := self.layers.find_unrolled(tuple(p[i] for i in kept[p]))) is None:
+                if (past := self.layers.past_end(tuple(p[i] for i in kept[p]))) is not None:
+                    i, n = past
+                    self.problems.append(
+                        f"{keystr(p)}: layer {i} is beyond the target's {n} layers"
+                    )
+                else:
+                    self.out[p] = x  # no model leaf (optimizer counts, step, ...)
                 continue
             else:
-                pos, group, i = u
-                hit = _hit(_rename(p, pos, group), kept[p], self.leaves)
-                if hit is None or hit.at != pos:
+                pos, la = u
+                span = (kept[p][pos], kept[p][pos + len(la.unrolled) - 1] + 1)
+                sp = _splice(p, span, la.stacked)
+                hit = _hit(sp, _kept_after(kept[p], span, la.stacked), self.leaves)
+                if hit is None or hit.leaf.prefix != la.stacked:
                     self.problems.append(f"{keystr(p)}: a per-layer leaf the target does not have")
                     continue
-                parts.setdefault(_rename(p, pos, group), (hit, {}))[1][i] = x
+                if la.index is None:
+                    self.out[sp] = x  # a remainder layer: stored per layer in both forms
+                else:
+                    parts.setdefault(sp, (hit, {}))[1][la.index] = (p, x)
             if not hit.leaf.param:
                 seen[hit.frame].add(hit.model)
         return parts, seen
 
-    def family(self, path: Path, hit: _Hit, got: dict[int, Any]) -> None:
+    def family(self, path: Path, hit: _Hit, got: dict[int, tuple[Path, Any]]) -> None:
         """The layers ``got`` of one leaf stacked at ``path``; missing RNG layers made fresh."""
         leaf = hit.leaf
-        assert leaf.block is not None and hit.at is not None
-        n = self.lengths[leaf.block]
+        assert leaf.scan is not None
+        n = leaf.scan.length
         one = _forms(leaf, n)[1]
         before = len(self.problems)
-        for i, x in got.items():
-            where = keystr(_rename(path, hit.at, f"{path[hit.at]}_{i}"))
+        for i, (where, x) in got.items():
             if i >= n:
-                self.problems.append(f"{where}: layer {i} is beyond the target's {n} layers")
+                self.problems.append(
+                    f"{keystr(where)}: layer {i} is beyond the target's {n} layers"
+                )
             elif _stored_shape(x) != one:
                 self.problems.append(
-                    f"{where}: found {list(_stored_shape(x))}, expected {list(one)}"
+                    f"{keystr(where)}: found {list(_stored_shape(x))}, expected {list(one)}"
                 )
-        missing = tuple(i for i in range(n) if i not in got)
+        values = {i: x for i, (_, x) in got.items()}
+        missing = tuple(i for i in range(n) if i not in values)
         if not leaf.stacked:  # one value for all layers: any layer holding it is enough
-            missing, got = (), {i: next(iter(got.values())) for i in range(n)} | got
+            missing, values = (), {i: next(iter(values.values())) for i in range(n)} | values
         if missing and not leaf.rng:
             self.problems.append(f"{keystr(path)}: layers {list(missing)} missing")
         if len(self.problems) > before:
             return
-        like = next(iter(got.values()))
+        like = next(iter(values.values()))
         for i in missing:
-            got[i] = self.new_rng(leaf, one, hit.model, i, like)
+            values[i] = self.new_rng(leaf, one, hit.model, i, like)
         if missing:
             self.fresh[path] = missing
-        self.out[path] = _join([got[i] for i in range(n)], leaf, path, self.problems)
+        self.out[path] = _join([values[i] for i in range(n)], leaf, path, self.problems)
 
     def never_had(self, seen: _Seen) -> None:
         """RNG state the unscanned tree never had (a deduplicated shared stream), in
@@ -454,11 +471,11 @@ class _Stacking:
                     self.problems.append(
                         f"{keystr(path)}: expected by the target, missing in the tree"
                     )
-                elif leaf.block is None:
+                elif leaf.scan is None:
                     self.out[path] = self.new_rng(leaf, leaf.spec.shape, m, 0, None)
                     self.fresh[path] = None
                 else:
-                    n = self.lengths[leaf.block]
+                    n = leaf.scan.length
                     one = _forms(leaf, n)[1]
                     slices = [self.new_rng(leaf, one, m, i, None) for i in range(n)]
                     self.out[path] = _join(slices, leaf, path, self.problems)
@@ -520,76 +537,84 @@ def _build(
 def unroll_target(
     target: Target, *, num_layers: int | None = None, param_scan_axis: int = 1
 ) -> Target:
-    """The unscanned Target of a scanned one (``layers`` -> ``layers_<i>``, per-layer specs).
+    """The unscanned Target of a scanned one: every layer under its own name
+    (``layers_<i>``, `layer_map`), with per-layer specs.
 
     Params keep their ``param_scan_axis`` metadata under the new paths, so that
-    `stack_target` restores it; abstract leaves lose their shardings.
+    `stack_target` restores it; abstract leaves lose their shardings. Every layer keeps
+    its own RNG state: MaxText's own unscanned model, which shares one stream, is a
+    better target where its config is at hand.
     """
-    leaves = _model_leaves(target, param_scan_axis)
-    lengths = _lengths(leaves, num_layers)
+    leaves, lm = _model_leaves(target, param_scan_axis, num_layers)
     specs: dict[Path, LeafSpec] = {}
     abstract: FlatTree = {}
     axes: dict[Path, int] = {}
     for p, s in _full_specs(target).items():
         hit = _hit(p, tuple(range(len(p))), leaves)
-        if hit is None or hit.leaf.block is None:
+        if hit is None or hit.span is None:
             specs[p] = s
             if p in target.abstract:
                 abstract[p] = target.abstract[p]
             continue
-        assert hit.at is not None and hit.leaf.axis is not None
-        n, a = lengths[hit.leaf.block], hit.leaf.axis
-        one = dataclasses.replace(s, shape=_forms(hit.leaf, n)[1])
+        leaf = hit.leaf
+        one = (
+            s
+            if leaf.scan is None
+            else dataclasses.replace(s, shape=_forms(leaf, leaf.scan.length)[1])
+        )
         like = target.abstract.get(p)
-        for i in range(n):
-            q = _rename(p, hit.at, f"{p[hit.at]}_{i}")
+        for la in lm.of_stacked(leaf.prefix):  # type: ignore[arg-type]
+            q = _splice(p, hit.span, la.unrolled)
             specs[q] = one
             abstract[q] = _abstract(like, one, one.shape[: _rank(one)])
             if p[:2] == PARAMS_ROOT and hit.model in target.param_scan_axes:
-                axes[q[2:]] = a
+                axes[q[2:]] = target.param_scan_axes[hit.model]
     inter = set()
     for p in target.intermediates:
-        b = _block(p)
-        n = lengths.get(b, 0) if b else 0
-        inter |= {_rename(p, len(b) - 1, f"{b[-1]}_{i}") for i in range(n)} if b and n else {p}
+        prefix = lm.stacked_prefix(p)
+        if prefix is None:
+            inter.add(p)
+            continue
+        inter |= {(*la.unrolled, *p[len(prefix) :]) for la in lm.of_stacked(prefix)}
     return _build(target, specs, abstract, inter, axes)
 
 
-def stack_target(target: Target, *, param_scan_axis: int = 1) -> Target:
-    """The scanned Target of an unscanned one: every ``<group>_<i>`` family stacked.
+def stack_target(
+    target: Target, *, param_scan_axis: int = 1, layers: LayerMap | None = None
+) -> Target:
+    """The scanned Target of an unscanned one.
 
-    Params go on their ``param_scan_axis`` metadata (else ``param_scan_axis``),
-    other Variables on 0, moments on their Param's axis. An RNG leaf held by some
-    layers only (a shared stream) is stacked over all of them; a Param or custom
-    Variable missing from a layer raises. A real scanned model is a better target
+    ``layers`` says which unscanned layers are which scan step of which scan (the
+    `layer_map` of the scanned model, e.g. read off a scanned checkpoint of it); without
+    it every ``<group>_<i>`` family is stacked as one plain scan ``<group>``, which is
+    all an unscanned tree can tell (a block-scanned model such as gemma3 needs
+    ``layers``). Params go on their ``param_scan_axis`` metadata (else
+    ``param_scan_axis``), other Variables on 0, moments on their Param's axis. An RNG leaf
+    held by some layers only (a shared stream) is stacked over all of them; a Param or
+    custom Variable missing from a layer raises. A real scanned model is a better target
     where one exists: only it knows state the unscanned model lacks (``decoder/rngs``).
     """
     full = _full_specs(target)
-    groups: dict[Path, dict[int, Path]] = defaultdict(dict)  # stacked path -> {i: path}
-    blocks: dict[Path, Path] = {}  # stacked path -> its group's stacked path
+    lm = layers if layers is not None else LM.plain(target.model_paths())
+    groups: dict[Path, dict[int, Path]] = defaultdict(dict)  # stacked path -> {step: path}
+    scans: dict[Path, LM.Scan] = {}  # stacked path -> its scan
     specs: dict[Path, LeafSpec] = {}
     abstract: FlatTree = {}
     for p, s in full.items():
-        u = _unrolled_key(p, tuple(range(len(p))))
+        u = lm.find_unrolled(p)
         if u is None:
             specs[p] = s
             if p in target.abstract:
                 abstract[p] = target.abstract[p]
             continue
-        pos, group, i = u
-        sp = _rename(p, pos, group)
-        groups[sp][i] = p
-        blocks[sp] = sp[: pos + 1]
-    lengths: dict[Path, int] = defaultdict(int)
-    for sp, layers in groups.items():
-        lengths[blocks[sp]] = max(lengths[blocks[sp]], max(layers) + 1)
-    # A block's length is the model's: MaxText's unscanned model stores a shared RNG stream
-    # once, in layers_0 (NNX keeps a shared Variable at its first path), so its nnx_aux
-    # alone would say one layer.
-    model = {b[2:]: n for b, n in lengths.items() if b[:2] == PARAMS_ROOT}
-    for b in lengths:
-        if b[:2] == AUX_ROOT and b[2:] in model:
-            lengths[b] = max(lengths[b], model[b[2:]])
+        pos, la = u
+        sp = _splice(p, (pos, pos + len(la.unrolled)), la.stacked)
+        if la.index is None or la.scan is None:  # a remainder layer: renamed only
+            specs[sp] = s
+            abstract[sp] = _abstract(target.abstract.get(p), s, s.shape[: _rank(s)])
+            continue
+        groups[sp][la.index] = p
+        scans[sp] = la.scan
 
     def first(sp: Path) -> Path:
         return groups[sp][min(groups[sp])]
@@ -608,10 +633,10 @@ def stack_target(target: Target, *, param_scan_axis: int = 1) -> Target:
         return next((axes[sp[k:]] for k in range(len(sp)) if sp[k:] in axes), None)
 
     problems: list[str] = []
-    for sp, layers in groups.items():
-        s, n, a = full[first(sp)], lengths[blocks[sp]], axis_of(sp)
-        missing = [i for i in range(n) if i not in layers]
-        differ = [keystr(q) for q in layers.values() if full[q] != s]
+    for sp, got in groups.items():
+        s, n, a = full[first(sp)], scans[sp].length, axis_of(sp)
+        missing = [i for i in range(n) if i not in got]
+        differ = [keystr(q) for q in got.values() if full[q] != s]
         if a is None or a > _rank(s):
             problems.append(f"{keystr(sp)}: cannot tell the layer axis of {s}")
         elif differ:
@@ -628,6 +653,6 @@ def stack_target(target: Target, *, param_scan_axis: int = 1) -> Target:
     }
     inter = set()
     for p in target.intermediates:
-        u = _unrolled_key(p, tuple(range(len(p))))
-        inter.add(_rename(p, u[0], u[1]) if u else p)
+        u = lm.find_unrolled(p)
+        inter.add(_splice(p, (u[0], u[0] + len(u[1].unrolled)), u[1].stacked) if u else p)
     return _build(target, specs, abstract, inter, kept_axes)

@@ -21,6 +21,7 @@ from flax import nnx
 from orbax_maxtext_layout import LayoutMismatchError, Target
 from orbax_maxtext_layout.plan import make_plan
 from orbax_maxtext_layout.scan import (
+    layer_map,
     layer_of,
     scan_axes,
     stack,
@@ -368,25 +369,33 @@ def test_a_group_holding_a_list_is_not_a_block():
 
 
 # -- group names ----------------------------------------------------------------------
-def test_group_names_gemma3_nested_deepseek_and_scanned_blocks():
-    def arr(shape):
-        return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+def _arr(shape):
+    return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
 
+
+def test_group_names_gemma3_blocks_deepseek_groups_and_gemma4_scanned_blocks():
+    """MaxText's own unscanned names (FAMILIES_AND_SCALE): a block scan's step ``r`` of
+    sub-layer ``k`` of ``B`` is ``layers_<r*B+k>``, its remainder ``layers_<n*B+j>``;
+    DeepSeek's groups unroll from 0 each; gemma4's ``scanned_blocks`` unroll as ``layers``."""
     tree = {
         "params": {
             "params": {
                 "decoder": {
-                    "layers": {f"layers_{k}": {"kernel": arr((2, 2, 3))} for k in range(2)},
-                    "layers_remainder": {"layers_0": {"kernel": arr((2, 3))}},
-                    "dense_layers": {"kernel": arr((2, 2, 3))},
-                    "moe_layers": {"kernel": arr((2, 4, 3))},
-                    "scanned_blocks": {"kernel": arr((2, 5, 3))},
+                    "layers": {
+                        f"layers_{k}": {"kernel": _arr((2, 2, 3)) + 100 * k} for k in range(2)
+                    },
+                    "layers_remainder": {"layers_0": {"kernel": _arr((2, 3))}},
+                    "dense_layers": {"kernel": _arr((2, 2, 3))},
+                    "moe_layers": {"kernel": _arr((2, 4, 3))},
                 }
             }
         },
         "nnx_aux": {
             "model": {
                 "decoder": {
+                    "layers": {
+                        "layers_0": {"rngs": {"a": {"count": np.arange(2, dtype=np.uint32)}}}
+                    },
                     "layers_remainder": {"rngs": {"a": {"count": np.uint32(1)}}},
                     "moe_layers": {"rngs": {"a": {"count": np.arange(4, dtype=np.uint32)}}},
                 }
@@ -399,17 +408,43 @@ def test_group_names_gemma3_nested_deepseek_and_scanned_blocks():
     assert axes[(*P, "layers", "layers_1", "kernel")] == 1
     assert axes[(*P, "layers_remainder", "layers_0", "kernel")] is None
     assert axes[(*A, "layers_remainder", "rngs", "a", "count")] is None
-    assert axes[(*P, "dense_layers", "kernel")] == axes[(*P, "scanned_blocks", "kernel")] == 1
+    assert axes[(*P, "dense_layers", "kernel")] == 1
     assert axes[(*A, "moe_layers", "rngs", "a", "count")] == 0
     flat = _flat(unroll(tree, target))
-    assert np.array_equal(flat[(*P, "layers_1", "layers_0", "kernel")], arr((2, 2, 3))[:, 1])
-    assert (*P, "layers_remainder", "layers_0", "kernel") in flat  # not a block
+    blocks = tree["params"]["params"]["decoder"]["layers"]
+    for i in range(4):  # step r = i // 2 of sub-layer k = i % 2
+        got = flat[(*P, f"layers_{i}", "kernel")]
+        assert np.array_equal(got, blocks[f"layers_{i % 2}"]["kernel"][:, i // 2]), i
+    assert np.array_equal(flat[(*P, "layers_4", "kernel")], _arr((2, 3)))  # the remainder
+    assert int(flat[(*A, "layers_2", "rngs", "a", "count")]) == 1  # layers_0's step 1
+    assert (*A, "layers_remainder", "rngs", "a", "count") in flat  # no layer: kept as is
     assert {p[3] for p in flat if p[3].startswith("moe")} == {f"moe_layers_{i}" for i in range(4)}
     assert {p[3] for p in flat if p[3].startswith("dense")} == {"dense_layers_0", "dense_layers_1"}
     assert int(flat[(*A, "moe_layers_3", "rngs", "a", "count")]) == 3
     _assert_same(stack(unroll(tree, target), target)[0], tree)
-    three = _flat(unstack_layer(tree, target, 3))  # dense (2) and layers (2) are too short
-    assert {p[3] for p in three} == {"moe_layers_3", "scanned_blocks_3"}
+    three = _flat(unstack_layer(tree, target, 3))  # dense has 2 layers
+    assert {p[3] for p in three} == {"layers_3", "moe_layers_3"}
+    assert np.array_equal(three[(*P, "layers_3", "kernel")], blocks["layers_1"]["kernel"][:, 1])
+    four = _flat(unstack_layer(tree, target, 4))
+    assert np.array_equal(four[(*P, "layers_4", "kernel")], _arr((2, 3)))
+
+    gemma4 = {"decoder": {"scanned_blocks": {f"layers_{k}": {"w": _arr((3, 2))} for k in range(2)}}}
+    g4 = Target.from_items({"params": {"params": gemma4}})
+    names = {p[3] for p in _flat(unroll({"params": {"params": gemma4}}, g4))}
+    assert names == {"layers_0", "layers_1", "layers_2", "layers_3"}
+    # The unscanned target: each layer's spec; and stacked back with the block map.
+    flat_t = unroll_target(target)
+    assert flat_t.params[("decoder", "layers_3", "kernel")].shape == (2, 3)
+    assert flat_t.params[("decoder", "layers_4", "kernel")].shape == (2, 3)
+    back = stack_target(flat_t, layers=layer_map(target))
+    assert dict(back.params) == dict(target.params)
+    assert dict(back.nnx_aux) == dict(target.nnx_aux)
+
+
+def test_two_groups_unrolling_to_one_name_are_refused():
+    tree = {"decoder": {"layers": {"w": _arr((3, 2))}, "scanned_blocks": {"w": _arr((3, 2))}}}
+    with pytest.raises(LayoutMismatchError, match="unroll to one name"):
+        layer_map(Target.from_items({"params": {"params": tree}}))
 
 
 def test_layer_keys_are_parsed_one_way_for_every_group():
