@@ -19,7 +19,7 @@ from pathlib import Path
 
 from etils import epath
 
-from . import renumbering, stepmeta
+from . import renumbering, rescan, stepmeta
 from ._version import EXAMPLES_DIR as EXAMPLES
 from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
 from .errors import (
@@ -62,7 +62,8 @@ def _load_target(args: argparse.Namespace) -> Target | None:
     if args.target_from:
         return Target.from_checkpoint(args.target_from)
     if args.maxtext_config:
-        return _target_from_maxtext_config(args.maxtext_config)
+        both = getattr(args, "rescan", None) is not None  # convert/merge-lora --unroll/--stack
+        return _target_from_maxtext_config(args.maxtext_config, both_forms=both)
     if args.target:
         module, _, fn = args.target.partition(":")
         made = getattr(importlib.import_module(module), fn)()
@@ -74,14 +75,17 @@ def _load_target(args: argparse.Namespace) -> Target | None:
     return None
 
 
-def _target_from_maxtext_config(argv: list[str]) -> Target:
+def _target_from_maxtext_config(argv: list[str], both_forms: bool = False) -> Target:
     """Built by MaxText (metadata only), on CPU unless ``JAX_PLATFORMS`` says otherwise: an
-    accelerator of this host may be busy training, and none is needed."""
+    accelerator of this host may be busy training, and none is needed. ``both_forms``: with
+    MaxText's model in the other scan form too (`rescan.maxtext_forms`), for a scan change."""
     if not os.environ.get("JAX_PLATFORMS"):
         import jax
 
         jax.config.update("jax_platforms", "cpu")
     try:
+        if both_forms:
+            return rescan.maxtext_forms(argv)
         return Target.from_maxtext_config(argv)
     except ImportError as e:  # MaxText is not a dependency: a usage error (exit 2)
         raise UsageError(f"cannot build the target: {e}") from e

@@ -37,6 +37,7 @@ __all__ = [
     "Scan",
     "check",
     "from_forms",
+    "group_at",
     "infer",
     "layer_of",
     "plain",
@@ -189,8 +190,8 @@ class LayerMap:
         return sorted({len(p) for p in self._by_unrolled()}, reverse=True)
 
 
-def _group_at(path: Path) -> int | None:
-    """Position of the first scan group key of a scanned model path, or None.
+def group_at(path: Path) -> int | None:
+    """Position of the first scan group key (`SCAN_GROUPS`) of a path, or None.
 
     A group holding a list (``layers/0/...``, NNX's unscanned decoders) is no scan.
     """
@@ -224,7 +225,7 @@ def _structure(
             i, name, j = rem
             remainders[(p[:i], name)].add(j)
             continue
-        i = _group_at(p)
+        i = group_at(p)
         if i is None:
             continue
         sub = blocks.setdefault(p[: i + 1], set())
@@ -266,7 +267,7 @@ def infer(
     blocks, remainders = _structure(leaves)
     found: dict[Path, dict[int, list[Path]]] = {g: defaultdict(list) for g in blocks}
     for p, (shape, axis) in leaves.items():
-        i = _group_at(p) if _remainder_at(p) is None else None
+        i = group_at(p) if _remainder_at(p) is None else None
         if i is not None and len(shape) > axis:
             found[p[: i + 1]][shape[axis]].append(p)
     problems: list[str] = []

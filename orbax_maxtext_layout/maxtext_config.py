@@ -22,8 +22,16 @@ MAXTEXT_PRNG_IMPL = "unsafe_rbg"
 
 
 def abstract_items(argv: Sequence[str]) -> Any:
+    """The abstract items MaxText's pre-training loop restores (`abstract_model`'s items)."""
+    return abstract_model(argv)[0]
+
+
+def abstract_model(argv: Sequence[str]) -> tuple[Any, dict[tuple[str, ...], int]]:
     """The abstract items MaxText's pre-training loop restores, built by MaxText 0.2.5 from
-    its config (`Target.from_maxtext_config` makes the `Target` of them).
+    its config (`Target.from_maxtext_config` makes the `Target` of them), and the layer axis
+    of every scanned weight: ``{model path: param_scan_axis}``, the metadata MaxText's scan
+    (``nnx_scan.create_scanned_layers``) gives each stacked Param, which the on-disk form
+    does not keep.
 
     ``argv`` is what follows the program in a MaxText command: the config file, then its
     ``KEY=VALUE`` overrides, e.g. ``[".../configs/base.yml", "model_name=llama3.1-8b",
@@ -73,13 +81,12 @@ def abstract_items(argv: Sequence[str]) -> Any:
                     "with merge-lora."
                 )
             try:
-                items = _train_state_items(mt, config)
+                return _train_state_items(mt, config)
             except Exception as e:
                 raise UsageError(
                     f"MaxText cannot build the model and optimizer of {' '.join(args)}: "
                     f"{type(e).__name__}: {e}"
                 ) from e
-    return items
 
 
 def _maxtext_for_config() -> types.SimpleNamespace:
@@ -130,8 +137,11 @@ def _maxtext_config(pyconfig: Any, args: list[str], scratch: str) -> Any:
     return pyconfig.HyperParameters(pyconfig._initialize_pydantic(["", *args], **kwargs))
 
 
-def _train_state_items(mt: types.SimpleNamespace, config: Any) -> Any:
-    """The abstract ``TrainStateNNX`` of ``train_utils.setup_train_loop``, in its on-disk form."""
+def _train_state_items(
+    mt: types.SimpleNamespace, config: Any
+) -> tuple[Any, dict[tuple[str, ...], int]]:
+    """The abstract ``TrainStateNNX`` of ``train_utils.setup_train_loop``, in its on-disk
+    form, and its scanned Params' ``param_scan_axis`` metadata."""
     from flax import nnx
 
     mesh = mt.maxtext_utils.get_mesh_from_config(config)
@@ -146,4 +156,16 @@ def _train_state_items(mt: types.SimpleNamespace, config: Any) -> Any:
     abstract, _, _ = mt.maxtext_utils.get_abstract_state(
         config, mesh, create_train_state_fn, is_training=True
     )
-    return mt.train_state_nnx.to_checkpoint_dict(abstract)
+    return mt.train_state_nnx.to_checkpoint_dict(abstract), _scan_axes(abstract)
+
+
+def _scan_axes(abstract: Any) -> dict[tuple[str, ...], int]:
+    from flax import nnx
+
+    state = nnx.state(abstract) if isinstance(abstract, nnx.Module) else abstract
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+        if path[:1] == ("model",) and isinstance(var, nnx.Param) and "param_scan_axis" in meta:
+            out[tuple(str(k) for k in path[1:])] = int(meta["param_scan_axis"])
+    return out

@@ -452,13 +452,17 @@ def plan_step(
     read_optimizer: bool = True,
     scan: ScanChange | None = None,
     specs: MutableMapping[str, FlatTree] | None = None,
+    scan_axes: Mapping[str, int] | None = None,
 ) -> Plan:
     """Plans the conversion of one Tunix-layout step from Orbax metadata alone.
 
-    ``scan="unroll"``/``"stack"`` writes the other scan form: ``target`` is given in
-    the output's form; the step is planned against its counterpart in the source's
-    form and the plan is then transformed (`rescan`), each leaf re-sliced on the
-    layer axis the model gives it. ``read_optimizer=False`` never opens
+    ``scan="unroll"``/``"stack"`` writes the other scan form: ``target`` is the model
+    in either form (MaxText's own other form comes with a target built from its config;
+    otherwise it is derived, `rescan.forms`, with the step's own scanned layers for an
+    unroll); the step is planned against the source's form and the plan is then
+    transformed (`rescan`), each leaf re-sliced on the layer axis the model gives it.
+    ``scan_axes`` (recorded by a plan, stacked model path -> axis) sets the Params' layer
+    axes, for a replay. ``read_optimizer=False`` never opens
     ``optimizer_state`` (a params-only restore); ``step`` then comes from the step
     number, or 0 if the directory has none. ``specs`` (item name -> `read_specs` of it)
     is a cache the caller keeps for one operation: items found there are not read again,
@@ -492,16 +496,17 @@ def plan_step(
     if scan is None:
         return plan_against(target, unnamed=unnamed)
     if scan == "unroll":
-        stacked = rescan.stacked_form(target)
+        source = rescan.source_model_paths(params, target)
+        stacked, unrolled = rescan.forms(target, source, scan_axes)
         # A scanned model holds RNG state its unscanned twin lacks (decoder/rngs, the
         # per-layer copies of shared streams): skip it here, refuse anything else.
-        return rescan.unroll_plan(plan_against(stacked, unnamed="skip"), stacked, target)
+        return rescan.unroll_plan(plan_against(stacked, unnamed="skip"), stacked, unrolled)
     if scan == "stack":
-        unrolled = rescan.unrolled_form(target)
+        stacked, unrolled = rescan.forms(target, (), scan_axes)
         # Unscanned models store a shared RNG stream once; the other layers' copies
         # are initialised fresh, and the plan's notes say which.
         base = plan_against(unrolled, unnamed=unnamed, allow_missing=is_rng)
-        return rescan.stack_plan(base, unrolled, target)
+        return rescan.stack_plan(base, unrolled, stacked)
     raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
+from . import layermap as LM
+from . import rules as R
 from . import scan
 from .errors import LayoutMismatchError
 from .moves import Drop, Move, Op, Plan
@@ -25,33 +27,111 @@ _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
 _SHARED_RNG = "the unscanned model shares one RNG stream across its layers"
 
 
+def is_scanned(target: Target) -> bool:
+    """Whether ``target`` holds scanned layers (`scan.layer_map`)."""
+    return bool(scan.layer_map(target, lengths=False).scans)
+
+
+def forms(
+    target: Target, source: Iterable[Path] = (), axes: Mapping[str, int] | None = None
+) -> tuple[Target, Target]:
+    """``(scanned, unscanned)``: the model in both scan forms, ``target`` being either.
+
+    The other form is MaxText's own where the target was built from its config
+    (`Target.twin`). Otherwise a scanned target is unrolled (`scan.unroll_target`), and an
+    unscanned one stacked as the scanned ``source`` says (a scanned checkpoint's paths,
+    `layermap.from_forms`: gemma3's block scans cannot be told from unscanned names), or as
+    plain scans without one. ``axes`` (stacked model path -> layer axis, what a plan
+    records) sets the Params' axes, for a replay.
+    """
+    if is_scanned(target):
+        target = with_scan_axes(target, axes or {})
+        return target, target.twin or scan.unroll_target(target)
+    if target.twin is not None:
+        return target.twin, target
+    source = list(source)
+    layers = LM.from_forms(source, target.model_paths()) if _any_scan(source) else None
+    target = with_scan_axes(target, axes or {}, layers)
+    return scan.stack_target(target, layers=layers), target
+
+
+def maxtext_forms(argv: Sequence[str]) -> Target:
+    """`Target.from_maxtext_config` of ``argv``, with MaxText's own model in the other scan
+    form as its `Target.twin` (``scan_layers`` flipped), checked against it layer by layer
+    (`layermap.check`): what ``convert --unroll``/``--stack`` with ``--maxtext-config``
+    converts between, whichever form ``argv`` names."""
+    target = Target.from_maxtext_config(argv)
+    flip = "false" if is_scanned(target) else "true"
+    other = [a for a in argv if a.split("=", 1)[0] != "scan_layers"] + [f"scan_layers={flip}"]
+    twin = Target.from_maxtext_config(other)
+    scanned, unscanned = (target, twin) if flip == "false" else (twin, target)
+    if not is_scanned(scanned) or is_scanned(unscanned):
+        raise LayoutMismatchError(
+            "MaxText builds this model in one scan form only (scan_layers=true and false give "
+            "the same layers): there is no other form to convert to."
+        )
+    shapes = {p: tuple(s.shape) for p, s in scanned.params.items()}
+    axes = {p: scan.scan_axes(scanned)[PARAMS_ROOT + p] for p in scanned.params}
+    LM.check(
+        scan.layer_map(scanned),
+        shapes,
+        {p: tuple(s.shape) for p, s in unscanned.params.items()},
+        {p: a for p, a in axes.items() if a is not None},
+    )
+    return dataclasses.replace(target, twin=twin)
+
+
+def _any_scan(paths: list[Path]) -> bool:
+    return any(LM.group_at(p) is not None for p in paths)
+
+
+def source_model_paths(paths: Iterable[Path], target: Target) -> list[Path]:
+    """A Tunix item's paths as model paths: ``value`` levels and an adapter ``base`` level
+    (where the target has no top-level ``base``) stripped."""
+    cur, _ = R.apply(R.unwrap_value, {p: p for p in paths})
+    tops = {p[0] for p in target.model_paths() if p}
+    if R.ADAPTER_KEY not in tops and cur and all(p[:1] == (R.ADAPTER_KEY,) for p in cur):
+        cur, _ = R.apply(R.drop_adapter, cur)
+    return list(cur)
+
+
 def stacked_form(target: Target) -> Target:
-    """The scanned counterpart of an unscanned output target (what an unroll reads)."""
-    return scan.stack_target(target)
+    """The scanned counterpart of a target (`forms`)."""
+    return forms(target)[0]
 
 
 def unrolled_form(target: Target) -> Target:
-    """The unscanned counterpart of a scanned output target (what a stack reads)."""
-    return scan.unroll_target(target)
+    """The unscanned counterpart of a target (`forms`)."""
+    return forms(target)[1]
 
 
-def with_scan_axes(target: Target, axes: Mapping[str, int]) -> Target:
+def with_scan_axes(
+    target: Target, axes: Mapping[str, int], layers: LM.LayerMap | None = None
+) -> Target:
     """``target`` with each Param's layer axis taken from ``axes`` (stacked model path -> axis).
 
     A replay (`verify`) has only the written items; this restores the axes the
-    conversion took from the model, which the plan records.
+    conversion took from the model, which the plan records. An unscanned target's
+    paths are matched through ``layers`` (else by the ``layers_<i>`` -> ``layers`` rule).
     """
-    out = {}
+    if not axes:
+        return target
+    out = dict(target.param_scan_axes)
     for p in target.params:
-        stacked = keystr(tuple(_stacked_key(k) for k in p))
-        if stacked in axes:
-            out[p] = int(axes[stacked])
+        stacked = _stacked_path(p, layers)
+        if keystr(stacked) in axes:
+            out[p] = int(axes[keystr(stacked)])
     return dataclasses.replace(target, param_scan_axes=out)
 
 
-def _stacked_key(k: str | int) -> str | int:
-    hit = scan.layer_of(k)
-    return hit[0] if hit else k
+def _stacked_path(p: Path, layers: LM.LayerMap | None) -> Path:
+    if layers is None:
+        return tuple(hit[0] if (hit := scan.layer_of(k)) else k for k in p)
+    u = layers.find_unrolled(p)
+    if u is None:
+        return p
+    pos, la = u
+    return (*p[:pos], *la.stacked, *p[pos + len(la.unrolled) :])
 
 
 def _full_paths(t: Target) -> set[Path]:
@@ -67,15 +147,17 @@ def _recorded_axes(axes: Mapping[Path, int | None]) -> tuple[tuple[str, int], ..
     )
 
 
-def _unrolled(path: Path, group: str, i: int) -> Path:
-    return tuple(f"{group}_{i}" if k == group else k for k in path)
+def _splice(path: Path, pos: int, old: Path, new: Path) -> Path:
+    return (*path[:pos], *new, *path[pos + len(old) :])
 
 
 def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
     """Per-layer ``slice`` moves for a plan made against the scanned ``stacked`` target.
 
     ``plan`` was made with ``unnamed="skip"``: model leaves the scanned target
-    lacks must be RNG state (anything else is a wrong model and is refused).
+    lacks must be RNG state (anything else is a wrong model and is refused). Each layer
+    is named as the model's `layermap.LayerMap` says; RNG state the unscanned target
+    does not hold is dropped with a reason.
     """
     bad = [
         d
@@ -95,30 +177,50 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
         for d in plan.drops
     ]
     axes = scan.scan_axes(stacked)
+    layers = scan.layer_map(stacked)
     # What the output must hold: the model, and the optimizer if one is converted.
     converts_opt = any(m.dest is Dest.OPT_STATE for m in plan.moves)
     want = {p for p in _full_paths(out) if converts_opt or p[:1] != OPT_ROOT}
+
+    def wanted(dst: Path) -> bool:
+        return dst in want or (dst[:1] == OPT_ROOT and out.opt_state is None)
+
     moves: list[Move] = []
     problems = []
     for m in plan.moves:
+        hit = layers.find_stacked(m.dst)
+        if hit is None:
+            if m.dst[:2] == AUX_ROOT and is_rng(m.dst) and m.dst not in want:
+                drops.append(Drop(m.item, m.src, m.spec, _UNSCANNED_RNG))
+            else:
+                moves.append(m)
+            continue
+        pos, prefix = hit
         a = axes.get(m.dst)
-        if a is None:
-            moves.append(m)
+        family = layers.of_stacked(prefix)
+        if family[0].index is None or a is None:  # a remainder layer: renamed only
+            assert family[0].index is None, m
+            dst = _splice(m.dst, pos, prefix, family[0].unrolled)
+            if wanted(dst):
+                moves.append(dataclasses.replace(m, dst=dst))
+            elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
+                drops.append(Drop(m.item, m.src, m.spec, _UNSCANNED_RNG))
+            else:
+                problems.append(f"{keystr(dst)}: not in the unscanned target")
             continue
         assert m.op in (Op.COPY, Op.MERGE_LORA), m
         # A merge keeps its op: it then merges layer i only (`moves.merge_layer`).
         op = Op.SLICE if m.op is Op.COPY else m.op
-        group = next(k for k in m.dst if k in scan.SCAN_GROUPS)
-        for i in range(m.spec.shape[a]):
-            dst = _unrolled(m.dst, group, i)
-            if dst in want or (m.dst[:1] == OPT_ROOT and out.opt_state is None):
-                moves.append(dataclasses.replace(m, dst=dst, op=op, axis=a, index=i))
+        for la in family:
+            dst = _splice(m.dst, pos, prefix, la.unrolled)
+            if wanted(dst):
+                moves.append(dataclasses.replace(m, dst=dst, op=op, axis=a, index=la.index))
             elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
                 # Held at another layer (layers_0) only: one stream shared by every layer.
-                shared = any(_unrolled(m.dst, group, j) in want for j in range(m.spec.shape[a]))
+                shared = any(_splice(m.dst, pos, prefix, o.unrolled) in want for o in family)
                 why = _SHARED_RNG if shared else _UNSCANNED_RNG
                 layer = dataclasses.replace(m.spec, shape=m.spec.shape[:a] + m.spec.shape[a + 1 :])
-                drops.append(Drop(m.item, (*m.src, f"[layer {i}]"), layer, why))
+                drops.append(Drop(m.item, (*m.src, f"[layer {la.index}]"), layer, why))
             else:
                 problems.append(f"{keystr(dst)}: not in the unscanned target")
     missing = want - {m.dst for m in moves} - {STEP_PATH}
@@ -140,15 +242,22 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
 def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
     """One ``stack`` move per family of per-layer moves of a plan made against ``unrolled``."""
     axes = scan.scan_axes(out)
+    layers = scan.layer_map(out)
     families: dict[Path, dict[int, Move]] = defaultdict(dict)
+    lengths: dict[Path, int] = {}
     moves: list[Move] = []
     for m in plan.moves:
-        hit = next(((j, g) for j, k in enumerate(m.dst) if (g := scan.layer_of(k))), None)
-        if hit is None:
+        u = layers.find_unrolled(m.dst)
+        if u is None:
             moves.append(m)
             continue
-        pos, (group, i) = hit
-        families[m.dst[:pos] + (group,) + m.dst[pos + 1 :]][i] = m
+        pos, la = u
+        dst = _splice(m.dst, pos, la.unrolled, la.stacked)
+        if la.index is None or la.scan is None:  # a remainder layer: renamed only
+            moves.append(dataclasses.replace(m, dst=dst))
+            continue
+        families[dst][la.index] = m
+        lengths[dst] = la.scan.length
     produced = set(families) | {m.dst for m in moves}
     for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had
         if AUX_ROOT + p not in produced and is_rng(p):
@@ -160,21 +269,19 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
             fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, axis=a, note=note)
             moves.append(fresh)
     problems = []
-    for dst, layers in families.items():
-        a = axes.get(dst)
-        want = _spec_at(out, dst)
-        n = want.shape[a] if want is not None and a is not None else max(layers) + 1
-        gaps = [i for i in range(n) if i not in layers]
+    for dst, got in families.items():
+        a, n = axes.get(dst), lengths[dst]
+        gaps = [i for i in range(n) if i not in got]
         if a is None or (gaps and not (dst[:2] == AUX_ROOT and is_rng(dst))):
-            problems.append(f"{keystr(dst)}: layers {sorted(layers)} do not stack (axis {a})")
+            problems.append(f"{keystr(dst)}: layers {sorted(got)} do not stack (axis {a})")
             continue
-        first = layers[min(layers)]
+        first = got[min(got)]
         note = f"layers {gaps} initialised fresh" if gaps else ""
-        srcs = tuple(layers[i].src if i in layers else None for i in range(n))
+        srcs = tuple(got[i].src if i in got else None for i in range(n))
         if first.op is Op.MERGE_LORA:  # each layer merged with its own factors
-            merged = [layers[i] for i in range(n) if i in layers and layers[i].lora]
+            merged = [got[i] for i in range(n) if i in got and got[i].lora]
             if gaps or len(merged) != n:
-                problems.append(f"{keystr(dst)}: layers {sorted(layers)} do not all merge")
+                problems.append(f"{keystr(dst)}: layers {sorted(got)} do not all merge")
                 continue
             lora = tuple(m.lora[0] for m in merged)
             moves.append(dataclasses.replace(first, dst=dst, axis=a, layers=srcs, lora=lora))

@@ -43,6 +43,8 @@ class Target:
       intermediates: model paths the target itself marks as `nnx.Intermediate`/`Cache`.
       param_scan_axes: model path -> ``param_scan_axis`` metadata of Params that have it.
       abstract: full items path -> the abstract leaf given (keeps shardings for restores).
+      twin: the same model in the other scan form, where MaxText built both from its config
+        (`from_maxtext_config` with ``both_forms``); `rescan.forms` uses it.
     """
 
     params: Mapping[Path, LeafSpec]
@@ -51,6 +53,7 @@ class Target:
     intermediates: frozenset[Path] = frozenset()
     param_scan_axes: Mapping[Path, int] = dataclasses.field(default_factory=dict)
     abstract: FlatTree = dataclasses.field(default_factory=dict, repr=False)
+    twin: Target | None = dataclasses.field(default=None, repr=False, compare=False)
 
     # -- constructors -----------------------------------------------------------------
     @classmethod
@@ -132,14 +135,17 @@ class Target:
         ``KEY=VALUE`` overrides, as MaxText's commands take them (e.g. ``[".../base.yml",
         "model_name=llama3.1-8b", "scan_layers=true"]``).
 
-        Built by MaxText's own code (`maxtext_config.abstract_items`): abstract, no weights,
-        on this process's devices. Raises ImportError where MaxText cannot be imported (it
+        Built by MaxText's own code (`maxtext_config.abstract_model`): abstract, no weights,
+        on this process's devices; each scanned Param keeps the ``param_scan_axis`` MaxText
+        gives it (`param_scan_axes`). `rescan.maxtext_forms` builds both scan forms. Raises ImportError where MaxText cannot be imported (it
         is not a dependency; maxtext 0.2.5 needs Python 3.12) and `UsageError` where MaxText
         rejects the config.
         """
-        from .maxtext_config import abstract_items  # imports MaxText: only when asked
+        from .maxtext_config import abstract_model  # imports MaxText: only when asked
 
-        return cls.from_items(abstract_items(argv))
+        items, axes = abstract_model(argv)
+        target = cls.from_items(items)
+        return dataclasses.replace(target, param_scan_axes=axes)
 
     @classmethod
     def _from_flat(cls, specs: Mapping[Path, LeafSpec], abstract: FlatTree) -> Target:
@@ -170,7 +176,8 @@ class Target:
         return unflatten(self.abstract)
 
     def without_optimizer(self) -> Target:
-        return dataclasses.replace(self, opt_state=None)
+        twin = self.twin and dataclasses.replace(self.twin, opt_state=None)
+        return dataclasses.replace(self, opt_state=None, twin=twin)
 
     def model_paths(self) -> set[Path]:
         return set(self.params) | set(self.nnx_aux)

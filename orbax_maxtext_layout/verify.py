@@ -19,7 +19,6 @@ from .layout import MAXTEXT_ITEM, tunix_items
 from .moves import Move, Op, Plan, apply_op
 from .orbax_files import param_name, read_context
 from .plan import plan_step
-from .rescan import with_scan_axes
 from .spec import read_specs
 from .stepmeta import read_provenance
 from .target import Target
@@ -55,12 +54,16 @@ def replay_plan(
     else:
         target = Target.from_specs(specs)
     scan = prov.get("scan")
-    if scan:
-        target = with_scan_axes(target, dict(prov.get("scan_axes") or {}))
     ignore = [p.removesuffix("/value") for p in dropped] + dropped
     optimizer = prov.get("optimizer", "convert")
     return plan_step(
-        step_dir, target, optimizer=optimizer, ignore=ignore, scan=scan, specs=source_specs
+        step_dir,
+        target,
+        optimizer=optimizer,
+        ignore=ignore,
+        scan=scan,
+        specs=source_specs,
+        scan_axes=dict(prov.get("scan_axes") or {}) if scan else None,
     )
 
 
