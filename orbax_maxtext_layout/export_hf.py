@@ -26,7 +26,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ from threadpoolctl import threadpool_limits
 from . import hf_mapping, safetensors_out, stepmeta, tskv
 from .errors import LayoutMismatchError, StepExistsError, UsageError
 from .hf_mapping import HfModel, Unit
+from .layermap import scanned_form
 from .layout import TUNIX_PARAMS_ITEM
 from .merge import (
     NOT_PARAMS,
@@ -332,20 +332,13 @@ def _is_lora(step: epath.Path) -> bool:
 
 def _scan_form(step: epath.Path) -> bool | None:
     """Whether the params of ``step`` are stored scanned: as recorded (``scan_layers``
-    custom metadata), else from the tree (``layers_<i>`` or a numbered layer: unscanned)."""
+    custom metadata), else from the tree (`layermap.scanned_form`: a scan group, gemma3's
+    block scan ``layers/layers_<k>`` too, is scanned; only ``layers_<i>`` keys, unscanned)."""
     item_dir, _ = _item(step)
     recorded = stepmeta.custom(stepmeta.read(item_dir.parent)).get(SCAN_LAYERS_KEY)
     if isinstance(recorded, bool):
         return recorded
-    paths = read_specs(item_dir)
-    unscanned = any(
-        (str(k).startswith("layers_") and str(k)[7:].isdigit())
-        or (str(prev) == "layers" and str(k).isdigit())
-        for p in paths
-        for prev, k in itertools.pairwise(p)
-    )
-    has_layers = any("layers" in str(k) for p in paths for k in p)
-    return None if not has_layers else not unscanned
+    return scanned_form(read_specs(item_dir))
 
 
 def _check_model(step: epath.Path, moves: dict[str, Move], target: Target) -> None:

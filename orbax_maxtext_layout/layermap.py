@@ -41,6 +41,7 @@ __all__ = [
     "infer",
     "layer_of",
     "plain",
+    "scanned_form",
 ]
 
 SCAN_GROUPS: tuple[str, ...] = ("layers", "dense_layers", "moe_layers", "scanned_blocks")
@@ -200,6 +201,21 @@ def group_at(path: Path) -> int | None:
         if k in SCAN_GROUPS and not (isinstance(nxt, int) or str(nxt).isdigit()):
             return i
     return None
+
+
+def scanned_form(paths: Iterable[Path]) -> bool | None:
+    """Whether a tree's layers are stored scanned: True if it holds a scan group (``layers``,
+    gemma3's ``layers/layers_<k>`` too), False if only per-layer keys (``layers_<i>``, or a
+    list ``layers/0``), None if neither. The one reader of a tree's scan form."""
+    unrolled = False
+    for p in paths:
+        if group_at(p) is not None:
+            return True
+        unrolled = unrolled or any(
+            layer_of(k) is not None or (k in SCAN_GROUPS and str(n).isdigit())
+            for k, n in zip(p, (*p[1:], None), strict=True)
+        )
+    return False if unrolled else None
 
 
 def _remainder_at(path: Path) -> tuple[int, str, int] | None:

@@ -18,10 +18,11 @@ from typing import Literal
 import numpy as np
 from etils import epath
 
-from . import lora, rescan, scan
+from . import lora, rescan
 from . import rules as R
 from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
+from .layermap import scanned_form
 from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
 from .moves import Drop, Move, Op, Plan
 from .rng import is_rng
@@ -269,16 +270,9 @@ def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
 
 
 def _scan_form(paths: Iterable[Path]) -> str | None:
-    """'stacked' (a scan group key, e.g. 'layers'), 'unrolled' ('layers_<i>'), or None
-    (neither, or both)."""
-    stacked = unrolled = False
-    for p in paths:
-        for k in p:
-            stacked |= k in scan.SCAN_GROUPS
-            unrolled |= scan.layer_of(k) is not None
-    if stacked == unrolled:
-        return None
-    return "stacked" if stacked else "unrolled (layers_<i>)"
+    """'stacked' (a scan group, e.g. 'layers'), 'unrolled' ('layers_<i>'), or None."""
+    form = scanned_form(paths)
+    return None if form is None else "stacked" if form else "unrolled (layers_<i>)"
 
 
 # -- optimizer matching -----------------------------------------------------------------
