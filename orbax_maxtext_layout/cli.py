@@ -29,6 +29,7 @@ from .errors import (
     ReadOnlyStepError,
     UsageError,
 )
+from .layermap import scanned_form
 from .layout import (
     TUNIX_PARAMS_ITEM,
     Layout,
@@ -397,6 +398,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     g["leaves"] += 1
                     g["bytes"] += s.nbytes
         entry["groups"] = groups
+        stored = specs.get("items") or specs.get(TUNIX_PARAMS_ITEM) or {}
+        layers = rescan.stored_layers(stored)
+        entry["scan"] = {"scanned": scanned_form(stored), "layers": layers.describe()}
         entry["converted_by"] = converted_provenance(info.path)
         lora = None
         if info.layout is Layout.TUNIX and TUNIX_PARAMS_ITEM in specs:
@@ -420,6 +424,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{e['path']}: step {e['step']} {e['layout']}{role}{conv}")
         for g, d in e["groups"].items():
             print(f"  {g:<40}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
+        form = {True: "scanned", False: "unscanned", None: "no layer groups"}
+        print(f"  layers: {form[e['scan']['scanned']]}")
+        for line in e["scan"]["layers"]:
+            print(f"    {line}")
         if e["lora"]:
             lo = e["lora"]
             axis = "unscanned" if not lo["scanned"] else f"layer axis {lo['layer_axis']}"

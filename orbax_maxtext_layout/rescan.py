@@ -20,6 +20,7 @@ from . import scan
 from .errors import LayoutMismatchError
 from .moves import Drop, Move, Op, Plan
 from .rng import is_rng
+from .spec import LeafSpec
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 from .treepaths import Path, keystr
 
@@ -85,14 +86,31 @@ def _any_scan(paths: list[Path]) -> bool:
     return any(LM.group_at(p) is not None for p in paths)
 
 
-def source_model_paths(paths: Iterable[Path], target: Target) -> list[Path]:
-    """A Tunix item's paths as model paths: ``value`` levels and an adapter ``base`` level
-    (where the target has no top-level ``base``) stripped."""
+def source_model_paths(paths: Iterable[Path], target: Target) -> dict[Path, Path]:
+    """A Tunix item's paths as model paths (``{model path: stored path}``): ``value`` levels
+    and an adapter ``base`` level (where the target has no top-level ``base``) stripped."""
     cur, _ = R.apply(R.unwrap_value, {p: p for p in paths})
     tops = {p[0] for p in target.model_paths() if p}
     if R.ADAPTER_KEY not in tops and cur and all(p[:1] == (R.ADAPTER_KEY,) for p in cur):
         cur, _ = R.apply(R.drop_adapter, cur)
-    return list(cur)
+    return cur
+
+
+def stored_layers(specs: Mapping[Path, LeafSpec], param_scan_axis: int = 1) -> LM.LayerMap:
+    """The layer map of a stored tree without its model (``inspect``): a Tunix
+    ``model_params`` or MaxText ``items``, its RNG state on axis 0 and every other leaf on
+    ``param_scan_axis``, as MaxText stacks them; the scans without their lengths where the
+    shapes disagree on them (a custom Variable stacked on axis 0)."""
+    if any(p[:2] in (PARAMS_ROOT, AUX_ROOT) for p in specs):
+        model = {p[2:]: s for p, s in specs.items() if p[:2] in (PARAMS_ROOT, AUX_ROOT)}
+    else:
+        model = {q: specs[p] for q, p in source_model_paths(specs, Target({}, {})).items()}
+    weights = {p: s for p, s in model.items() if not is_rng(p)}
+    target = Target(weights, {p: s for p, s in model.items() if is_rng(p)})
+    try:
+        return scan.layer_map(target, param_scan_axis=param_scan_axis)
+    except LayoutMismatchError:
+        return scan.layer_map(target, param_scan_axis=param_scan_axis, lengths=False)
 
 
 def stacked_form(target: Target) -> Target:
