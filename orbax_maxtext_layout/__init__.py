@@ -25,16 +25,19 @@ from .handler import (
     MaxTextLayoutSave,
     load_params_from_path,
 )
+from .layermap import LayerMap
 from .layout import Layout, detect_layout, tunix_step_number
 from .lora import LoraAdapters, LoraAdapterStepError
 from .manager import CheckpointManager
 from .merge import plan_merge
 from .moves import Drop, Move, Op, apply_op
 from .plan import Plan, make_plan, narrow, plan_step
+from .rescan import maxtext_forms
 from .restore import restore_as_items
 from .scan import (
     SCAN_GROUPS,
     StackReport,
+    layer_map,
     scan_axes,
     stack,
     stack_target,
@@ -58,6 +61,7 @@ __all__ = [
     "Dest",
     "Drop",
     "ExportReport",
+    "LayerMap",
     "Layout",
     "LayoutMismatchError",
     "LeafSpec",
@@ -87,8 +91,10 @@ __all__ = [
     "detect_layout",
     "export_hf",
     "find_steps",
+    "layer_map",
     "load_params_from_path",
     "make_plan",
+    "maxtext_forms",
     "maxtext_opt_state",
     "merge_lora",
     "narrow",

@@ -194,53 +194,14 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
         else d
         for d in plan.drops
     ]
-    axes = scan.scan_axes(stacked)
-    layers = scan.layer_map(stacked)
     # What the output must hold: the model, and the optimizer if one is converted.
     converts_opt = any(m.dest is Dest.OPT_STATE for m in plan.moves)
     want = {p for p in _full_paths(out) if converts_opt or p[:1] != OPT_ROOT}
-
-    def wanted(dst: Path) -> bool:
-        return dst in want or (dst[:1] == OPT_ROOT and out.opt_state is None)
-
-    moves: list[Move] = []
-    problems = []
+    run = _Unroll(scan.layer_map(stacked), scan.scan_axes(stacked), want, out.opt_state is None)
     for m in plan.moves:
-        hit = layers.find_stacked(m.dst)
-        if hit is None:
-            if m.dst[:2] == AUX_ROOT and is_rng(m.dst) and m.dst not in want:
-                drops.append(Drop(m.item, m.src, m.spec, _UNSCANNED_RNG))
-            else:
-                moves.append(m)
-            continue
-        pos, prefix = hit
-        a = axes.get(m.dst)
-        family = layers.of_stacked(prefix)
-        if family[0].index is None or a is None:  # a remainder layer: renamed only
-            assert family[0].index is None, m
-            dst = _splice(m.dst, pos, prefix, family[0].unrolled)
-            if wanted(dst):
-                moves.append(dataclasses.replace(m, dst=dst))
-            elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
-                drops.append(Drop(m.item, m.src, m.spec, _UNSCANNED_RNG))
-            else:
-                problems.append(f"{keystr(dst)}: not in the unscanned target")
-            continue
-        assert m.op in (Op.COPY, Op.MERGE_LORA), m
-        # A merge keeps its op: it then merges layer i only (`moves.merge_layer`).
-        op = Op.SLICE if m.op is Op.COPY else m.op
-        for la in family:
-            dst = _splice(m.dst, pos, prefix, la.unrolled)
-            if wanted(dst):
-                moves.append(dataclasses.replace(m, dst=dst, op=op, axis=a, index=la.index))
-            elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
-                # Held at another layer (layers_0) only: one stream shared by every layer.
-                shared = any(_splice(m.dst, pos, prefix, o.unrolled) in want for o in family)
-                why = _SHARED_RNG if shared else _UNSCANNED_RNG
-                layer = dataclasses.replace(m.spec, shape=m.spec.shape[:a] + m.spec.shape[a + 1 :])
-                drops.append(Drop(m.item, (*m.src, f"[layer {la.index}]"), layer, why))
-            else:
-                problems.append(f"{keystr(dst)}: not in the unscanned target")
+        run.move(m)
+    moves, problems, axes = run.moves, run.problems, run.axes
+    drops += run.drops
     missing = want - {m.dst for m in moves} - {STEP_PATH}
     problems += [
         f"{keystr(p)}: expected by the target, not produced" for p in sorted(missing, key=keystr)
@@ -255,6 +216,59 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
         scan="unroll",
         scan_axes=_recorded_axes(axes),
     )
+
+
+@dataclasses.dataclass
+class _Unroll:
+    """`unroll_plan`'s moves, one source move at a time."""
+
+    layers: LM.LayerMap
+    axes: Mapping[Path, int | None]
+    want: set[Path]
+    any_opt: bool  # the output takes the optimizer in whatever form the plan writes it
+    moves: list[Move] = dataclasses.field(default_factory=list)
+    drops: list[Drop] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def wanted(self, dst: Path) -> bool:
+        return dst in self.want or (dst[:1] == OPT_ROOT and self.any_opt)
+
+    def move(self, m: Move) -> None:
+        hit = self.layers.find_stacked(m.dst)
+        if hit is None:
+            if m.dst[:2] == AUX_ROOT and is_rng(m.dst) and m.dst not in self.want:
+                self.drops.append(Drop(m.item, m.src, m.spec, _UNSCANNED_RNG))
+            else:
+                self.moves.append(m)
+            return
+        pos, prefix = hit
+        family = self.layers.of_stacked(prefix)
+        if family[0].index is None:  # a remainder layer: renamed only
+            self.one(m, _splice(m.dst, pos, prefix, family[0].unrolled), m)
+            return
+        a = self.axes.get(m.dst)
+        assert m.op in (Op.COPY, Op.MERGE_LORA) and a is not None, m
+        # A merge keeps its op: it then merges layer i only (`moves.merge_layer`).
+        op = Op.SLICE if m.op is Op.COPY else m.op
+        for la in family:
+            dst = _splice(m.dst, pos, prefix, la.unrolled)
+            sliced = dataclasses.replace(m, dst=dst, op=op, axis=a, index=la.index)
+            if self.wanted(dst) or not (m.dst[:2] == AUX_ROOT and is_rng(m.dst)):
+                self.one(m, dst, sliced)
+                continue
+            # Held at another layer (layers_0) only: one stream shared by every layer.
+            shared = any(_splice(m.dst, pos, prefix, o.unrolled) in self.want for o in family)
+            layer = dataclasses.replace(m.spec, shape=m.spec.shape[:a] + m.spec.shape[a + 1 :])
+            why = _SHARED_RNG if shared else _UNSCANNED_RNG
+            self.drops.append(Drop(m.item, (*m.src, f"[layer {la.index}]"), layer, why))
+
+    def one(self, m: Move, dst: Path, written: Move) -> None:
+        if self.wanted(dst):
+            self.moves.append(dataclasses.replace(written, dst=dst))
+        elif m.dst[:2] == AUX_ROOT and is_rng(m.dst):
+            self.drops.append(Drop(m.item, m.src, m.spec, _UNSCANNED_RNG))
+        else:
+            self.problems.append(f"{keystr(dst)}: not in the unscanned target")
 
 
 def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
