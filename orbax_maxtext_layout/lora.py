@@ -16,6 +16,7 @@ two ways forward. `merge` folds the adapters into a base checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,7 @@ from etils import epath
 
 from . import rules as R
 from .errors import LayoutMismatchError
+from .layermap import group_at
 from .rules import ADAPTER_KEY
 from .spec import LeafSpec, read_specs
 from .treepaths import Path, keystr
@@ -177,8 +179,9 @@ def adapters_of(
         for w, v in sorted(pairs.items(), key=lambda kv: keystr(kv[0]))
     )
     ranks = {f.a_spec.shape[-1] for f in factors if f.a_spec.shape}
-    ndims = {len(f.a_spec.shape) for f in factors} | {len(f.b_spec.shape) for f in factors}
-    scanned = ndims == {3}
+    # Scanned: the factors sit in a scanned layer group (`layermap.group_at`), as their
+    # weights do; their ranks alone do not tell (an expert weight's factors have 3 or 4).
+    scanned = any(group_at(f.weight) is not None for f in factors)
     axis, layers = _layer_axis(factors) if scanned else (None, None)
     dtypes = sorted({np.dtype(f.a_spec.dtype).name for f in factors})
     return LoraAdapters(
@@ -271,6 +274,40 @@ def layer_slices(shape: tuple[int, ...], axis: int | None) -> int:
 
 def per_layer_shape(shape: tuple[int, ...], axis: int | None) -> tuple[int, ...]:
     return shape if axis is None else shape[:axis] + shape[axis + 1 :]
+
+
+def delta_layouts(
+    kernel: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]
+) -> list[tuple[int, ...]]:
+    """Every way per-layer factors ``a`` and ``b`` can lay ``a @ b`` onto ``kernel``.
+
+    qwix makes two kinds of factors (its ``LoraProvider``):
+    - of a ``dot_general`` weight (MaxText's dense kernels): ``a (in, r)``, ``b (r, out)``,
+      the kernel's leading (contracting) dims flattened into ``in``, the rest into
+      ``out``: the delta is ``reshape(a @ b, kernel)``, layout ``()``;
+    - of an ``einsum`` weight (MoE experts, ``wi_0 (experts, emb, mlp)``): ``a`` holds the
+      kernel's dims the input shares (contracting or batch) in the kernel's order, then
+      ``r``; ``b`` holds ``r``, then the other dims in the kernel's order: the delta is
+      ``tensordot(a, b)`` with its dims put back in the kernel's order, the layout being
+      that permutation (``kernel = delta.transpose(layout)``).
+
+    Two-dimensional factors are a ``dot_general`` weight's (MaxText's dense kernels all are);
+    any other is an einsum weight's. More than one layout means the shapes alone cannot tell
+    (e.g. an expert weight whose experts number its input dim: the caller refuses).
+    """
+    if not a or not b or a[-1] != b[0]:
+        return []
+    if len(a) == 2 and len(b) == 2 and fits_kernel(kernel, a, b):
+        return [()]
+    da, db = tuple(a[:-1]), tuple(b[1:])
+    n, out = len(kernel), []
+    for pos in itertools.combinations(range(n), len(da)):
+        rest = [i for i in range(n) if i not in pos]
+        if tuple(kernel[i] for i in pos) == da and tuple(kernel[i] for i in rest) == db:
+            where = {k: j for j, k in enumerate(pos)} | {k: len(da) + j for j, k in enumerate(rest)}
+            layout = tuple(where[i] for i in range(n))
+            out.append(() if layout == tuple(range(n)) else layout)
+    return out
 
 
 def fits_kernel(kernel: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:

@@ -31,8 +31,8 @@ from .layout import (
 from .lora import (
     LoraAdapters,
     adapters_of,
+    delta_layouts,
     factor_paths,
-    fits_kernel,
     model_paths,
     per_layer_shape,
 )
@@ -42,7 +42,7 @@ from .provenance import record as provenance_record
 from .rescan import stack_plan as _stack_plan
 from .rescan import unroll_plan
 from .scan import stack_target, unroll_target
-from .spec import read_specs
+from .spec import LeafSpec, read_specs
 from .store import store_for
 from .target import PARAMS_ROOT, Dest, Target
 from .treepaths import Path, keystr
@@ -253,14 +253,22 @@ def _merge_moves(
     moves: dict[Path, Move] = {}
     for m, f in found:
         axis = axes.get(m.dst, "bad")
-        if axis == "bad":
+        layouts = [] if axis == "bad" else _layouts(m.spec, f, axis)
+        if len(layouts) > 1:
+            problems.append(
+                f"{keystr(f.weight[:-1])}: factors (lora_a {f.a_spec}, lora_b {f.b_spec}) fit "
+                f"base kernel {m.spec} in {len(layouts)} ways (dims of equal size); the shapes "
+                "alone cannot tell which"
+            )
+            continue
+        if axis == "bad" or not layouts:
             problems.append(
                 f"{keystr(f.weight[:-1])}: factors (lora_a {f.a_spec}, lora_b {f.b_spec}) do not "
                 f"fit base kernel {m.spec}"
                 + ("" if not adapters.scanned else " on a layer axis 0 or 1 with the same layers")
             )
             continue
-        lf = LoraFactor(LORA_ITEM, f.a, f.b, f.a_spec, f.b_spec, axis, scale)
+        lf = LoraFactor(LORA_ITEM, f.a, f.b, f.a_spec, f.b_spec, axis, scale, layouts[0])
         moves[m.dst] = dataclasses.replace(m, op=Op.MERGE_LORA, axis=axis, lora=(lf,))
     if problems:
         raise LayoutMismatchError(
@@ -271,6 +279,15 @@ def _merge_moves(
         )
     used = {a for a in axes.values() if a != "bad"}
     return moves, (used.pop() if used else None)
+
+
+def _layouts(kernel: LeafSpec, f: Any, axis: int | None) -> list[tuple[int, ...]]:
+    """`lora.delta_layouts` of one layer of an adapted weight."""
+    return delta_layouts(
+        per_layer_shape(kernel.shape, axis),
+        per_layer_shape(f.a_spec.shape, axis),
+        per_layer_shape(f.b_spec.shape, axis),
+    )
 
 
 def _axes(
@@ -284,7 +301,7 @@ def _axes(
     found = list(found)
     if not adapters.scanned:
         return {
-            m.dst: None if fits_kernel(m.spec.shape, f.a_spec.shape, f.b_spec.shape) else "bad"
+            m.dst: None if delta_layouts(m.spec.shape, f.a_spec.shape, f.b_spec.shape) else "bad"
             for m, f in found
         }
     fits: dict[Path, set[int]] = {}
@@ -295,7 +312,9 @@ def _axes(
             for ax in (0, 1)
             if ax < len(w)
             and w[ax] == a[ax] == b[ax]
-            and fits_kernel(per_layer_shape(w, ax), per_layer_shape(a, ax), per_layer_shape(b, ax))
+            and delta_layouts(
+                per_layer_shape(w, ax), per_layer_shape(a, ax), per_layer_shape(b, ax)
+            )
         }
     model_axes = {base_target.param_scan_axes.get(m.dst[2:]) for m, _ in found} - {None}
     if scan_axis is not None:

@@ -55,7 +55,8 @@ class LoraFactor:
     """The LoRA factors of a weight, read from ``item``: ``a`` (in, r) and ``b`` (r, out).
 
     Scanned factors stack their layers on ``axis`` (the weight's layer axis);
-    ``scale`` is alpha / rank.
+    ``scale`` is alpha / rank; ``layout`` places ``a @ b`` on the weight
+    (`lora.delta_layouts`: ``()`` a reshape, else the permutation of an einsum weight's dims).
     """
 
     item: str
@@ -65,6 +66,7 @@ class LoraFactor:
     b_spec: LeafSpec
     axis: int | None
     scale: float
+    layout: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -260,7 +262,7 @@ def merge_layer(m: Move, i: int, read_layer: LayerReader, *, inplace: bool = Fal
     li = m.index if m.index is not None else i
     a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
     b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
-    return lora_delta_added(w, a, b, f.scale, inplace=inplace)
+    return lora_delta_added(w, a, b, f.scale, inplace=inplace, layout=f.layout)
 
 
 def merge_base(m: Move, i: int, read_layer: LayerReader) -> np.ndarray:
@@ -273,14 +275,31 @@ def merge_base(m: Move, i: int, read_layer: LayerReader) -> np.ndarray:
 
 
 def lora_delta_added(
-    w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float, *, inplace: bool = False
+    w: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    scale: float,
+    *,
+    inplace: bool = False,
+    layout: tuple[int, ...] = (),
 ) -> np.ndarray:
-    """``w + scale * reshape(a @ b, w.shape)`` computed in at least float32, cast once."""
+    """``w + scale * reshape(a @ b, w.shape)`` computed in at least float32, cast once;
+    with a ``layout`` (an einsum weight's factors, `lora.delta_layouts`), ``a @ b`` over the
+    rank with its dims put in ``w``'s order instead of reshaped."""
     wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
     acc = np.float64 if wide else np.float32
     # In place only into a buffer of its own that a reshape views (not a strided view).
     own = inplace and w.flags.writeable and w.flags.c_contiguous
     out = w if own else np.empty(w.shape, w.dtype)
+    if layout:
+        d = np.tensordot(np.asarray(a, acc), np.asarray(b, acc), axes=([-1], [0]))
+        d = np.transpose(d, layout)
+        d *= acc(scale)
+        d += w
+        out[...] = d  # the one cast to the base dtype (nearest even)
+        return out
+    a = np.reshape(a, (-1, a.shape[-1]))
+    b = np.reshape(b, (b.shape[0], -1))
     rows = a.shape[0]
     w2 = np.reshape(w, (rows, -1))
     o2 = np.reshape(out, (rows, -1))

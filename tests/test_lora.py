@@ -245,6 +245,87 @@ def test_merge_lora(tmp_path, capsys, axis, dtype):
     assert ocp.CheckpointManager(out).all_steps() == [0]
 
 
+def _moe_step(tmp_path, layers: int = 2, experts: int = 3, emb: int = 8, mlp: int = 6, r: int = 4):
+    """A mixtral-like block (gemma3-like block scan around it): experts stacked with the
+    layers, and qwix's einsum factors (its ``LoraProvider.einsum``): ``wi_0`` (E, L, emb, mlp)
+    gets ``a`` (emb, L, r) and ``b`` (r, L, E, mlp); ``wo`` (E, L, mlp, emb) gets ``a``
+    (E, L, mlp, r) and ``b`` (r, L, emb); a dense kernel (emb, L, mlp) the usual pair."""
+    rng = np.random.default_rng(7)
+    blk = ("decoder", "layers", "layers_0")
+
+    def n(*shape):
+        return rng.normal(size=shape).astype(np.float32)
+
+    base = {
+        (*blk, "MoeBlock_0", "wi_0"): n(experts, layers, emb, mlp),
+        (*blk, "MoeBlock_0", "wo"): n(experts, layers, mlp, emb),
+        (*blk, "mlp", "wi", "kernel"): n(emb, layers, mlp),
+        ("token_embedder", "embedding"): n(16, emb),
+    }
+    factors = {
+        (*blk, "MoeBlock_0", "wi_0_lora_a"): n(emb, layers, r),
+        (*blk, "MoeBlock_0", "wi_0_lora_b"): n(r, layers, experts, mlp),
+        (*blk, "MoeBlock_0", "wo_lora_a"): n(experts, layers, mlp, r),
+        (*blk, "MoeBlock_0", "wo_lora_b"): n(r, layers, emb),
+        (*blk, "mlp", "wi", "kernel_lora_a"): n(emb, layers, r),
+        (*blk, "mlp", "wi", "kernel_lora_b"): n(r, layers, mlp),
+    }
+    return base, factors
+
+
+def test_merge_of_moe_expert_adapters_follows_qwix_einsum(tmp_path, capsys):
+    """Each layer's delta is qwix's own einsum of the factors (its lora_einsum_str, written
+    out here for each weight), in the weight's dim order: not a reshape."""
+    base, factors = _moe_step(tmp_path)
+    b = write_base(tmp_path / "base", 0, base)
+    a = write_adapters(tmp_path / "sft", 2, factors)
+    out = tmp_path / "merged"
+    code, _, err = _run(["merge-lora", a, "--base", b, "--alpha", 8, "--out", out], capsys)
+    assert code == 0, err
+    got = _params(out / "0")
+    blk = ("decoder", "layers", "layers_0")
+    scale = 8.0 / 4
+    eq = {  # x's dims of the weight first, then r; the rest after r (qwix's split)
+        ("MoeBlock_0", "wi_0"): "mr,rEh->Emh",
+        ("MoeBlock_0", "wo"): "Emr,rh->Emh",
+        ("mlp", "wi", "kernel"): "mr,rh->mh",
+    }
+    for mod, spec in eq.items():
+        w = base[(*blk, *mod)]
+        fa = factors[(*blk, *mod[:-1], f"{mod[-1]}_lora_a")]
+        fb = factors[(*blk, *mod[:-1], f"{mod[-1]}_lora_b")]
+        want = np.stack(
+            [
+                w.take(i, 1) + scale * np.einsum(spec, fa.take(i, 1), fb.take(i, 1))
+                for i in range(w.shape[1])
+            ],
+            axis=1,
+        )
+        np.testing.assert_allclose(got[(*blk, *mod)], want, rtol=1e-5, atol=1e-5)
+        assert not np.allclose(got[(*blk, *mod)], w)
+    assert oml.verify_step(out / "0").ok
+    # Unrolled too: each layer of the block scan under MaxText's unscanned name.
+    code, _, err = _run(
+        ["merge-lora", a, "--base", b, "--alpha", 8, "--out", tmp_path / "u", "--unroll"], capsys
+    )
+    assert code == 0, err
+    flat = _params(tmp_path / "u" / "0")
+    np.testing.assert_array_equal(
+        flat[("decoder", "layers_1", "MoeBlock_0", "wi_0")], got[(*blk, "MoeBlock_0", "wi_0")][:, 1]
+    )
+
+
+def test_delta_layouts_place_each_factor_dim_or_refuse_when_shapes_cannot_tell():
+    from orbax_maxtext_layout.lora import delta_layouts
+
+    assert delta_layouts((8, 2, 4), (8, 3), (3, 8)) == [()]  # a dense kernel: a reshape
+    assert delta_layouts((3, 8, 6), (8, 4), (4, 3, 6)) == [(1, 0, 2)]  # wi_0: experts in b
+    assert delta_layouts((3, 6, 8), (3, 6, 4), (4, 8)) == [()]  # wo: a split, no reshape
+    assert delta_layouts((3, 8, 6), (8, 4), (4, 3, 5)) == []  # does not fit
+    # as many experts as the input dim: the a-dim could be either of the first two
+    assert len(delta_layouts((4, 4, 6), (4, 2), (2, 4, 6))) == 2
+
+
 @pytest.mark.parametrize(
     "budget", [1 << 30, 14 << 20, 8 << 20], ids=["roomy", "one-kernel-at-a-time", "below-a-kernel"]
 )
