@@ -1,0 +1,99 @@
+"""Scan changes of the real gemma3 and mixtral fixtures without MaxText's config.
+
+With a MaxText checkpoint of the other form as the target (``--target-from``), the block
+structure of gemma3 is read off the Tunix step itself (`layermap.from_forms`): step ``r`` of
+``layers/layers_<k>`` becomes MaxText's ``layers_<r*6+k>``. Oracles: the stored values of the
+Tunix step, sliced on axis 1 (MaxText's ``param_scan_axis`` for these runs), and the
+pre-training steps' trees (MaxText's own layout of each form). MaxText itself judges the same
+conversions in tests/interop/test_families*.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, copy_fixture, raw, restore_flat
+
+import orbax_maxtext_layout as oml
+
+M = "maxtext025"
+P = ("params", "params")
+pytestmark = pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")
+
+
+def _target(run: str) -> oml.Target:
+    return oml.Target.from_checkpoint(FIXTURES / M / run / "checkpoints" / "0")
+
+
+def _weights(step) -> dict:
+    """``{model path: array}`` of a Tunix step's model_params (``value`` levels dropped)."""
+    flat = restore_flat(step / "model_params")
+    return {p[:-1] if p[-1] == "value" else p: v for p, v in flat.items()}
+
+
+def _unrolled_name(path: tuple, block: int, r: int) -> tuple:
+    """MaxText's unscanned path of step ``r`` of a scanned weight's layer."""
+    i = path.index("layers")
+    if block:  # decoder/layers/layers_<k>/... -> decoder/layers_<r*block+k>/...
+        k = int(path[i + 1].removeprefix("layers_"))
+        return (*path[:i], f"layers_{r * block + k}", *path[i + 2 :])
+    return (*path[:i], f"layers_{r}", *path[i + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("run", "unscanned", "block"),
+    [
+        ("gemma3_sft_run", "gemma3_pretrain_unscanned_run", 6),
+        ("mixtral_sft_run", "mixtral_pretrain_unscanned_run", 0),
+    ],
+)
+def test_unroll_against_maxtext_s_unscanned_checkpoint(tmp_path, run, unscanned, block):
+    weights = _target(unscanned.replace("_unscanned", "")).params  # the scanned model's
+    step = copy_fixture(f"{M}/{run}/checkpoints/2", tmp_path)
+    target = _target(unscanned)
+    report = oml.convert_step(step, target, rescan="unroll")
+    assert "unroll" in report.rules
+    # MaxText's unscanned layout, every weight and Adam moment; only RNG state its model has.
+    got = oml.read_specs(step / "items")
+    want = oml.read_specs(FIXTURES / M / unscanned / "checkpoints" / "0" / "items")
+    assert {p for p in got if p[0] != "nnx_aux"} == {p for p in want if p[0] != "nnx_aux"}
+    assert {p for p in got if p[0] == "nnx_aux"} <= {p for p in want if p[0] == "nnx_aux"}
+    assert all(got[p] == want[p] for p in got if p[:1] == ("params",))
+    items = restore_flat(step / "items")
+    checked = 0
+    for p, w in _weights(step).items():
+        if p not in weights:
+            continue
+        if "layers" not in p:
+            assert np.array_equal(raw(items[P + p]), raw(w)), p
+            continue
+        for r in range(w.shape[1]):
+            q = P + _unrolled_name(p, block, r)
+            assert raw(items[q]).tobytes() == raw(w)[:, r].tobytes(), q
+            checked += 1
+    assert checked == len(target.params) - (len(weights) - sum("layers" in p for p in weights))
+    assert oml.verify_step(step).ok
+    assert oml.converted_provenance(step)["scan"] == "unroll"
+
+
+@pytest.mark.parametrize(
+    ("run", "scanned", "block"),
+    [
+        ("gemma3_sft_unscanned_run", "gemma3_pretrain_run", 6),
+        ("mixtral_sft_unscanned_run", "mixtral_pretrain_run", 0),
+    ],
+)
+def test_stack_onto_maxtext_s_scanned_checkpoint(tmp_path, run, scanned, block):
+    step = copy_fixture(f"{M}/{run}/checkpoints/2", tmp_path)
+    oml.convert_step(step, _target(scanned), rescan="stack")
+    got = oml.read_specs(step / "items")
+    want = oml.read_specs(FIXTURES / M / scanned / "checkpoints" / "0" / "items")
+    assert got == want  # MaxText's scanned layout, RNG state included (fresh where unheld)
+    items = restore_flat(step / "items")
+    source = _weights(step)
+    for p in [q for q in got if q[:2] == P and "layers" in q]:
+        stacked = raw(items[p])
+        for r in range(stacked.shape[1]):
+            layer = source[_unrolled_name(p[2:], block, r)]
+            assert stacked[:, r].tobytes() == raw(layer).tobytes(), (p, r)
+    assert oml.verify_step(step).ok
