@@ -151,15 +151,21 @@ def plan_merge(
         rules=(*plan.rules, "merge_lora"),
     )
     if scan is not None:
+        # MaxText's own other form where the target was built from its config (its params:
+        # a merge writes params only), else the base's, derived (`rescan.forms`).
+        twin = target.twin if target is not None else None
+        other = Target(twin.params, {}, param_scan_axes=twin.param_scan_axes) if twin else None
         stacked = _with_axis(base_target, axis)
         if scan == "unroll":
             if axis is None:
                 raise UsageError(f"{base_dir}: the base is unscanned already; drop --unroll.")
-            plan = unroll_plan(plan, stacked, unroll_target(stacked))
+            plan = unroll_plan(plan, stacked, other or unroll_target(stacked))
         elif scan == "stack":
             if adapters.scanned:
                 raise UsageError(f"{base_dir}: the base is scanned already; drop --stack.")
-            out = _with_axis(stack_target(base_target), 1 if scan_axis is None else scan_axis)
+            out = other or _with_axis(
+                stack_target(base_target), 1 if scan_axis is None else scan_axis
+            )
             plan = _stack_plan(plan, base_target, out)
         else:
             raise UsageError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
@@ -375,8 +381,14 @@ def merge_provenance(
         modules=adapters.modules,
         scan_axis=axis if scan_axis is None else scan_axis,
         scan=scan,
-        base_target="given" if target is not None else None,
+        # A Tunix base needs the target (weights from RNG state); a MaxText base was split
+        # without it (a target there only names the other scan form), so a replay needs none.
+        base_target="given" if target is not None and _tunix_base(base) else None,
     )
+
+
+def _tunix_base(base: epath.PathLike) -> bool:
+    return base_source(base)[1] == TUNIX_PARAMS_ITEM
 
 
 def replay_merge(

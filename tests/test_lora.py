@@ -447,6 +447,12 @@ def test_merge_unroll_and_stack(tmp_path):
                 q = tuple(f"layers_{i}" if k == "layers" else k for k in p)
                 assert np.array_equal(np.take(w, i, 1), want[q]), q
     assert oml.verify_step(tmp_path / "stacked" / "0").ok
+    # A target given with a MaxText base (as --maxtext-config gives one) only names the other
+    # scan form: the merge is the same, and verify replays it without the target.
+    target = oml.Target.from_checkpoint(b)
+    oml.merge_lora(a, b, alpha=8, out=tmp_path / "given", scan="unroll", target=target)
+    assert _params(tmp_path / "given" / "0").keys() == _params(tmp_path / "flat" / "0").keys()
+    assert oml.verify_step(tmp_path / "given" / "0").ok
 
 
 def test_merge_into_the_real_fixture_base(tmp_path):
