@@ -10,6 +10,8 @@ conversions in tests/interop/test_families*.py.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import FIXTURES, copy_fixture, raw, restore_flat
@@ -97,3 +99,27 @@ def test_stack_onto_maxtext_s_scanned_checkpoint(tmp_path, run, scanned, block):
             layer = source[_unrolled_name(p[2:], block, r)]
             assert stacked[:, r].tobytes() == raw(layer).tobytes(), (p, r)
     assert oml.verify_step(step).ok
+
+
+def test_inspect_prints_each_step_s_layer_map(tmp_path, capsys):
+    from orbax_maxtext_layout.cli import main as cli
+
+    got = {}
+    for run in ("gemma3_remainder_sft_run", "gemma3_sft_unscanned_run", "mixtral_sft_run"):
+        step = copy_fixture(f"{M}/{run}/checkpoints/2", tmp_path)
+        assert cli(["inspect", str(step.parent), "--json"]) == 0
+        got[run] = json.loads(capsys.readouterr().out)[0]["scan"]
+    assert got["gemma3_remainder_sft_run"] == {
+        "scanned": True,
+        "layers": [
+            "decoder/layers: 1 scan steps, blocks of 6 sub-layers -> decoder/layers_<i>",
+            "decoder/layers_remainder/layers_0: stored per layer -> decoder/layers_6",
+            "decoder/layers_remainder/layers_1: stored per layer -> decoder/layers_7",
+        ],
+    }
+    assert got["gemma3_sft_unscanned_run"] == {"scanned": False, "layers": []}
+    assert got["mixtral_sft_run"]["layers"] == [
+        "decoder/layers: 2 scan steps, one layer a step -> decoder/layers_<i>"
+    ]
+    assert cli(["inspect", str(tmp_path / M / "mixtral_sft_run" / "checkpoints")]) == 0
+    assert "  layers: scanned\n    decoder/layers: 2 scan steps" in capsys.readouterr().out
