@@ -115,6 +115,8 @@ def _probe_dump(state: Any, manager: Any, out: str) -> None:
         "key_impls": impls,
         "checkpoint_manager": f"{kind.__module__}.{kind.__qualname__}" if manager else None,
         "library_imported": "orbax_maxtext_layout" in sys.modules,
+        # Which copy of the library the child imported (the checkout under test, see _env).
+        "library_file": getattr(sys.modules.get("orbax_maxtext_layout"), "__file__", None),
     }
     Path(out + ".json").write_text(json.dumps(meta))
 
@@ -259,9 +261,13 @@ class Spec:
     steps: int
     runner: bool  # through `python -m orbax_maxtext_layout.maxtext`, else stock MaxText
     extra: tuple[str, ...] = ()
+    # The model's MaxText keys (a family's, e.g. the generator's GEMMA3_MODEL_KEYS); default:
+    # the generator's MODEL_KEYS, the tiny llama.
+    model_keys: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
         model_keys, run_keys = generator_keys()
+        model_keys = list(self.model_keys) or model_keys
         assert "init_weights_seed=0" in model_keys
         model_keys = [k for k in model_keys if not k.startswith("init_weights_seed=")]
         model_keys.append(f"init_weights_seed={INIT_SEED}")
@@ -290,7 +296,9 @@ def _env(site: Path, probe_out: Path) -> dict[str, str]:
             "JAX_PLATFORMS": "cpu",
             "PYTHONHASHSEED": "0",
             "TF_CPP_MIN_LOG_LEVEL": "2",
-            "PYTHONPATH": os.pathsep.join([str(site), str(HERE)]),
+            # The checkout these tests belong to comes before any installed copy, so the
+            # runner's children import the library under test (stock runs never import it).
+            "PYTHONPATH": os.pathsep.join([str(site), str(HERE), str(REPO)]),
             PROBE_ENV: str(probe_out),
         }
     )

@@ -32,20 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import lora_logits_support as LS
 import maxtext_loop_support as L
 import numpy as np
 import pytest
 
 import orbax_maxtext_layout as oml
 
-HERE = Path(__file__).resolve().parent
 STEPS = {
     "scanned": L.FIXTURE / "lora_run" / "checkpoints" / "2",
     "unscanned": L.FIXTURE / "lora_unscanned_run" / "checkpoints" / "2",
@@ -60,7 +57,6 @@ N_LAYERS = 3
 MODULES = ("query", "key", "value", "out", "wi_0", "wi_1", "wo")
 TOLERANCE = 1e-4  # max abs logit difference, float32
 RANDOM_SCALE = 0.1
-CHILD_TIMEOUT_S = 600
 
 
 GEN = L.generator()
@@ -93,106 +89,25 @@ class UnscannedSpec(L.Spec):
 # ----------------------------------------------------------------------------- the child
 
 
-def _model_argv(job: dict[str, Any]) -> list[str]:
-    """MaxText's config for one model: train_sft's sft.yml with the generator's keys."""
-    model_keys = list(GEN.MODEL_KEYS if job["scanned"] else GEN.UNSCANNED_MODEL_KEYS)
-    argv = [
-        "logits",
-        str(L.base_yml().parent / "post_train" / "sft.yml"),
-        *model_keys,
-        *GEN.RUN_KEYS,
-        "dataset_type=synthetic",
-        "steps=1",
-        f"base_output_directory={job['out']}",
-        f"run_name={job['name']}",
-        f"load_parameters_path={job['load']}",
-    ]
-    if job.get("lora_restore_path"):
-        argv += [
-            "lora.enable_lora=true",
-            f"lora.lora_rank={RANK}",
-            f"lora.lora_alpha={ALPHA:g}",
-            f"lora.lora_restore_path={job['lora_restore_path']}",
-        ]
-        if job["scanned"]:  # as the fixture: explicit llama3.1 path; unscanned: automatic
-            import yaml
-
-            paths = yaml.safe_load(
-                (L.base_yml().parent / "post_train" / "lora_module_path.yml").read_text()
-            )
-            argv.append(f"lora.lora_module_path={paths[GEN.LORA_MODULE_PATH_KEY]}")
-    return argv
+def _model_keys(scanned: bool) -> list[str]:
+    return list(GEN.MODEL_KEYS if scanned else GEN.UNSCANNED_MODEL_KEYS)
 
 
-def tokens() -> np.ndarray:
-    return np.random.RandomState(0).randint(1, 64, (2, 16)).astype(np.int32)
+def _lora(restore: str, scanned: bool) -> dict[str, Any]:
+    """qwix's settings of the fixture runs: the scanned run had the explicit llama3.1 module
+    path, the unscanned one MaxText's automatic path."""
+    module_path = None
+    if scanned:
+        import yaml
 
-
-def child_main(jobs_path: str, out_path: str) -> None:
-    """For each job: build MaxText's model, run it on ``tokens()``, keep logits (and adapters).
-
-    Plain jobs: ``from_pretrained`` from ``load``. LoRA jobs: the same on the base, then
-    ``apply_lora_to_model`` and ``restore_lora_from_path``, as ``train_sft``'s setup does.
-    """
-    import jax
-
-    jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # MaxText's train.py
-    from flax import nnx
-    from flax.linen import partitioning as nn_partitioning
-    from maxtext.configs import pyconfig
-    from maxtext.utils import lora_utils, model_creation_utils
-
-    jobs = json.loads(Path(jobs_path).read_text())
-    out: dict[str, np.ndarray] = {}
-    batch = tokens()
-    positions = np.broadcast_to(np.arange(batch.shape[1], dtype=np.int32), batch.shape)
-    for job in jobs:
-        config = pyconfig.initialize_pydantic(_model_argv(job))
-        model, mesh = model_creation_utils.from_pretrained(config)
-        with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-            if job.get("lora_restore_path"):
-                model = lora_utils.apply_lora_to_model(model, mesh, config)
-                lora_utils.restore_lora_from_path(model, config)
-                state = nnx.state(model, nnx.LoRAParam).to_pure_dict()
-                for path, x in jax.tree_util.tree_leaves_with_path(state):
-                    out[f"{job['name']}::{L.path_str(path)}"] = np.array(x)
-            logits = model(
-                decoder_input_tokens=batch,
-                decoder_positions=positions,
-                decoder_segment_ids=np.ones_like(batch),
-                enable_dropout=False,
-            )
-        out[job["name"]] = np.array(logits, dtype=np.float32)
-        print(f"logits job {job['name']}: {out[job['name']].shape}", flush=True)
-    np.savez(out_path, **out)
-
-
-def run_child(work: Path, jobs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    jobs_path, out_path, log_path = work / "jobs.json", work / "logits.npz", work / "logits.log"
-    jobs_path.write_text(json.dumps(jobs))
-    env = dict(os.environ)
-    env.update(
-        {
-            "JAX_PLATFORMS": "cpu",
-            "PYTHONHASHSEED": "0",
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "PYTHONPATH": str(HERE),
-        }
-    )
-    with open(log_path, "wb") as log:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__)), "logits", str(jobs_path), str(out_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-            timeout=CHILD_TIMEOUT_S,
-            check=False,
+        paths = yaml.safe_load(
+            (L.base_yml().parent / "post_train" / "lora_module_path.yml").read_text()
         )
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-    assert proc.returncode == 0, f"logits child: exit {proc.returncode}\n{tail}"
-    with np.load(out_path) as z:
-        return {k: z[k] for k in z.files}
+        module_path = paths[GEN.LORA_MODULE_PATH_KEY]
+    return dict(rank=RANK, alpha=ALPHA, restore=restore, module_path=module_path)
+
+
+tokens = LS.tokens
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -211,49 +126,6 @@ def bases(work) -> dict[str, Path]:
     }
 
 
-def write_random_adapters(src: Path, dst: Path, seed: int) -> None:
-    """A copy of the Tunix LoRA step ``src`` at ``dst`` whose factors are random (~0.1).
-
-    Written as Tunix's ``CheckpointManager`` writes (``ocp.CheckpointManager`` with a
-    ``PyTreeCheckpointHandler`` per item, ``custom_metadata`` {}): the new ``model_params``
-    has the same paths, shapes and dtypes; ``optimizer_state`` is the source's, restored and
-    saved back.
-    """
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    handler = ocp.PyTreeCheckpointHandler()
-    params = handler.restore(epath.Path(src / "model_params"))
-    opt = handler.restore(epath.Path(src / "optimizer_state"))
-    rng = np.random.default_rng(seed)
-    params = jax.tree.map(
-        lambda x: jnp.asarray(RANDOM_SCALE * rng.standard_normal(x.shape), dtype=x.dtype), params
-    )
-    manager = ocp.CheckpointManager(
-        epath.Path(dst.parent),
-        item_handlers={
-            "model_params": ocp.PyTreeCheckpointHandler(),
-            "optimizer_state": ocp.PyTreeCheckpointHandler(),
-        },
-        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
-    )
-    try:
-        manager.save(
-            int(dst.name),
-            args=ocp.args.Composite(
-                model_params=ocp.args.PyTreeSave(params),
-                optimizer_state=ocp.args.PyTreeSave(opt),
-            ),
-            custom_metadata={},
-            force=True,
-        )
-        manager.wait_until_finished()
-    finally:
-        manager.close()
-
-
 @pytest.fixture(scope="module")
 def adapter_steps(work) -> dict[tuple[str, str], Path]:
     """(kind, "trained"|"random") -> a Tunix LoRA step directory ``.../checkpoints/2``."""
@@ -261,7 +133,7 @@ def adapter_steps(work) -> dict[tuple[str, str], Path]:
     for i, (kind, step) in enumerate(STEPS.items()):
         out[kind, "trained"] = L.copy_tree(step, work / f"{kind}_trained" / "checkpoints" / "2")
         dst = work / f"{kind}_random" / "checkpoints" / "2"
-        write_random_adapters(step, dst, seed=i)
+        LS.write_random_adapters(step, dst, seed=i, scale=RANDOM_SCALE)
         out[kind, "random"] = dst
     return out
 
@@ -302,28 +174,24 @@ def merged(work, bases, adapter_steps) -> dict[str, Merged]:
 
 @pytest.fixture(scope="module")
 def logits(work, bases, adapter_steps, merged) -> dict[str, np.ndarray]:
-    """One child process: logits of the plain base, LoRA and merged models (see child_main)."""
+    """One child process: logits of the plain base, LoRA and merged models
+    (lora_logits_support.child_main)."""
     root = work / "child"
-    root.mkdir()
+    out = root / "out"
     jobs = []
     for kind in KINDS:
         scanned = kind == "scanned"
-        base_items = str(bases[kind] / "items")
-        jobs.append(dict(name=f"base_{kind}", scanned=scanned, load=base_items))
+        keys = _model_keys(scanned)
+        base_items = bases[kind] / "items"
+        jobs.append(LS.job(f"base_{kind}", keys, base_items, out))
         for adapters in ADAPTERS:
             name = f"{kind}_{adapters}"
-            restore = str(adapter_steps[kind, adapters] / "model_params")
-            jobs.append(
-                dict(
-                    name=f"lora_{name}", scanned=scanned, load=base_items, lora_restore_path=restore
-                )
-            )
-            jobs.append(dict(name=f"merged_{name}", scanned=scanned, load=str(merged[name].items)))
-    jobs.append(dict(name="merged_half_alpha", scanned=True, load=str(merged["half_alpha"].items)))
-    jobs.append(dict(name="merged_unrolled", scanned=False, load=str(merged["unrolled"].items)))
-    for job in jobs:
-        job["out"] = str(root / "out")
-    return run_child(root, jobs)
+            lora = _lora(str(adapter_steps[kind, adapters] / "model_params"), scanned)
+            jobs.append(LS.job(f"lora_{name}", keys, base_items, out, lora=lora))
+            jobs.append(LS.job(f"merged_{name}", keys, merged[name].items, out))
+    jobs.append(LS.job("merged_half_alpha", _model_keys(True), merged["half_alpha"].items, out))
+    jobs.append(LS.job("merged_unrolled", _model_keys(False), merged["unrolled"].items, out))
+    return LS.run_child(root, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -564,10 +432,3 @@ def test_converting_a_lora_step_is_refused(kind, work, bases):
     assert isinstance(e.value, oml.OrbaxMaxTextLayoutError)
     assert_lora_refusal(str(e.value))
     assert _files(step) == _files(STEPS[kind])
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["logits"]:
-        child_main(*sys.argv[2:4])
-    else:
-        sys.exit(f"usage: {sys.argv[0]} logits JOBS.json OUT.npz")
