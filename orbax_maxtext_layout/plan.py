@@ -162,9 +162,7 @@ def _plan_model(
     for path in sorted(target.model_paths() - set(cur), key=keystr):
         want = target.params.get(path) or target.nnx_aux.get(path)
         if allow_missing is not None and allow_missing(path):
-            draft.notes.append(
-                f"{keystr(path)}: not in the checkpoint (allowed; initialised fresh)"
-            )
+            draft.notes.append(rescan.fresh_note(path))
             continue
         problems.append(f"{keystr(path)}: expected by the target ({want}), missing in checkpoint")
     if problems:

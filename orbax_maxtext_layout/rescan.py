@@ -271,8 +271,34 @@ class _Unroll:
             self.problems.append(f"{keystr(dst)}: not in the unscanned target")
 
 
+def fresh_note(path: Path) -> str:
+    """The report's note for a model leaf of the unscanned form (``decoder/layers_6/rngs/...``)
+    or outside every layer (``decoder/rngs/...``) that a stack initialises fresh."""
+    return f"{keystr(path)}: not in the checkpoint (allowed; initialised fresh)"
+
+
+def _fresh_notes(layers: LM.LayerMap, dst: Path, indices: Iterable[int] | None) -> list[str]:
+    """`fresh_note` of each unscanned leaf a fresh stacked leaf ``dst`` stands for: the layers
+    ``indices`` of its scan (every layer when None), or ``dst`` itself outside every scan."""
+    hit = layers.find_stacked(dst)
+    family = layers.of_stacked(hit[1]) if hit else ()
+    if not hit or family[0].index is None:
+        return [fresh_note(dst[len(AUX_ROOT) :])]
+    pos, prefix = hit
+    wanted = None if indices is None else set(indices)
+    return [
+        fresh_note(_splice(dst, pos, prefix, la.unrolled)[len(AUX_ROOT) :])
+        for la in family
+        if wanted is None or la.index in wanted
+    ]
+
+
 def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
-    """One ``stack`` move per family of per-layer moves of a plan made against ``unrolled``."""
+    """One ``stack`` move per family of per-layer moves of a plan made against ``unrolled``.
+
+    Every RNG leaf or layer initialised fresh is in the plan's notes (`fresh_note`), once,
+    whether ``unrolled`` held it (the plan noted it missing) or not (MaxText's own unscanned
+    model keeps a shared stream at layer 0 only)."""
     axes = scan.scan_axes(out)
     layers = scan.layer_map(out)
     families: dict[Path, dict[int, Move]] = defaultdict(dict)
@@ -291,8 +317,10 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
         families[dst][la.index] = m
         lengths[dst] = la.scan.length
     produced = set(families) | {m.dst for m in moves}
+    fresh_notes: list[str] = []
     for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had
         if AUX_ROOT + p not in produced and is_rng(p):
+            fresh_notes += _fresh_notes(layers, AUX_ROOT + p, None)
             note = "initialised fresh (not in the unscanned checkpoint)"
             a = axes.get(AUX_ROOT + p)
             # In a block, each layer is derived as a missing layer of a stack is (and as
@@ -309,6 +337,7 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
             continue
         first = got[min(got)]
         note = f"layers {gaps} initialised fresh" if gaps else ""
+        fresh_notes += _fresh_notes(layers, dst, gaps) if gaps else []
         srcs = tuple(got[i].src if i in got else None for i in range(n))
         if first.op is Op.MERGE_LORA:  # each layer merged with its own factors
             merged = [got[i] for i in range(n) if i in got and got[i].lora]
@@ -323,9 +352,11 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
         )
     if problems:
         raise LayoutMismatchError("The step does not stack onto the target:", problems)
+    notes = (*plan.notes, *dict.fromkeys(n for n in fresh_notes if n not in plan.notes))
     return dataclasses.replace(
         plan,
         moves=tuple(moves),
+        notes=notes,
         rules=(*plan.rules, "stack"),
         scan="stack",
         scan_axes=_recorded_axes(axes),

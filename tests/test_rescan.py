@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -120,6 +121,32 @@ def test_stack_writes_the_scanned_tree_and_reports_fresh_rng(tmp_path):
         )
     ]
     assert int(stacked[0]) == int(c0) and list(np.asarray(stacked[1:])) == [0, 0]
+
+
+def test_stack_reports_fresh_rng_when_the_unscanned_form_is_maxtexts_own(tmp_path):
+    """A target whose unscanned form is MaxText's own model (`Target.twin`, what
+    ``--maxtext-config`` builds) holds a shared RNG stream at ``layers_0`` only and no
+    ``decoder/rngs``: nothing is missing against it, yet the stack initialises the other
+    layers' copies and ``decoder/rngs`` fresh. The report lists them as it does against the
+    unrolled checkpoint target, and the items are the same."""
+    scanned = Target.from_checkpoint(MAXTEXT_NATIVE).without_optimizer()
+    unrolled = unroll_target(scanned)
+    src = FIXTURES / "tunix017/dpo_run/checkpoints/1/model_params"
+    held = {p[1:-1] for p in read_specs(src)}  # without the adapter's base/ and the value level
+    own = {p: s for p, s in unrolled.nnx_aux.items() if p in held}
+    assert len(unrolled.nnx_aux) - len(own) == 12 + 6  # layers 1, 2 attention RNG; decoder/rngs
+    twin = dataclasses.replace(unrolled, nnx_aux=own)
+    reports, items = {}, {}
+    for name, target in (("derived", scanned), ("twin", dataclasses.replace(scanned, twin=twin))):
+        step = copy_fixture("tunix017/dpo_run/checkpoints/1", tmp_path / name)
+        reports[name] = convert_step(step, target, rescan="stack", optimizer="drop")
+        items[name] = restore_flat(step / "items")
+    fresh = {n: {x for x in r.notes if "initialised fresh" in x} for n, r in reports.items()}
+    assert len(fresh["derived"]) == 12 + 6
+    assert fresh["twin"] == fresh["derived"]
+    assert sorted(items["twin"]) == sorted(items["derived"])
+    for p, x in items["derived"].items():
+        assert raw(items["twin"][p]).tobytes() == raw(x).tobytes(), p
 
 
 def _stacked_in_memory(step, target: Target, **kwargs) -> tuple[dict, dict]:
