@@ -419,34 +419,37 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     for e in out:
-        role = f" role={e['role']}" if e["role"] else ""
-        conv = " (converted by orbax-maxtext-layout)" if e["converted_by"] else ""
-        print(f"{e['path']}: step {e['step']} {e['layout']}{role}{conv}")
-        for g, d in e["groups"].items():
-            print(f"  {g:<40}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
-        form = {True: "scanned", False: "unscanned", None: "no layer groups"}
-        print(f"  layers: {form[e['scan']['scanned']]}")
-        for line in e["scan"]["layers"]:
-            print(f"    {line}")
-        if e["lora"]:
-            lo = e["lora"]
-            axis = "unscanned" if not lo["scanned"] else f"layer axis {lo['layer_axis']}"
-            alpha = (
-                f", alpha {lo['alpha']:g}" if lo["alpha"] is not None else ", alpha not recorded"
-            )
-            print(
-                f"  LoRA adapters: rank {lo['rank']}{alpha}, {axis}, {lo['dtype']}, "
-                f"{len(lo['modules'])} modules; holds no base weights (merge them with "
-                "merge-lora, or resume with train_sft's lora.lora_restore_path)"
-            )
-            for m in lo["modules"]:
-                print(f"    {m}")
-        if "plan" in e:
-            for dest, d in e["plan"]["destinations"].items():
-                print(f"  -> {dest:<12}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
-        for line in e.get("mismatch", []):
-            print(f"  mismatch: {line}")
+        _print_inspected(e)
     return 0
+
+
+def _print_inspected(e: dict) -> None:
+    """`cmd_inspect`'s text for one step."""
+    role = f" role={e['role']}" if e["role"] else ""
+    conv = " (converted by orbax-maxtext-layout)" if e["converted_by"] else ""
+    print(f"{e['path']}: step {e['step']} {e['layout']}{role}{conv}")
+    for g, d in e["groups"].items():
+        print(f"  {g:<40}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
+    form = {True: "scanned", False: "unscanned", None: "no layer groups"}
+    print(f"  layers: {form[e['scan']['scanned']]}")
+    for line in e["scan"]["layers"]:
+        print(f"    {line}")
+    if e["lora"]:
+        lo = e["lora"]
+        axis = "unscanned" if not lo["scanned"] else f"layer axis {lo['layer_axis']}"
+        alpha = f", alpha {lo['alpha']:g}" if lo["alpha"] is not None else ", alpha not recorded"
+        print(
+            f"  LoRA adapters: rank {lo['rank']}{alpha}, {axis}, {lo['dtype']}, "
+            f"{len(lo['modules'])} modules; holds no base weights (merge them with "
+            "merge-lora, or resume with train_sft's lora.lora_restore_path)"
+        )
+        for m in lo["modules"]:
+            print(f"    {m}")
+    if "plan" in e:
+        for dest, d in e["plan"]["destinations"].items():
+            print(f"  -> {dest:<12}{d['leaves']:>6} leaves{d['bytes']:>14,} bytes")
+    for line in e.get("mismatch", []):
+        print(f"  mismatch: {line}")
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
