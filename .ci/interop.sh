@@ -140,8 +140,10 @@ export OMTL_HF_PYTHON="$HF_VENV/bin/python"
 
 log "interop suite (python -m pytest -q tests/interop), OMTL_HF_PYTHON=$OMTL_HF_PYTHON"
 # The gs:// tests that need MaxText (export-hf to and from a bucket) run here, beside the
-# interop suite; the rest of tests/gcs runs in .ci/run's own core pass.
-pytest_in "$INTEROP_VENV" tests/interop tests/gcs/test_gcs_export_hf.py || status=1
+# interop suite; the rest of tests/gcs runs in .ci/run's own core pass. Like every pass here
+# it runs on pyproject's pytest-xdist workers (-n auto), by file (--dist loadfile): each
+# module's MaxText and Tunix fixtures are built once, on the worker that runs its tests.
+pytest_in "$INTEROP_VENV" --dist loadfile tests/interop tests/gcs/test_gcs_export_hf.py || status=1
 
 if [[ "$RUN_CORE" == 1 ]]; then
   # -- 2. core suite at the newest pinned orbax-checkpoint (the interop venv) ---------------
