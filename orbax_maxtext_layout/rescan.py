@@ -1,11 +1,11 @@
 """A scan change as a transformation of a `Plan`: ``convert --unroll`` / ``--stack``.
 
-The step is planned against the target's counterpart in the source's scan form
-(`stacked_form` / `unrolled_form`); `unroll_plan` / `stack_plan` then turn each
-move of a scanned block into per-layer ``slice`` moves, or each family of
-per-layer moves into one ``stack`` move, on the layer axis the model gives it
-(`scan.scan_axes`), never a rank rule. RNG state one form has and the other
-lacks is dropped with a reason (unroll) or initialised fresh (stack).
+The step is planned against the model in the source's scan form (`forms`: MaxText's own
+other form where the config is given, `maxtext_forms`); `unroll_plan` / `stack_plan` then
+turn each move of a scanned layer into per-layer ``slice`` moves, or each family of
+per-layer moves into one ``stack`` move, named as the model's `layermap.LayerMap` says and
+on the layer axis the model gives it (`scan.scan_axes`), never a rank rule. RNG state one
+form has and the other lacks is dropped with a reason (unroll) or initialised fresh (stack).
 """
 
 from __future__ import annotations
@@ -111,16 +111,6 @@ def stored_layers(specs: Mapping[Path, LeafSpec], param_scan_axis: int = 1) -> L
         return scan.layer_map(target, param_scan_axis=param_scan_axis)
     except LayoutMismatchError:
         return scan.layer_map(target, param_scan_axis=param_scan_axis, lengths=False)
-
-
-def stacked_form(target: Target) -> Target:
-    """The scanned counterpart of a target (`forms`)."""
-    return forms(target)[0]
-
-
-def unrolled_form(target: Target) -> Target:
-    """The unscanned counterpart of a target (`forms`)."""
-    return forms(target)[1]
 
 
 def with_scan_axes(
