@@ -498,7 +498,11 @@ def plan_step(
         # Unscanned models store a shared RNG stream once; the other layers' copies
         # are initialised fresh, and the plan's notes say which.
         base = plan_against(unrolled, unnamed=unnamed, allow_missing=is_rng)
-        return rescan.stack_plan(base, unrolled, stacked)
+        plan = rescan.stack_plan(base, unrolled, stacked)
+        if target.twin is None and not rescan.is_scanned(target):
+            # Unscanned names cannot tell a block scan (gemma3's layers/layers_<k>): say so.
+            plan = dataclasses.replace(plan, notes=(*plan.notes, rescan.GUESSED_SCAN))
+        return plan
     raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
 
 

@@ -26,6 +26,11 @@ from .treepaths import Path, keystr
 
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
 _SHARED_RNG = "the unscanned model shares one RNG stream across its layers"
+GUESSED_SCAN = (
+    "stacked as plain scans (layers_<i> -> layers): the target is unscanned and no scanned "
+    "form was given; a block-scanned model (gemma3, gpt-oss, llama4) needs a scanned target "
+    "or --maxtext-config"
+)
 
 
 def is_scanned(target: Target) -> bool:

@@ -17,6 +17,7 @@ import pytest
 from conftest import FIXTURES, copy_fixture, raw, restore_flat
 
 import orbax_maxtext_layout as oml
+from orbax_maxtext_layout import rescan
 
 M = "maxtext025"
 P = ("params", "params")
@@ -87,7 +88,12 @@ def test_unroll_against_maxtext_s_unscanned_checkpoint(tmp_path, run, unscanned,
 )
 def test_stack_onto_maxtext_s_scanned_checkpoint(tmp_path, run, scanned, block):
     step = copy_fixture(f"{M}/{run}/checkpoints/2", tmp_path)
-    oml.convert_step(step, _target(scanned), rescan="stack")
+    guessed = oml.convert_step(
+        step, _target(run.replace("sft", "pretrain")), rescan="stack", dry_run=True
+    )
+    assert rescan.GUESSED_SCAN in guessed.notes  # no scanned form at hand: the report says so
+    report = oml.convert_step(step, _target(scanned), rescan="stack")
+    assert rescan.GUESSED_SCAN not in report.notes
     got = oml.read_specs(step / "items")
     want = oml.read_specs(FIXTURES / M / scanned / "checkpoints" / "0" / "items")
     assert got == want  # MaxText's scanned layout, RNG state included (fresh where unheld)
