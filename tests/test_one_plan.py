@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_flat
+from etils import epath
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.treepaths import flatten, norm_key, unflatten
@@ -103,6 +104,23 @@ def test_scan_changes_verify_and_then_legacy_items_are_removed(name, tmp_path):
     again = oml.convert_step(step, make_target(), remove_legacy=True, **kwargs)
     assert any("removed legacy" in n for n in again.notes), again.notes
     assert not (step / "model_params").exists()
+
+
+def test_a_removal_killed_between_the_two_set_asides_is_finished_by_a_rerun(tmp_path):
+    """Both legacy items were verified before the first was set aside: a rerun finishes
+    the removal (it cannot verify against an item already gone, and must not keep the
+    other one forever)."""
+    from orbax_maxtext_layout.legacy_removal import REMOVING, remove_legacy
+
+    step = copy_fixture(RL, tmp_path)
+    oml.convert_step(step, oml.unroll_target(_scanned()), rescan="unroll", optimizer="drop")
+    (step / "model_params").rename(step / f"model_params{REMOVING}")  # the kill's state
+    notes = remove_legacy(epath.Path(step))
+    assert not (step / "optimizer_state").exists(), notes
+    assert not any(p.name.endswith(REMOVING) for p in step.iterdir())
+    assert any("removed legacy optimizer_state" in n for n in notes), notes
+    assert oml.detect_layout(step) is oml.Layout.MAXTEXT
+    assert restore_flat(step / "items")  # items intact and readable
 
 
 def test_verify_after_a_scan_change_compares_values(tmp_path):
