@@ -144,7 +144,7 @@ def _stacked_path(p: Path, layers: LM.LayerMap | None) -> Path:
     if u is None:
         return p
     pos, la = u
-    return (*p[:pos], *la.stacked, *p[pos + len(la.unrolled) :])
+    return _splice(p, pos, la.unrolled, la.stacked)
 
 
 def _full_paths(t: Target) -> set[Path]:
