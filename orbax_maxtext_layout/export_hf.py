@@ -40,7 +40,7 @@ import numpy as np
 from etils import epath
 from threadpoolctl import threadpool_limits
 
-from . import hf_mapping, safetensors_out, stepmeta, tskv
+from . import chunks, hf_mapping, piecewise, safetensors_out, stepmeta, tskv
 from .errors import LayoutMismatchError, StepExistsError, UsageError
 from .hf_mapping import HfModel, Unit
 from .layermap import scanned_form
@@ -56,6 +56,7 @@ from .merge import (
 )
 from .moves import Move, Op, apply_op, merge_layer
 from .names import Dest
+from .orbax_files import param_name
 from .provenance import SCAN_LAYERS_KEY
 from .safetensors_out import Shard, ShardFile, Tensor
 from .spec import read_specs
@@ -390,21 +391,12 @@ def _memory(
     }
 
 
-def _fast(moves: list[Move], budget: int) -> bool:
-    """Whether zstandard decodes the param whole (`tskv.fast_decode_fits`, `_Reader`)."""
-    return tskv.fast_decode_fits(sum(m.out_spec.nbytes for m in moves), budget)
-
-
-def _decode_factor(moves: list[Move], budget: int) -> float:
-    return tskv.FAST_DECODING if _fast(moves, budget) else tskv.TS_DECODING
-
-
 def _group_cost(model: HfModel, moves: list[Move], units: list[Unit], budget: int) -> int:
-    """Bytes a param's job holds: the param decoded whole (its stored chunk and the
-    decoded array side by side while decoding: `tskv.FAST_DECODING` or `TS_DECODING`), a
+    """Bytes a param's job holds: the param decoded whole (`chunks.read_whole`: the array
+    and the piece being decoded, `tskv.FAST_DECODING`), a
     merge's factors, and its largest slice three times over (cast to ``weight_dtype``,
     handed to the hooks, and their output)."""
-    stored = int(_decode_factor(moves, budget) * sum(m.out_spec.nbytes for m in moves))
+    stored = int(tskv.FAST_DECODING * sum(m.out_spec.nbytes for m in moves))
     factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for m in moves for f in dict.fromkeys(m.lora))
     biggest = max((_slice_bytes(model, moves[0], u) for u in units), default=0)
     return stored + factors + 3 * biggest
@@ -641,22 +633,23 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
         moves = [ep.moves[k] for k in keys]
         cost = _group_cost(ep.model, moves, units, budget)
         whole = cost <= budget or any(u.whole for u in units)
+        fns = None if whole else _piece_fns(ep.model, moves, units)
+        if fns is not None:
+            held = gate.take(_PIECE_HELD * _piece_bytes(budget, moves[0]))
+            try:
+                _write_pieces(ep.model, moves[0], units, fns, sources, ctx, where, budget)
+            finally:
+                gate.give(held)
+            return
         held = gate.take(
             cost if whole else 3 * max(_slice_bytes(ep.model, moves[0], u) for u in units)
         )
         try:
-            reader = _Reader(sources, ctx, whole=whole, fast=_fast(moves, budget))
+            reader = _Reader(sources, ctx, whole=whole)
             for u in units:
-                arrays = [
-                    hf_mapping.restored(reader.layer(m, u.axis, u.index), ep.model.weight_dtype)
-                    for m in moves
-                ]
+                _write_unit(ep.model, u, [reader.layer(m, u.axis, u.index) for m in moves], where)
                 if u.index is None:
                     reader.cache.clear()  # the param's only unit: hold the slice only
-                for name, arr in hf_mapping.transform(ep.model, u, arrays):
-                    if name in where:
-                        where[name].write(name, arr)
-                    del arr
         finally:
             gate.give(held)
 
@@ -670,19 +663,107 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
             f.result()
 
 
-class _Reader:
-    """Layers of a param's move, in stored form: decoded whole once (``whole``) and
-    sliced, or read layer by layer from storage."""
+def _write_unit(model: HfModel, u: Unit, layers: list[np.ndarray], where: dict) -> None:
+    """One unit's slices through MaxText's hooks, each HF tensor written whole."""
+    arrays = [hf_mapping.restored(x, model.weight_dtype) for x in layers]
+    del layers
+    for name, arr in hf_mapping.transform(model, u, arrays):
+        if name in where:
+            where[name].write(name, arr)
+        del arr
 
-    def __init__(self, sources: dict, ctx: Any, *, whole: bool, fast: bool) -> None:
-        self.sources, self.ctx, self.whole, self.fast = sources, ctx, whole, fast
+
+# -- a param over the budget: its stored chunks decoded once, in pieces -----------------------
+# What a piece's job holds, in times the piece: the piece, its cast to weight_dtype, and the
+# hooks' intermediates (the query scaling goes through float32: twice a bf16 piece).
+_PIECE_HELD = 6
+
+
+def _piece_bytes(budget: int, m: Move) -> int:
+    """The size of the pieces a param over the budget is decoded in: a worker's share of
+    the budget over what a piece's job holds (at least 256 KiB)."""
+    return max(256 << 10, budget // (WORKERS * _PIECE_HELD))
+
+
+def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | None:
+    """Each unit's hooks as a `piecewise.PieceFn` (one per distinct shape), or None where a
+    param cannot go piece by piece: a fused or merged param, or a hook a box cannot
+    go through (`piecewise`)."""
+    if len(moves) != 1 or moves[0].op is not Op.COPY or any(u.whole for u in units):
+        return None
+    shape = tuple(moves[0].out_spec.shape)
+    fns: dict[int, piecewise.PieceFn] = {}
+    traced: dict[tuple, piecewise.PieceFn | None] = {}
+    for u in units:
+        outs = tuple(hf_mapping.out_shapes(model, u).values())
+        key = (u.hooks if callable(u.hooks) else tuple(u.hooks or ()), u.axis, outs)
+        if key not in traced:
+            traced[key] = piecewise.PieceFn.trace(
+                lambda x, u=u: hf_mapping.hooked(model, u, [x]),
+                hf_mapping._slice_shape(shape, u.axis, u.index),
+                model.weight_dtype,
+                outs,
+            )
+        if traced[key] is None:
+            return None
+        fns[id(u)] = traced[key]
+    return fns
+
+
+def _write_pieces(model, m: Move, units, fns, sources, ctx, where, budget: int) -> None:
+    """Param ``m`` over the budget: each stored chunk decoded once (`chunks.pieces`), and
+    each piece's part of each layer put through the hooks (`piecewise`) and written at its
+    place in its HF tensors (`ShardFile.write_box`). A part the hooks cannot take alone
+    leaves its unit to be read whole at the end (counted as ``layer decoded``)."""
+    src = sources[m.item]
+    wd = model.weight_dtype
+    by_layer = {u.index: u for u in units}
+    redo: dict[int, Unit] = {}
+    for piece in chunks.pieces(src, param_name(m.src), ctx, max_bytes=_piece_bytes(budget, m)):
+        for index, start, part in _layer_parts(piece, units[0].axis, by_layer):
+            u = by_layer[index]
+            if id(u) in redo:
+                continue
+            got = fns[id(u)].apply(start, hf_mapping.restored(part, wd))
+            if got is None:
+                redo[id(u)] = u
+                continue
+            for name, (at, data) in zip(hf_mapping.out_shapes(model, u), got, strict=True):
+                if name in where:
+                    where[name].write_box(name, at, data.astype(wd, copy=False))
+        del piece
+    reader = _Reader(sources, ctx, whole=False)
+    for u in redo.values():
+        _write_unit(model, u, [reader.layer(m, u.axis, u.index)], where)
+
+
+def _layer_parts(piece: chunks.Piece, axis: int | None, by_layer: dict):
+    """``(layer index, start, values)`` of each layer a piece holds part of (``axis``
+    None: the param is one unit, and the piece is its part)."""
+    if axis is None:
+        yield None, piece.start, piece.data
+        return
+    first = piece.start[axis]
+    start = piece.start[:axis] + piece.start[axis + 1 :]
+    for i in range(piece.data.shape[axis]):
+        if first + i in by_layer:
+            yield first + i, start, piece.data[(slice(None),) * axis + (i,)]
+
+
+class _Reader:
+    """Layers of a param's move, in stored form: decoded whole once (``whole``: each
+    stored chunk once, `chunks.read_whole`) and sliced, or read layer by layer from
+    storage (a merge over the budget; a layer `piecewise` cannot take)."""
+
+    def __init__(self, sources: dict, ctx: Any, *, whole: bool) -> None:
+        self.sources, self.ctx, self.whole = sources, ctx, whole
         self.cache: dict[tuple[str, Any], np.ndarray] = {}
 
     def read_layer(self, item: str, path: Any, axis: int | None, index: int | None) -> np.ndarray:
         if self.whole:
             if (item, path) not in self.cache:
-                self.cache[item, path] = tskv.read_array(
-                    self.sources[item], path, self.ctx, fast=self.fast
+                self.cache[item, path] = chunks.read_whole(
+                    self.sources[item], param_name(path), self.ctx
                 )
             x = self.cache[item, path]
             return x if axis is None or index is None else np.take(x, index, axis=axis)

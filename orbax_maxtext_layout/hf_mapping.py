@@ -254,7 +254,7 @@ def check_units(model: HfModel, units: Sequence[Unit], specs: Mapping[str, Any])
             for k in u.keys
         ]
         try:
-            got = jax.eval_shape(lambda *a, u=u: _hooked(model, u, list(a)), *args)
+            got = jax.eval_shape(lambda *a, u=u: hooked(model, u, list(a)), *args)
         except Exception as e:  # a hook that cannot take this shape
             problems.append(
                 f"{u.keys[0]} {[tuple(a.shape) for a in args]} -> {', '.join(u.names)} "
@@ -277,7 +277,7 @@ def _slice_shape(shape: tuple[int, ...], axis: int | None, index: int | None) ->
     return tuple(shape[:axis]) + tuple(shape[axis + 1 :])
 
 
-def _hooked(model: HfModel, unit: Unit, arrays: list) -> Any:
+def hooked(model: HfModel, unit: Unit, arrays: list) -> Any:
     """The hooks of ``unit`` on its slice(s), as ``utils._process`` applies them."""
     _, mu, _, _ = _maxtext()
     x = arrays if len(unit.keys) > 1 else arrays[0]
@@ -309,7 +309,7 @@ def transform(model: HfModel, unit: Unit, arrays: list[np.ndarray]) -> list[tupl
         return mu.process_maxtext_param(
             key, x, model.param_map, model.hook_map, model.shape_map, model.config
         )
-    y = _hooked(model, unit, xs)
+    y = hooked(model, unit, xs)
     shapes = out_shapes(model, unit)
     ys = list(y) if isinstance(unit.hf_path, tuple) else [y]
     # utils.convert_jax_weight_to_numpy without its process_allgather: each process

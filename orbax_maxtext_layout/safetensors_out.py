@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -155,6 +158,9 @@ class ShardFile:
         os.ftruncate(self._fd, shard.size)
         os.pwrite(self._fd, shard.header, 0)
         self._left = {t.name: t for t in shard.tensors}
+        # elements still to write of tensors written box by box (`write_box`)
+        self._todo: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def write(self, name: str, array: np.ndarray) -> None:
         t = self._left[name]
@@ -169,7 +175,45 @@ class ShardFile:
         done = 0
         while done < end - start:  # pwrite may write less than asked
             done += os.pwrite(self._fd, view[done:], start + done)
-        self._left.pop(name)
+        with self._lock:
+            self._left.pop(name)
+            self._todo.pop(name, None)
+
+    def write_box(self, name: str, start: Sequence[int], data: np.ndarray) -> None:
+        """Writes the box of tensor ``name`` at ``start`` (``data.shape`` long) in place,
+        through a mapping of the bytes the box spans (a box's rows are short runs apart:
+        one copy into the mapping, not one write per run). Boxes of a tensor must not
+        overlap; the tensor counts as written once they cover it."""
+        t = self._left[name]
+        if data.dtype != np.dtype(t.dtype) or len(start) != len(t.shape):
+            raise ValueError(f"{self.shard.name}: {name}: a box of {data.dtype}, not {t.dtype}")
+        if tuple(start) == (0,) * len(t.shape) and data.shape == tuple(t.shape):
+            return self.write(name, data)
+        if not data.size:
+            return
+        item = np.dtype(t.dtype).itemsize
+        strides = [item * math.prod(t.shape[a + 1 :]) for a in range(len(t.shape))]
+        lo = sum(s * st for s, st in zip(start, strides, strict=False))
+        hi = (
+            sum((s + n - 1) * st for s, n, st in zip(start, data.shape, strides, strict=False))
+            + item
+        )
+        begin = self.shard.offsets[name][0]
+        at = (begin + lo) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(self._fd, begin + hi - at, offset=at) as mm:
+            flat = np.frombuffer(mm, np.uint8, count=hi - lo, offset=begin + lo - at)
+            view = np.lib.stride_tricks.as_strided(
+                flat.view(t.dtype), shape=data.shape, strides=strides, writeable=True
+            )
+            view[...] = data
+            del view, flat
+        with self._lock:
+            left = self._todo.get(name, math.prod(t.shape)) - data.size
+            if left <= 0:
+                self._left.pop(name)
+                self._todo.pop(name, None)
+            else:
+                self._todo[name] = left
 
     @property
     def missing(self) -> list[str]:
