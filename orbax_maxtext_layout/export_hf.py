@@ -631,16 +631,17 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
 
     def job(keys: tuple[str, ...], units: list[Unit]) -> None:
         moves = [ep.moves[k] for k in keys]
-        cost = _group_cost(ep.model, moves, units, budget)
-        whole = cost <= budget or any(u.whole for u in units)
-        fns = None if whole else _piece_fns(ep.model, moves, units)
+        fns = _piece_fns(ep.model, moves, units)
         if fns is not None:
-            held = gate.take(_PIECE_HELD * _piece_bytes(budget, moves[0]))
+            size = _piece_bytes(budget, moves[0], fns)
+            held = gate.take(int(size * max(f.held for f in fns.values())))
             try:
-                _write_pieces(ep.model, moves[0], units, fns, sources, ctx, where, budget)
+                _write_pieces(ep.model, moves[0], units, fns, sources, ctx, where, size)
             finally:
                 gate.give(held)
             return
+        cost = _group_cost(ep.model, moves, units, budget)
+        whole = cost <= budget or any(u.whole for u in units)
         held = gate.take(
             cost if whole else 3 * max(_slice_bytes(ep.model, moves[0], u) for u in units)
         )
@@ -673,16 +674,13 @@ def _write_unit(model: HfModel, u: Unit, layers: list[np.ndarray], where: dict) 
         del arr
 
 
-# -- a param over the budget: its stored chunks decoded once, in pieces -----------------------
-# What a piece's job holds, in times the piece: the piece, its cast to weight_dtype, and the
-# hooks' intermediates (the query scaling goes through float32: twice a bf16 piece).
-_PIECE_HELD = 6
-
-
-def _piece_bytes(budget: int, m: Move) -> int:
-    """The size of the pieces a param over the budget is decoded in: a worker's share of
-    the budget over what a piece's job holds (at least 256 KiB)."""
-    return max(256 << 10, budget // (WORKERS * _PIECE_HELD))
+# -- a param piece by piece: its stored chunks decoded once --------------------------------
+def _piece_bytes(budget: int, m: Move, fns: dict) -> int:
+    """The size of the pieces a param is decoded in: a worker's share of the budget over
+    what a piece's hooks hold (`piecewise.PieceFn.held`), at least 256 KiB, at most the
+    param."""
+    held = max((f.held for f in fns.values()), default=1.0)
+    return min(m.out_spec.nbytes, max(256 << 10, int(budget / (WORKERS * held))))
 
 
 def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | None:
@@ -710,7 +708,7 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     return fns
 
 
-def _write_pieces(model, m: Move, units, fns, sources, ctx, where, budget: int) -> None:
+def _write_pieces(model, m: Move, units, fns, sources, ctx, where, size: int) -> None:
     """Param ``m`` over the budget: each stored chunk decoded once (`chunks.pieces`), and
     each piece's part of each layer put through the hooks (`piecewise`) and written at its
     place in its HF tensors (`ShardFile.write_box`). A part the hooks cannot take alone
@@ -719,7 +717,7 @@ def _write_pieces(model, m: Move, units, fns, sources, ctx, where, budget: int) 
     wd = model.weight_dtype
     by_layer = {u.index: u for u in units}
     redo: dict[int, Unit] = {}
-    for piece in chunks.pieces(src, param_name(m.src), ctx, max_bytes=_piece_bytes(budget, m)):
+    for piece in chunks.pieces(src, param_name(m.src), ctx, max_bytes=size, reuse=True):
         for index, start, part in _layer_parts(piece, units[0].axis, by_layer):
             u = by_layer[index]
             if id(u) in redo:
@@ -766,7 +764,7 @@ class _Reader:
                     self.sources[item], param_name(path), self.ctx
                 )
             x = self.cache[item, path]
-            return x if axis is None or index is None else np.take(x, index, axis=axis)
+            return x if axis is None or index is None else x[(slice(None),) * axis + (index,)]
         layer = None if axis is None or index is None else (axis, index)
         return tskv.read_array(self.sources[item], path, self.ctx, layer)
 

@@ -57,6 +57,7 @@ class PieceFn:
     jaxpr: Any  # a ClosedJaxpr
     shape: tuple[int, ...]
     out_shapes: tuple[tuple[int, ...], ...]
+    held: float  # what applying it holds at most, in times the input box's bytes
 
     @classmethod
     def trace(
@@ -78,7 +79,7 @@ class PieceFn:
             math.prod(a) != math.prod(b) for a, b in zip(got, outs, strict=True)
         ):
             return None
-        return cls(closed, tuple(shape), outs)
+        return cls(closed, tuple(shape), outs, _held(closed.jaxpr, tuple(shape), dtype))
 
     def apply(
         self, start: Sequence[int], data: np.ndarray
@@ -97,6 +98,32 @@ class PieceFn:
             return res
         except _Cannot:
             return None
+
+
+_VIEWS = {"transpose", "slice", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
+
+
+def _held(jaxpr: Any, shape: tuple[int, ...], dtype: Any) -> float:
+    """An upper bound of what `PieceFn.apply` holds, in times the input's bytes: the input,
+    every op's output that is not a view of its input (as if none were freed), and one
+    contiguous copy of each output (for the writer)."""
+    import numpy as np
+
+    size = max(1, math.prod(shape) * np.dtype(dtype).itemsize)
+
+    def nbytes(v: Any) -> int:
+        return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+
+    def walk(j: Any) -> int:
+        n = 0
+        for e in j.eqns:
+            if e.primitive.name in _NESTED:
+                n += walk(getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]))
+            elif e.primitive.name not in _VIEWS:
+                n += sum(nbytes(v) for v in e.outvars)
+        return n
+
+    return 1 + (walk(jaxpr) + sum(nbytes(v) for v in jaxpr.outvars)) / size
 
 
 def _supported(jaxpr: Any) -> bool:

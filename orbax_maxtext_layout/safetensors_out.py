@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from .scratch import scratch_buffer
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 3 << 30  # MaxText's utils.DEFAULT_MAX_SHARD_SIZE (3 GiB)
@@ -170,43 +172,40 @@ class ShardFile:
                 f"{self.shard.name}: {name} is {a.dtype}{list(a.shape)}, its header says "
                 f"{np.dtype(t.dtype)}{list(t.shape)}"
             )
-        start, end = self.shard.offsets[name]
-        view = memoryview(a.reshape(-1).view(np.uint8))
-        done = 0
-        while done < end - start:  # pwrite may write less than asked
-            done += os.pwrite(self._fd, view[done:], start + done)
+        start = self.shard.offsets[name][0]
+        self._pwrite(memoryview(a.reshape(-1).view(np.uint8)), start)
         with self._lock:
             self._left.pop(name)
             self._todo.pop(name, None)
 
     def write_box(self, name: str, start: Sequence[int], data: np.ndarray) -> None:
-        """Writes the box of tensor ``name`` at ``start`` (``data.shape`` long) in place,
-        through a mapping of the bytes the box spans (a box's rows are short runs apart:
-        one copy into the mapping, not one write per run). Boxes of a tensor must not
-        overlap; the tensor counts as written once they cover it."""
+        """Writes the box of tensor ``name`` at ``start`` (``data.shape`` long) in place.
+
+        A box that is one run of the file, from contiguous data, is one ``pwrite``. Any
+        other (a transposed piece: short runs a row apart) is copied tile by tile into a
+        mapping of the bytes it spans, populated up front (a fault per page would cost more
+        than the copy). Boxes of a tensor must not overlap; the tensor counts as written
+        once they cover it."""
         t = self._left[name]
         if data.dtype != np.dtype(t.dtype) or len(start) != len(t.shape):
             raise ValueError(f"{self.shard.name}: {name}: a box of {data.dtype}, not {t.dtype}")
         if tuple(start) == (0,) * len(t.shape) and data.shape == tuple(t.shape):
             return self.write(name, data)
-        if not data.size:
-            return
-        item = np.dtype(t.dtype).itemsize
-        strides = [item * math.prod(t.shape[a + 1 :]) for a in range(len(t.shape))]
-        lo = sum(s * st for s, st in zip(start, strides, strict=False))
-        hi = (
-            sum((s + n - 1) * st for s, n, st in zip(start, data.shape, strides, strict=False))
-            + item
-        )
-        begin = self.shard.offsets[name][0]
-        at = (begin + lo) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(self._fd, begin + hi - at, offset=at) as mm:
-            flat = np.frombuffer(mm, np.uint8, count=hi - lo, offset=begin + lo - at)
-            view = np.lib.stride_tricks.as_strided(
-                flat.view(t.dtype), shape=data.shape, strides=strides, writeable=True
-            )
-            view[...] = data
-            del view, flat
+        if data.size:
+            item = np.dtype(t.dtype).itemsize
+            strides = [item * math.prod(t.shape[a + 1 :]) for a in range(len(t.shape))]
+            lo = sum(s * st for s, st in zip(start, strides, strict=True))
+            hi = sum((s + n - 1) * st for s, n, st in zip(start, data.shape, strides, strict=True))
+            begin = self.shard.offsets[name][0]
+            if hi + item - lo == data.nbytes:  # one run of the file
+                if not data.flags.c_contiguous:  # a transposed piece: tile it into a buffer
+                    raw = np.dtype(f"u{item}")
+                    buf = scratch_buffer("write", data.nbytes).view(raw)[: data.size]
+                    assign(buf.reshape(data.shape), data.view(raw))
+                    data = buf
+                self._pwrite(memoryview(data.reshape(-1).view(np.uint8)), begin + lo)
+            else:
+                self._copy_mapped(begin + lo, begin + hi + item, data, strides)
         with self._lock:
             left = self._todo.get(name, math.prod(t.shape)) - data.size
             if left <= 0:
@@ -214,6 +213,24 @@ class ShardFile:
                 self._todo.pop(name, None)
             else:
                 self._todo[name] = left
+
+    def _pwrite(self, view: memoryview, at: int) -> None:
+        done = 0
+        while done < len(view):  # pwrite may write less than asked
+            done += os.pwrite(self._fd, view[done:], at + done)
+
+    def _copy_mapped(self, lo: int, hi: int, data: np.ndarray, strides: list[int]) -> None:
+        """``data`` into the file's bytes ``[lo, hi)`` as a strided view (``strides``)."""
+        at = lo // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        raw = np.dtype(f"u{data.dtype.itemsize}")  # bfloat16 copies through a slow loop
+        with mmap.mmap(self._fd, hi - at, flags=flags, offset=at) as mm:
+            flat = np.frombuffer(mm, np.uint8, count=hi - lo, offset=lo - at)
+            view = np.lib.stride_tricks.as_strided(
+                flat.view(raw), shape=data.shape, strides=strides, writeable=True
+            )
+            assign(view, data.view(raw))
+            del view, flat
 
     @property
     def missing(self) -> list[str]:
@@ -228,3 +245,20 @@ class ShardFile:
 
     def abandon(self) -> None:
         os.close(self._fd)
+
+
+_TILE = 256  # a tile of a transposed copy: 256 x 256 elements stay in the CPU's caches
+
+
+def assign(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src``, tile by tile where ``src`` is transposed against ``dst`` (NumPy
+    copies a transposed array element by element across rows: 0.24 GiB/s here, 1.75 in
+    256 x 256 tiles)."""
+    if src.ndim < 2 or src.strides[-1] == src.itemsize:
+        dst[...] = src
+        return
+    for lead in np.ndindex(*src.shape[:-2]):
+        d, s = dst[lead], src[lead]
+        for r in range(0, s.shape[0], _TILE):
+            for c in range(0, s.shape[1], _TILE):
+                d[r : r + _TILE, c : c + _TILE] = s[r : r + _TILE, c : c + _TILE]
