@@ -72,6 +72,36 @@ class Layout:
     def chunk_bytes(self) -> int:
         return math.prod(self.chunk) * self.dtype.itemsize
 
+    @property
+    def streamed(self) -> bool:
+        """Whether `pieces` walks the chunks itself (else tensorstore reads them)."""
+        return bool(self.shape) and self.plain and self.nbytes > SMALL and 0 not in self.shape
+
+    def rows(self, max_bytes: int) -> tuple[int, int]:
+        """``(k, run)``: a chunk over ``max_bytes`` is streamed in runs of ``run`` rows on
+        axis ``k`` (single indices before it, whole axes after it). ``run`` divides the
+        chunk's extent on ``k``, so pieces tile every chunk alike."""
+        chunk, item = self.chunk, self.dtype.itemsize
+        k = next(
+            (a for a in range(len(chunk)) if math.prod(chunk[a + 1 :]) * item <= max_bytes),
+            len(chunk) - 1,
+        )
+        most = max(1, max_bytes // max(1, math.prod(chunk[k + 1 :]) * item))
+        return k, max(d for d in range(1, min(most, chunk[k]) + 1) if chunk[k] % d == 0)
+
+    def piece_shape(self, max_bytes: int) -> tuple[int, ...]:
+        """The shape of the pieces `pieces` yields (before an edge crops them)."""
+        if not self.streamed:  # `_tensorstore_pieces`: small arrays whole, else by chunk
+            return (
+                self.shape
+                if not self.shape or self.nbytes <= SMALL or 0 in self.shape
+                else self.chunk
+            )
+        if self.chunk_bytes <= max_bytes:
+            return self.chunk
+        k, run = self.rows(max_bytes)
+        return (1,) * k + (run,) + self.chunk[k + 1 :]
+
     def grid(self, outer: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         return itertools.product(
             *(range(-(-n // c)) for n, c in zip(self.shape, outer, strict=False))
@@ -166,7 +196,7 @@ def pieces(
     what = f"{src.dir}: cannot read {name}"
     if lay is None:
         raise CheckpointReadError(f"{what}: no zarr metadata (truncated or damaged item).")
-    if not lay.shape or lay.nbytes <= SMALL or not lay.plain or 0 in lay.shape:
+    if not lay.streamed:
         yield from _tensorstore_pieces(src, name, lay, ctx, what)
         return
     if lay.shard is None:
@@ -213,7 +243,7 @@ def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piec
     spec["fill_missing_data_reads"] = False  # a missing chunk must fail, not read as zeros
     try:
         store = ts.open(spec, open=True, context=ctx).result()
-        if not lay.shape or lay.nbytes <= SMALL or 0 in lay.shape:
+        if lay.piece_shape(0) == lay.shape:
             count("chunk decoded", f"{src.dir}/{name}")
             yield Piece((0,) * len(lay.shape), np.asarray(store.read().result()))
             return
@@ -234,11 +264,7 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, reuse: bool):
     whole rows of at most ``max_bytes`` (rows: on the first axis whose rows fit), each
     decoded into one scratch buffer with ``reuse``."""
     chunk, item = lay.chunk, lay.dtype.itemsize
-    k = next(
-        (a for a in range(len(chunk)) if math.prod(chunk[a + 1 :]) * item <= max_bytes),
-        len(chunk) - 1,
-    )
-    run = max(1, max_bytes // max(1, math.prod(chunk[k + 1 :]) * item))
+    k, run = lay.rows(max_bytes) if lay.chunk_bytes > max_bytes else (0, chunk[0])
     size = math.prod(chunk[k + 1 :]) * min(run, chunk[k])
     scratch = scratch_buffer("decode", size * item).view(lay.dtype)[:size] if reuse else None
     try:

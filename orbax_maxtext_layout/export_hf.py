@@ -54,7 +54,7 @@ from .merge import (
     plan_merge,
     read_adapters,
 )
-from .moves import Move, Op, apply_op, merge_layer
+from .moves import Move, Op, apply_op, merge_layer, merge_part
 from .names import Dest
 from .orbax_files import param_name
 from .provenance import SCAN_LAYERS_KEY
@@ -633,8 +633,10 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
         moves = [ep.moves[k] for k in keys]
         fns = _piece_fns(ep.model, moves, units)
         if fns is not None:
-            size = _piece_bytes(budget, moves[0], fns)
-            held = gate.take(int(size * max(f.held for f in fns.values())))
+            per = _piece_held(moves[0], fns)
+            size = _piece_bytes(budget, moves[0], per)
+            factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in set(moves[0].lora))
+            held = gate.take(int(size * per) + factors)
             try:
                 _write_pieces(ep.model, moves[0], units, fns, sources, ctx, where, size)
             finally:
@@ -675,11 +677,18 @@ def _write_unit(model: HfModel, u: Unit, layers: list[np.ndarray], where: dict) 
 
 
 # -- a param piece by piece: its stored chunks decoded once --------------------------------
-def _piece_bytes(budget: int, m: Move, fns: dict) -> int:
-    """The size of the pieces a param is decoded in: a worker's share of the budget over
-    what a piece's hooks hold (`piecewise.PieceFn.held`), at least 256 KiB, at most the
-    param."""
+def _piece_held(m: Move, fns: dict) -> float:
+    """What a piece's job holds, in times the piece: the hooks' intermediates
+    (`piecewise.PieceFn.held`), and a merge's delta (float32) and its sum."""
     held = max((f.held for f in fns.values()), default=1.0)
+    if m.op is Op.MERGE_LORA:
+        held += 1 + 4 / max(1, np.dtype(m.spec.dtype).itemsize)
+    return held
+
+
+def _piece_bytes(budget: int, m: Move, held: float) -> int:
+    """The size of the pieces a param is decoded in: a worker's share of the budget over
+    what a piece's job holds (`_piece_held`), at least 256 KiB, at most the param."""
     return min(m.out_spec.nbytes, max(256 << 10, int(budget / (WORKERS * held))))
 
 
@@ -687,7 +696,9 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     """Each unit's hooks as a `piecewise.PieceFn` (one per distinct shape), or None where a
     param cannot go piece by piece: a fused or merged param, or a hook a box cannot
     go through (`piecewise`)."""
-    if len(moves) != 1 or moves[0].op is not Op.COPY or any(u.whole for u in units):
+    m = moves[0]
+    merged = m.op is Op.MERGE_LORA and not m.layers and m.index is None
+    if len(moves) != 1 or not (m.op is Op.COPY or merged) or any(u.whole for u in units):
         return None
     shape = tuple(moves[0].out_spec.shape)
     fns: dict[int, piecewise.PieceFn] = {}
@@ -717,11 +728,17 @@ def _write_pieces(model, m: Move, units, fns, sources, ctx, where, size: int) ->
     wd = model.weight_dtype
     by_layer = {u.index: u for u in units}
     redo: dict[int, Unit] = {}
+    factors = _Reader(sources, ctx, whole=True)  # a merge's factors, read whole once
     for piece in chunks.pieces(src, param_name(m.src), ctx, max_bytes=size, reuse=True):
         for index, start, part in _layer_parts(piece, units[0].axis, by_layer):
             u = by_layer[index]
             if id(u) in redo:
                 continue
+            if m.op is Op.MERGE_LORA:
+                part = merge_part(m, index or 0, start, part, factors.read_layer)
+                if part is None:
+                    redo[id(u)] = u
+                    continue
             got = fns[id(u)].apply(start, hf_mapping.restored(part, wd))
             if got is None:
                 redo[id(u)] = u
@@ -730,6 +747,7 @@ def _write_pieces(model, m: Move, units, fns, sources, ctx, where, size: int) ->
                 if name in where:
                     where[name].write_box(name, at, data.astype(wd, copy=False))
         del piece
+    factors.cache.clear()
     reader = _Reader(sources, ctx, whole=False)
     for u in redo.values():
         _write_unit(model, u, [reader.layer(m, u.axis, u.index)], where)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -243,6 +243,46 @@ def apply_op(m: Move, read: Reader) -> np.ndarray:
     return np.stack(arrays, axis=m.axis)
 
 
+def piece_parts(
+    m: Move, path: Path, start: tuple[int, ...], data: np.ndarray
+) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+    """What a box of source leaf ``path`` (at ``start``, holding ``data``) puts in the leaf
+    ``m`` writes: ``(start in the written leaf, values)``, for the ops that move values
+    without combining them (copy, cast, slice, stack). A chunk-once writer or check walks
+    each source's stored chunks once and routes every box through this."""
+    if m.op is Op.COPY:
+        yield start, data
+    elif m.op is Op.CAST:
+        yield start, data.astype(m.cast)
+    elif m.op is Op.SLICE:
+        a = m.axis
+        assert a is not None and m.index is not None
+        if start[a] <= m.index < start[a] + data.shape[a]:
+            yield start[:a] + start[a + 1 :], data[(slice(None),) * a + (m.index - start[a],)]
+    elif m.op is Op.STACK:
+        a = m.axis
+        assert a is not None
+        for j, p in enumerate(m.layers):
+            if p == path:
+                yield start[:a] + (j,) + start[a:], np.expand_dims(data, a)
+    else:
+        raise ValueError(f"{m.op.value} is not routed by pieces")
+
+
+def part_shape(m: Move, piece: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a `piece_parts` box, from the source's piece shape."""
+    if m.op is Op.SLICE:
+        assert m.axis is not None
+        return piece[: m.axis] + piece[m.axis + 1 :]
+    if m.op is Op.STACK:
+        assert m.axis is not None
+        return piece[: m.axis] + (1,) + piece[m.axis :]
+    return piece
+
+
+ROUTED = (Op.COPY, Op.CAST, Op.SLICE, Op.STACK)
+
+
 # -- merge_lora, one layer at a time ----------------------------------------------------------
 LayerReader = Callable[[str, Path, "int | None", "int | None"], np.ndarray]
 """``read_layer(item, path, axis, index)``: layer ``index`` of a stored array on ``axis``
@@ -317,6 +357,76 @@ def lora_delta_added(
         d += w2[r0 : r0 + block]
         o2[r0 : r0 + block] = d  # the one cast to the base dtype (nearest even)
     return out
+
+
+def merge_part(
+    m: Move, i: int, start: tuple[int, ...], w: np.ndarray, read_layer: LayerReader
+) -> np.ndarray | None:
+    """The box at ``start`` of layer ``i`` of a merge_lora move's output, from the base's
+    values there (``w``): ``w + scale * (A_i @ B_i)[box]``, the delta computed for the box
+    alone from the factors' matching rows and columns. None where the box does not split
+    onto the factors (a dense kernel's box that is not one run of its rows and columns):
+    merge the layer whole (`merge_layer`)."""
+    f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
+    li = m.index if m.index is not None else i
+    a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
+    b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
+    full = m.spec.shape if m.layers else _layer_shape(m)
+    boxes = _factor_boxes(full, start, w.shape, a.shape, b.shape, f.layout)
+    if boxes is None:
+        return None
+    wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
+    acc = np.float64 if wide else np.float32
+    ka, kb = boxes
+    d = np.tensordot(np.asarray(a[ka], acc), np.asarray(b[kb], acc), axes=([-1], [0]))
+    if f.layout:
+        d = np.transpose(d, f.layout)
+    d = d.reshape(w.shape)
+    d *= acc(f.scale)
+    d += w
+    return d.astype(w.dtype)
+
+
+def _layer_shape(m: Move) -> tuple[int, ...]:
+    s = m.spec.shape
+    return s if m.axis is None else s[: m.axis] + s[m.axis + 1 :]
+
+
+def _factor_boxes(full, start, shape, a_shape, b_shape, layout) -> tuple | None:
+    """The boxes of factors ``a`` and ``b`` whose product is the box ``start`` (``shape``
+    long) of a layer of ``full`` shape; None if there are none."""
+    box = [(s, s + n) for s, n in zip(start, shape, strict=True)]
+    if layout:  # an einsum weight: the delta's dims are a's, then b's, permuted
+        back = [None] * len(full)
+        for j, q in enumerate(layout):
+            back[q] = box[j]
+        na = len(a_shape) - 1
+        ka = tuple(slice(*r) for r in back[:na]) + (slice(None),)
+        kb = (slice(None),) + tuple(slice(*r) for r in back[na:])
+        return ka, kb
+    p, rows = 0, 1  # a dense kernel: its leading dims flattened into a's rows
+    while p < len(full) and rows < a_shape[0]:
+        rows *= full[p]
+        p += 1
+    if rows != a_shape[0] or len(a_shape) != 2 or len(b_shape) != 2:
+        return None
+    r = _run(box[:p], full[:p])
+    c = _run(box[p:], full[p:])
+    if r is None or c is None:
+        return None
+    return (slice(*r), slice(None)), (slice(None), slice(*c))
+
+
+def _run(box: list[tuple[int, int]], sizes: Sequence[int]) -> tuple[int, int] | None:
+    """The flat C-order run ``[lo, hi)`` a box of ``sizes`` covers, or None if it is not one
+    run (single indices, then a range, then whole axes)."""
+    cut = [a for a in range(len(sizes)) if box[a] != (0, sizes[a])]
+    if cut and any(box[a][1] - box[a][0] != 1 for a in range(cut[-1])):
+        return None
+    lo = hi = 0
+    for (b0, b1), n in zip(box, sizes, strict=True):
+        lo, hi = lo * n + b0, hi * n + b1 - 1
+    return lo, hi + 1
 
 
 _SCRATCH = threading.local()

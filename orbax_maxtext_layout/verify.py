@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, MutableMapping
+from typing import Any
 
+import numpy as np
 from etils import epath
 
-from . import merge, tskv
+from . import merge, routing, tskv
 from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
 from .layout import MAXTEXT_ITEM, tunix_items
@@ -152,14 +154,67 @@ def _compare(
         pairs += [(m, a, b) for a, b in zip(skeys, dkeys, strict=True)]
     unequal |= _unequal_values(pairs, srcs, dst)
     copied = {id(m) for m in raw} - unequal
-    for m in plan.moves:
-        if id(m) in copied:
+    rest = [m for m in plan.moves if id(m) not in copied]
+    walked = routing.routed([m for m in rest if not _fresh_layers(m)])
+    differ = _routed_differ(walked, srcs, dst, ctx)
+    problems += [f"{keystr(m.dst)}: value differs from {m.describe()}" for m in differ]
+    ids = {id(m) for m in walked}
+    for m in rest:
+        if id(m) in ids:
             continue
         want = apply_op(m, lambda item, p: tskv.read_array(srcs[item], p, ctx))
         have = tskv.read_array(dst, m.dst, ctx)
         if want.dtype != have.dtype or want.shape != have.shape or want.tobytes() != have.tobytes():
             problems.append(f"{keystr(m.dst)}: value differs from {m.describe()}")
     return problems
+
+
+def _fresh_layers(m: Move) -> bool:
+    """A stack that fills layers with fresh RNG state (compared whole, by `apply_op`)."""
+    return m.op is Op.STACK and None in m.layers
+
+
+def _routed_differ(
+    moves: list[Move], srcs: Mapping[str, tskv.SourceItem], dst: tskv.SourceItem, ctx
+) -> list[Move]:
+    """The moves among ``moves`` (copies, casts, slices, stacks) whose written array
+    differs from their sources: each source array walked once (`routing.walk`), each
+    piece compared with the written box it went to (the writer's chunks, when it wrote
+    them: each decoded once too). A written array that cannot be read differs."""
+    import tensorstore as ts
+
+    stores: dict[int, Any] = {}
+    bad: dict[int, Move] = {}
+    for m in moves:
+        name = param_name(m.dst)
+        spec = {
+            "driver": "zarr3" if dst.use_zarr3 else "zarr",
+            "kvstore": tskv.sub_kv(dst.kv.spec().to_json(), name),
+            "fill_missing_data_reads": False,
+        }
+        try:
+            stores[id(m)] = ts.open(spec, open=True, context=ctx).result()
+        except ValueError:
+            bad[id(m)] = m
+    for m in moves:  # shapes, from the written metadata
+        st = stores.get(id(m))
+        if st is not None and tuple(st.shape) != tuple(m.out_spec.shape):
+            bad[id(m)] = m
+
+    def visit(m: Move, start: tuple[int, ...], data: np.ndarray) -> None:
+        if id(m) in bad:
+            return
+        box = tuple(slice(s, s + n) for s, n in zip(start, data.shape, strict=True))
+        try:
+            have = np.asarray(stores[id(m)][box].read().result())
+        except ValueError:
+            bad[id(m)] = m
+            return
+        if have.dtype != data.dtype or have.tobytes() != np.ascontiguousarray(data).tobytes():
+            bad[id(m)] = m
+
+    routing.walk(routing.by_source(moves), srcs, ctx, visit)
+    return [m for m in moves if id(m) in bad]
 
 
 BATCH_BYTES = 256 << 20  # stored values held at once while comparing (both sides)

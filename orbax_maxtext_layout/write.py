@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from etils import epath
 
-from . import orbax_files, placement, stepdir, tskv
+from . import orbax_files, placement, routing, stepdir, tskv
 from .errors import CheckpointReadError
 from .merge_writer import chunk_shape, write_merges
 from .moves import Move, Op, Plan, apply_op
@@ -93,25 +93,23 @@ def write_items(
         decoded = [m for m in plan.moves if id(m) not in copied]
         dst_json = parent.spec().to_json()
 
-        sizes = {(i, p): spec.nbytes for m in plan.moves for i, p, spec in m.reads}
-
-        def read(item: str, path):  # zstandard's faster decode where it gains and fits
-            fast = tskv.fast_decode_fits(sizes.get((item, path), 0), budget)
-            return tskv.read_array(sources[item], path, ctx, fast=fast)
-
         merges = [m for m in decoded if m.op is Op.MERGE_LORA]
         write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
-        for m in decoded:  # one array at a time: memory stays near the largest one
-            if m.op is Op.MERGE_LORA:
-                continue
-            data = apply_op(m, read)
-            tskv.write_array(
-                dst_json, orbax_files.param_name(m.dst), data, use_zarr3=zarr3, context=ctx
-            )
-            del data
+        # each source array decoded once, its pieces routed to every move reading it
+        shapes = routing.write_routed(
+            routing.routed(decoded), sources, dst_json, zarr3=zarr3, ctx=ctx
+        )
+        for m in decoded:  # what is made, not read: fresh RNG state, constants
+            if m.op in (Op.FRESH, Op.CONSTANT):
+                data = apply_op(m, None)
+                name = orbax_files.param_name(m.dst)
+                tskv.write_array(dst_json, name, data, use_zarr3=zarr3, context=ctx)
         orbax_files.write_metadata(
             tmp,
-            {m.dst: _leaf_files(m, sources, id(m) not in copied) for m in plan.moves},
+            {
+                m.dst: _leaf_files(m, sources, id(m) not in copied, shapes.get(id(m)))
+                for m in plan.moves
+            },
             use_zarr3=zarr3,
             gaps=orbax_files.list_gaps(m.dst for m in plan.moves),
         )
@@ -172,16 +170,16 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
 
 
 def _leaf_files(
-    m: Move, sources: Mapping[str, tskv.SourceItem], decoded: bool
+    m: Move, sources: Mapping[str, tskv.SourceItem], decoded: bool, chunks: tuple | None
 ) -> orbax_files.LeafFiles:
     out = m.out_spec
     src = sources[m.item].files if m.sources else None
     name = orbax_files.param_name(m.sources[0]) if m.sources else None
     leaf = orbax_files.leaf_files(src, name, list(out.shape), out.key_impl)
     if decoded and src is not None:
-        # Re-encoded by `tskv.write_array` (a cast, a scan change, a zarr format change):
-        # one chunk of the written shape, whatever the source's chunking was.
-        chunks = list(chunk_shape(m))
-        am = {**leaf.array_meta, "write_shape": chunks, "chunk_shape": chunks}
+        # Re-encoded (a cast, a scan change, a zarr format change): in the chunks of the
+        # pieces it was written in (`routing.dest_chunk`), or of `chunk_shape`.
+        shape = list(chunk_shape(m) if chunks is None else chunks)
+        am = {**leaf.array_meta, "write_shape": shape, "chunk_shape": shape}
         leaf = orbax_files.LeafFiles(leaf.value_meta, leaf.sharding, am)
     return leaf
