@@ -114,13 +114,18 @@ def _verify(
     res.problems += [f"{keystr(p)}: in items, but written by no move of the plan" for p in extra]
     res.checked = len(plan.moves)
     if not res.problems:
-        res.problems += _compare(step_dir, plan, sources, quick)
+        piece = prov.get("piece_bytes") or routing.PIECE
+        res.problems += _compare(step_dir, plan, sources, quick, piece)
     res.ok = not res.problems
     return res
 
 
 def _compare(
-    step_dir: epath.Path, plan: Plan, sources: Mapping[str, epath.Path], quick: bool
+    step_dir: epath.Path,
+    plan: Plan,
+    sources: Mapping[str, epath.Path],
+    quick: bool,
+    piece: int = routing.PIECE,
 ) -> list[str]:
     """Each move's stored keys and values against its sources'.
 
@@ -155,8 +160,8 @@ def _compare(
     unequal |= _unequal_values(pairs, srcs, dst)
     copied = {id(m) for m in raw} - unequal
     rest = [m for m in plan.moves if id(m) not in copied]
-    walked = routing.routed([m for m in rest if not _fresh_layers(m)])
-    differ = _routed_differ(walked, srcs, dst, ctx)
+    walked = routing.routed([m for m in rest if not _fresh_layers(m)], srcs, piece)
+    differ = _routed_differ(walked, srcs, dst, ctx, piece)
     problems += [f"{keystr(m.dst)}: value differs from {m.describe()}" for m in differ]
     ids = {id(m) for m in walked}
     for m in rest:
@@ -175,7 +180,7 @@ def _fresh_layers(m: Move) -> bool:
 
 
 def _routed_differ(
-    moves: list[Move], srcs: Mapping[str, tskv.SourceItem], dst: tskv.SourceItem, ctx
+    moves: list[Move], srcs: Mapping[str, tskv.SourceItem], dst: tskv.SourceItem, ctx, piece: int
 ) -> list[Move]:
     """The moves among ``moves`` (copies, casts, slices, stacks) whose written array
     differs from their sources: each source array walked once (`routing.walk`), each
@@ -213,7 +218,7 @@ def _routed_differ(
         if have.dtype != data.dtype or have.tobytes() != np.ascontiguousarray(data).tobytes():
             bad[id(m)] = m
 
-    routing.walk(routing.by_source(moves), srcs, ctx, visit)
+    routing.walk(routing.by_source(moves), srcs, ctx, visit, piece)
     return [m for m in moves if id(m) in bad]
 
 

@@ -93,12 +93,12 @@ def write_items(
         decoded = [m for m in plan.moves if id(m) not in copied]
         dst_json = parent.spec().to_json()
 
-        merges = [m for m in decoded if m.op is Op.MERGE_LORA]
-        write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
         # each source array decoded once, its pieces routed to every move reading it
-        shapes = routing.write_routed(
-            routing.routed(decoded), sources, dst_json, zarr3=zarr3, ctx=ctx
-        )
+        piece = routing.piece_for(budget)
+        walked = routing.routed(decoded, sources, piece)
+        shapes = routing.write_routed(walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece)
+        merges = [m for m in decoded if m.op is Op.MERGE_LORA and id(m) not in shapes]
+        write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
         for m in decoded:  # what is made, not read: fresh RNG state, constants
             if m.op in (Op.FRESH, Op.CONSTANT):
                 data = apply_op(m, None)
@@ -125,6 +125,7 @@ def write_items(
             "in_place": in_place,
             "data_files": placed.to_dict(),
             "arrays_written": {"chunks_copied": len(chunked), "computed": computed},
+            "piece_bytes": piece,  # what `verify` walks, to meet the chunks written
         }
         scan = scan_layers(plan)  # recorded as MaxText's own saves record it
         custom = {SCAN_LAYERS_KEY: scan} if scan is not None else {}
