@@ -1,0 +1,153 @@
+"""The one chunk-aware reader (issue 30): every stored chunk decoded once, per-device chunks.
+
+The steps are written as a pod saves them: `sharded_child.py` runs stock Orbax (through
+google-tunix's save path, `writers.write_tunix_step`) on 8 CPU devices, each Param sharded
+on its largest non-layer axis, so every large array is stored as 8 chunks that each span
+all 3 layers (zarr3: Orbax's shards of one inner chunk; zarr2: plain chunks). Reading such
+an array layer by layer decodes each chunk 3 times; the counts below (``("chunk decoded",
+...)`` of `orbax_files.io_counts`) must be exactly one per stored chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import writers as W
+from conftest import raw, restore_flat
+from etils import epath
+
+from orbax_maxtext_layout import chunks, convert_step, tskv, verify_step
+from orbax_maxtext_layout.errors import CheckpointReadError
+from orbax_maxtext_layout.orbax_files import io_counts
+from orbax_maxtext_layout.scan import unroll_target
+from orbax_maxtext_layout.target import Target
+
+HERE = Path(__file__).resolve().parent
+EMB = 8192  # wi, wo, embedding and logits of 1.5-2 MiB: past `chunks.SMALL`, streamed
+
+
+def _write(root: Path, zarr3: bool) -> Path:
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "sharded_child.py"),
+            str(root),
+            "1",
+            str(EMB),
+            str(zarr3).lower(),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return root / "1"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["zarr3", "zarr2"])
+def step(request, tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("sharded") / "run", request.param)
+
+
+def _restore(item_dir: Path) -> dict:
+    """Stock Orbax's restore of an item saved from 8 devices, as host numpy arrays (its
+    recorded shardings name devices this process does not have)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from orbax_maxtext_layout.treepaths import flatten, norm_key
+
+    handler = ocp.PyTreeCheckpointHandler()
+    meta = handler.metadata(epath.Path(item_dir)).tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = handler.restore(epath.Path(item_dir), args=ocp.args.PyTreeRestore(restore_args=args))
+    flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))
+    return {tuple(norm_key(k) for k in p): np.asarray(v) for p, v in flat.items()}
+
+
+def _streamed(src: tskv.SourceItem) -> dict[str, chunks.Layout]:
+    names = {
+        k.decode().rsplit("/", 1)[0]
+        for k in src.kv.list().result()
+        if k.endswith(b"/zarr.json") or k.endswith(b"/.zarray")
+    }
+    lays = {n: chunks.layout(src, n) for n in names}
+    return {n: lay for n, lay in lays.items() if lay is not None and lay.streamed}
+
+
+def _decodes(counts: collections.Counter) -> dict[str, int]:
+    return {k: n for (kind, k), n in counts.items() if kind == "chunk decoded"}
+
+
+@pytest.mark.parametrize("max_bytes", [64 << 20, 96 << 10], ids=["whole-chunks", "streamed"])
+def test_pieces_tile_each_array_decoding_each_stored_chunk_once(step, max_bytes):
+    ctx = tskv.ts_context()
+    src = tskv.SourceItem.open(epath.Path(step / "model_params"), ctx)
+    want = {".".join(map(str, p)): x for p, x in _restore(step / "model_params").items()}
+    lays = _streamed(src)
+    assert len(lays) == 4 and all(lay.nbytes // lay.chunk_bytes == 8 for lay in lays.values())
+    for name, lay in lays.items():
+        out = np.zeros(lay.shape, lay.dtype)
+        seen = np.zeros(lay.shape, np.int8)
+        with io_counts() as counts:
+            got = list(chunks.pieces(src, name, ctx, max_bytes=max_bytes))
+        for p in got:
+            assert p.data.nbytes <= max(max_bytes, 0) or p.data.nbytes == lay.chunk_bytes
+            out[p.box] = p.data
+            seen[p.box] += 1
+        assert (seen == 1).all(), name  # the pieces tile the array, none twice
+        np.testing.assert_array_equal(out, want[name], err_msg=name)
+        decodes = _decodes(counts)
+        assert len(decodes) == 8 and set(decodes.values()) == {1}, (name, decodes)
+        if max_bytes < lay.chunk_bytes:  # a chunk over the size is streamed in row runs
+            assert len(got) > 8, name
+        np.testing.assert_array_equal(chunks.read_whole(src, name, ctx), want[name])
+
+
+def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
+    """``convert --unroll`` writes each layer of a per-device-chunked scanned param from one
+    walk of its chunks (not one walk per layer), and ``verify`` replays it the same way."""
+    import shutil
+
+    scanned = Target.from_nnx(W.abstract_model(scanned=True, emb=EMB, vocab=64))
+    out = tmp_path / "1"
+    shutil.copytree(step, out)  # converted beside its legacy items, which verify reads
+    with io_counts() as counts:
+        report = convert_step(out, unroll_target(scanned), rescan="unroll", memory_budget=16 << 20)
+    assert report.status == "converted", report
+    decodes = _decodes(counts)
+    big = [k for k in decodes if "mlp" in k]
+    assert len(big) == 16 and set(decodes.values()) == {1}, decodes
+    got = restore_flat(out / "items")
+    src = _restore(out / "model_params")
+    for i in range(3):
+        for mod in ("wi", "wo"):
+            have = raw(got[("params", "params", "decoder", f"layers_{i}", "mlp", mod, "kernel")])
+            stacked = src[("decoder", "layers", "mlp", mod, "kernel", "value")]
+            np.testing.assert_array_equal(have, stacked[:, i])
+    with io_counts() as counts:
+        result = verify_step(out)
+    assert result.ok, result.problems
+    decodes = _decodes(counts)
+    assert [k for k in decodes if "mlp" in k] and set(decodes.values()) == {1}, decodes
+
+
+def test_a_damaged_chunk_is_named(step, tmp_path):
+    """A stored chunk cut short stops the read, naming the array (never zeros)."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(step, copy)
+    ctx = tskv.ts_context()
+    src = tskv.SourceItem.open(epath.Path(copy / "model_params"), ctx)
+    name = next(n for n in _streamed(src) if "wi" in n)
+    key = f"{name}/{chunks.layout(src, name).key((0, 0, 0))}"
+    data_file, offset, length = src.value_file(key)
+    with open(data_file, "r+b") as f:  # the chunk's zstd frame, its middle zeroed
+        f.seek(offset + length // 2)
+        f.write(b"\0" * (length // 4))
+    with pytest.raises(CheckpointReadError, match=name.replace(".", r"\.")):
+        list(chunks.pieces(src, name, ctx, max_bytes=1 << 20))
