@@ -28,12 +28,12 @@ DEVICES = 8
 def main(out: str, seed: int, chunking: str, keys: list[str]) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
     import jax
+    import maxtext_loop_support as L
     import numpy as np
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import maxtext_loop_support as L
     from orbax_maxtext_layout.maxtext_config import abstract_items
 
     argv = [str(L.base_yml()), *keys]
