@@ -115,7 +115,8 @@ class ExportReport:
                 f"{len(self.merged['modules'])} modules, base {self.merged['base']}"
             )
         for s in self.shards:
-            mine = "" if s.get("process", 0) == self.process.get("index", 0) else " (other)"
+            who = s.get("process", 0)
+            mine = "" if who is None or who == self.process.get("index", 0) else " (other)"
             lines.append(f"  {s['name']}: {s['tensors']} tensors, {s['bytes']:,} bytes{mine}")
         m = self.memory
         lines.append(
@@ -207,6 +208,9 @@ def plan_export(
         merged=merged,
         process=(process_index, process_count),
     )
+    if _shares_files(store_for(epath.Path(out)), process_count):
+        for sh in report.shards:  # every process writes its params' tensors into every file
+            sh["process"] = None
     report.memory = _memory(model, units, moves, budget)
     fp = _fingerprint(shards, sources, merged, process_count)
     return ExportPlan(model, moves, sources, units, shards, report, fp)
@@ -481,17 +485,23 @@ def export_hf(
     work = out.parent / f"{out.name}{EXPORT_WORK_SUFFIX}"
     if not store.builds_in_place:
         work.mkdir(parents=True, exist_ok=True)
-    mine = [s for k, s in enumerate(ep.shards) if k % pc == pi]
     done = work / f"{DONE_PREFIX}{pi}"
+    budget = ep.report.memory["budget"]
     if _marker(store, done) != ep.fingerprint:
         done.unlink(missing_ok=True)
-        _write_shards(ep, work, mine, budget=ep.report.memory["budget"])
+        if _shares_files(store, pc):
+            _write_shared(ep, work, pi, pc, budget=budget)
+        else:
+            mine = [s for k, s in enumerate(ep.shards) if k % pc == pi]
+            _write_shards(ep, work, mine, budget=budget)
         store.replace_file(done, ep.fingerprint)
     report = ep.report
     if pi != 0:
         report.status = "shards written"
     else:
         _wait_for_all(work, ep.fingerprint, pc)
+        if _shares_files(store, pc):
+            _place_shared(ep, work)
         report.files = _finish(ep, work, out, hf_model_path)
         report.status = "exported"
     report.seconds = round(time.monotonic() - start, 3)
@@ -601,6 +611,69 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budg
     finally:
         if str(staging) != str(work):
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _shares_files(store: Any, count: int) -> bool:
+    """Whether the processes of an export share its files (`_write_shared`): several of
+    them, on a file system where each can write its ranges of a common file."""
+    return count > 1 and store.writes_ranges
+
+
+def _shared_part(shard: Shard, fingerprint: str) -> str:
+    """The part file every process of a shared export writes ``shard`` into."""
+    return f"{shard.name}{PART}shared.{fingerprint[:16]}"
+
+
+def _write_shared(ep: ExportPlan, work: epath.Path, index: int, count: int, *, budget: int):
+    """Process ``index`` of ``count`` sharing the export's files: it decodes only the
+    params it owns (`_owned`: whole params, balanced by bytes) and writes each of their
+    tensors into the part file of its shard, which every process opens (`ShardFile` with
+    ``shared``). Each stored chunk is decoded by one process only, where a split by shards
+    would have every process decode every stacked param for its own layers."""
+    files = {
+        s.name: ShardFile(str(work / _shared_part(s, ep.fingerprint)), s, shared=True)
+        for s in ep.shards
+    }
+    where = {t.name: files[s.name] for s in ep.shards for t in s.tensors}
+    try:
+        _run_groups(ep, _owned(ep, index, count), where, budget)
+        for f in files.values():
+            f.close()  # fsync: this process's writes are on the disk before its marker
+    except BaseException:
+        for f in files.values():
+            with contextlib.suppress(OSError):
+                f.abandon()
+        raise
+
+
+def _owned(ep: ExportPlan, index: int, count: int) -> dict[tuple[str, ...], list[Unit]]:
+    """The params (with their units) process ``index`` of ``count`` exports: every param
+    goes to the process with the fewest bytes so far, largest first (the same split on
+    every process: it depends on the plan only)."""
+    groups: dict[tuple[str, ...], list[Unit]] = {}
+    for u in ep.units:
+        groups.setdefault(u.keys, []).append(u)
+    size = {ks: sum(ep.moves[k].out_spec.nbytes for k in ks) for ks in groups}
+    load = [0] * count
+    mine: dict[tuple[str, ...], list[Unit]] = {}
+    for ks in sorted(groups, key=lambda ks: (-size[ks], ks)):
+        p = load.index(min(load))
+        load[p] += size[ks]
+        if p == index:
+            mine[ks] = groups[ks]
+    return mine
+
+
+def _place_shared(ep: ExportPlan, work: epath.Path) -> None:
+    """Process 0, once every process's marker is there: each shared part file renamed to
+    its shard's name (a rerun finds some already renamed)."""
+    store = store_for(work)
+    for s in ep.shards:
+        part = work / _shared_part(s, ep.fingerprint)
+        if part.exists():
+            store.put_file(part, work / s.name)
+        elif not (work / s.name).exists():
+            raise FileNotFoundError(f"{work}: {s.name} was written by no process.")
 
 
 class _Budget:

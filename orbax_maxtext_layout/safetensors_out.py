@@ -153,11 +153,16 @@ class ShardFile:
     """A shard being written: created at its final size with its header; `write` puts a
     tensor's bytes at its offset (thread-safe: ``os.pwrite`` on disjoint ranges)."""
 
-    def __init__(self, path: str, shard: Shard) -> None:
+    def __init__(self, path: str, shard: Shard, *, shared: bool = False) -> None:
+        """``shared``: several processes write this file, each its own tensors: it is
+        opened as found (never truncated), and `close` checks none of them."""
         self.path = path
         self.shard = shard
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self._fd, shard.size)
+        self.shared = shared
+        flags = os.O_RDWR | os.O_CREAT | (0 if shared else os.O_TRUNC)
+        self._fd = os.open(path, flags, 0o644)
+        if os.fstat(self._fd).st_size != shard.size:
+            os.ftruncate(self._fd, shard.size)
         os.pwrite(self._fd, shard.header, 0)
         self._left = {t.name: t for t in shard.tensors}
         # elements still to write of tensors written box by box (`write_box`)
@@ -238,7 +243,7 @@ class ShardFile:
 
     def close(self) -> None:
         """Flushes the file to disk (after every tensor was written) and closes it."""
-        if self._left:
+        if self._left and not self.shared:
             raise ValueError(f"{self.shard.name}: tensors never written: {self.missing[:5]}")
         os.fsync(self._fd)
         os.close(self._fd)

@@ -70,6 +70,9 @@ class StepStore:
     #: Stored values can be read straight from their data files (`os.pread`), not only
     #: through tensorstore's kvstore (whose reads copy each value piece by piece).
     reads_files: bool = False
+    #: Several processes can write disjoint byte ranges of one file (a POSIX file system
+    #: the processes share), so they can split the work of one file between them.
+    writes_ranges: bool = False
 
     # -- commit ---------------------------------------------------------------------------
     def item_committed(self, item: epath.Path) -> bool:
@@ -235,6 +238,7 @@ class LocalStore(StepStore):
 
     shares_files = True
     reads_files = True
+    writes_ranges = True
 
     def item_committed(self, item: epath.Path) -> bool:
         return item.is_dir()  # it appears whole, by a rename

@@ -9,9 +9,10 @@ step, file by file, byte for byte (the shards, the index, ``config.json``, the t
 
 - Several processes: ``--process-index 0/1 --process-count 2`` on the same ``--out``, started
   together as fresh ``python -m orbax_maxtext_layout`` processes, and again with process 1
-  started only once process 0 has written its shards and is waiting (it must go on waiting,
-  publishing nothing). Process 1's report says it wrote its own shards only; nothing is left
-  beside ``--out``.
+  started only once process 0 has written its params and is waiting (it must go on waiting,
+  publishing nothing). On a disk the processes share every file (each writes the tensors of
+  the params it owns into common part files); the reports say so; nothing is left beside
+  ``--out``.
 - Crash safety: a single-process export SIGKILLed at seeded points of its work, each a
   boundary of the protocol (a tensor being written into a part file; a shard renamed into
   place; the ``.done-0`` marker written; the index and tokenizer written, ``config.json`` not
@@ -250,11 +251,13 @@ def _check_two(out: Path, r0: dict, r1: dict, reference: dict) -> None:
     shards = reference["shards"]
     assert r0["status"] == "exported" and r0["files"] == sorted(reference["files"])
     assert r0["process"] == {"index": 0, "count": 2}
-    # process 1 wrote its shards only (1, 3, ...), and published nothing itself
+    # process 1 wrote its params' tensors into the shared files, and published nothing
     assert r1["status"] == "shards written" and r1["files"] == []
     assert r1["process"] == {"index": 1, "count": 2}
-    assert [s["name"] for s in r1["shards"] if s["process"] == 1] == shards[1::2]
-    assert [s["name"] for s in r0["shards"] if s["process"] == 0] == shards[0::2]
+    # on a disk the processes share every file (each decodes only the params it owns)
+    for r in (r0, r1):
+        assert [s["name"] for s in r["shards"]] == shards
+        assert {s["process"] for s in r["shards"]} == {None}
 
 
 def test_two_processes_write_what_one_writes(step, reference, work):
@@ -388,8 +391,10 @@ def test_a_marker_of_another_export_is_not_trusted(zygote, step, reference, work
     assert zygote.wait(other) == 0, zygote.why(other)
     left = {p.name for p in _work(out).iterdir()}
     stale_marker = (_work(out) / ".done-1").read_text()
-    other_shards = [s["name"] for s in zygote.report(other)["shards"] if s["process"] == 1]
-    assert left == {".done-1", *other_shards}, left
+    other_shards = [s["name"] for s in zygote.report(other)["shards"]]
+    # its shared part files: one per shard of that export, none renamed (no process 0)
+    parts = {f"{n}.part.shared.{stale_marker[:16]}" for n in other_shards}
+    assert left == {".done-1", *parts}, left
     assert not set(other_shards) & set(reference["shards"])  # other names: never rewritten
 
     p0 = zygote.start("stale_p0", _argv(step, out, *_processes(0)))
@@ -416,7 +421,9 @@ def test_a_marker_of_another_process_count_is_not_trusted(zygote, step, referenc
     os.kill(p0, signal.SIGKILL)  # the server's child, not reaped yet: the pid is still that process
     assert zygote.wait(p0) == -9
     shards = reference["shards"]
-    assert {p.name for p in _work(out).iterdir()} == {".done-0", *shards[0::2]}
+    marker = (_work(out) / ".done-0").read_text()
+    parts = {f"{n}.part.shared.{marker[:16]}" for n in shards}
+    assert {p.name for p in _work(out).iterdir()} == {".done-0", *parts}
     assert _listable(out) == []
     pid = zygote.start("count_rerun", _argv(step, out))
     assert zygote.wait(pid) == 0, zygote.why(pid)
