@@ -1,0 +1,108 @@
+"""Interop (issue 30): ``export-hf`` of per-device chunks, piece by piece, equals MaxText's.
+
+The steps (`chunked_step.py`, stock Orbax in a child process): a llama3.1 override (emb 256,
+MLP 1024, 4 query and 2 KV heads of 64, 4 layers, vocab 512, bfloat16, scanned on axis 1),
+the same seeded values saved three ways: by 8 CPU devices with each param cut on its largest
+non-layer axis (``fsdp``: every chunk spans all 4 layers), on its last such axis (``tp``:
+heads or MLP columns), and as one chunk per array (``one``, a single-host save). MaxText
+0.2.5's own ``to_huggingface`` (Base mode, stock, a subprocess) exports the fsdp step; ours
+exports each at ``--memory-budget 1MiB``, where every param goes piece by piece and a
+one-chunk param of 2 MiB is streamed in pieces smaller than its chunk. Every tensor must be
+MaxText's, byte for byte, and every stored chunk decoded exactly once (``io_counts``), none
+layer by layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import hf_export_support as S
+import maxtext_loop_support as L
+import pytest
+
+from orbax_maxtext_layout.export_hf import export_hf
+from orbax_maxtext_layout.orbax_files import io_counts
+
+HERE = Path(__file__).resolve().parent
+TOKENIZER = L.TESTS_DIR / "fixtures" / "hf_tokenizer"
+KEYS = [
+    "model_name=llama3.1-8b",
+    "override_model_config=true",
+    "base_emb_dim=256",
+    "base_mlp_dim=1024",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=64",
+    "base_num_decoder_layers=4",
+    "vocab_size=512",
+    "weight_dtype=bfloat16",
+    "dtype=bfloat16",
+    "param_scan_axis=1",
+]
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chunked")
+    out = {}
+    for chunking in ("fsdp", "tp", "one"):
+        run = root / chunking
+        cmd = [sys.executable, str(HERE / "chunked_step.py"), str(run), "0", chunking]
+        subprocess.run([*cmd, *KEYS, "scan_layers=true"], check=True, capture_output=True)
+        out[chunking] = run / "0"
+    return out
+
+
+@pytest.fixture(scope="module")
+def maxtext(steps, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("maxtext") / "hf"
+    job = S.export_job("maxtext", steps["fsdp"] / "items", out, TOKENIZER, keys=KEYS)
+    proc = S.run(job)
+    assert proc.returncode == 0, proc.why()
+    return out
+
+
+def _tensors(directory: Path) -> dict[str, tuple]:
+    """Every tensor of an export: name -> (dtype, shape, bytes), from the files' headers."""
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        data = f.read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + n])
+        for name, t in header.items():
+            if name != "__metadata__":
+                a, b = t["data_offsets"]
+                out[name] = (t["dtype"], tuple(t["shape"]), data[8 + n + a : 8 + n + b])
+    return out
+
+
+@pytest.mark.parametrize("chunking", ["fsdp", "tp", "one"])
+def test_piece_by_piece_export_is_maxtexts_decoding_each_chunk_once(
+    chunking, steps, maxtext, tmp_path
+):
+    out = tmp_path / "hf"
+    with io_counts() as counts:
+        export_hf(
+            steps[chunking],
+            out,
+            maxtext_config=[str(L.base_yml()), *KEYS],
+            override_model_architecture=True,
+            memory_budget=1 << 20,
+        )
+    want, got = _tensors(maxtext), _tensors(out)
+    assert len(want) == 39 and set(got) == set(want)
+    assert [n for n in want if got[n] != want[n]] == []
+    kinds = collections.Counter(kind for kind, _ in counts)
+    decodes = [n for (kind, _), n in counts.items() if kind == "chunk decoded"]
+    assert kinds["layer decoded"] == kinds["array decoded"] == 0
+    assert set(decodes) == {1}
+    if chunking != "one":  # the large params' 8 per-device chunks, each once
+        per_array = collections.Counter(
+            k.rsplit("/c/", 1)[0] for (kind, k), _ in counts.items() if kind == "chunk decoded"
+        )
+        assert sorted(per_array.values())[-1] == 8, per_array
