@@ -408,8 +408,7 @@ def _group_cost(model: HfModel, moves: list[Move], units: list[Unit], budget: in
 
 def _slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
     n = int(np.prod(m.out_spec.shape, dtype=np.int64))
-    if u.index is not None and u.axis is not None:
-        n //= max(1, m.out_spec.shape[u.axis])
+    n = int(np.prod(u.slice_shape(m.out_spec.shape), dtype=np.int64))
     return n * max(model.weight_dtype.itemsize, np.dtype(m.out_spec.dtype).itemsize) * len(u.keys)
 
 
@@ -716,14 +715,15 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
                 gate.give(held)
             return
         cost = _group_cost(ep.model, moves, units, budget)
-        whole = cost <= budget or any(u.whole for u in units)
+        whole = cost <= budget
         held = gate.take(
             cost if whole else 3 * max(_slice_bytes(ep.model, moves[0], u) for u in units)
         )
         try:
             reader = _Reader(sources, ctx, whole=whole)
             for u in units:
-                _write_unit(ep.model, u, [reader.layer(m, u.axis, u.index) for m in moves], where)
+                layers = [u.take_more(reader.layer(m, u.axis, u.index)) for m in moves]
+                _write_unit(ep.model, u, layers, where)
                 if u.index is None:
                     reader.cache.clear()  # the param's only unit: hold the slice only
         finally:
@@ -771,18 +771,20 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     go through (`piecewise`)."""
     m = moves[0]
     merged = m.op is Op.MERGE_LORA and not m.layers and m.index is None
-    if len(moves) != 1 or not (m.op is Op.COPY or merged) or any(u.whole for u in units):
+    if merged and any(u.more for u in units):  # a merge's layer is the first stacked axis
+        return None
+    if len(moves) != 1 or not (m.op is Op.COPY or merged):
         return None
     shape = tuple(moves[0].out_spec.shape)
     fns: dict[int, piecewise.PieceFn] = {}
     traced: dict[tuple, piecewise.PieceFn | None] = {}
     for u in units:
         outs = tuple(hf_mapping.out_shapes(model, u).values())
-        key = (u.hooks if callable(u.hooks) else tuple(u.hooks or ()), u.axis, outs)
+        key = (u.hooks if callable(u.hooks) else tuple(u.hooks or ()), len(u.levels), outs)
         if key not in traced:
             traced[key] = piecewise.PieceFn.trace(
                 lambda x, u=u: hf_mapping.hooked(model, u, [x]),
-                hf_mapping._slice_shape(shape, u.axis, u.index),
+                u.slice_shape(shape),
                 model.weight_dtype,
                 outs,
             )
@@ -799,16 +801,16 @@ def _write_pieces(model, m: Move, units, fns, sources, ctx, where, size: int) ->
     leaves its unit to be read whole at the end (counted as ``layer decoded``)."""
     src = sources[m.item]
     wd = model.weight_dtype
-    by_layer = {u.index: u for u in units}
+    by_layer = {tuple(i for _, i in u.levels) or None: u for u in units}
     redo: dict[int, Unit] = {}
     factors = _Reader(sources, ctx, whole=True)  # a merge's factors, read whole once
     for piece in chunks.pieces(src, param_name(m.src), ctx, max_bytes=size, reuse=True):
-        for index, start, part in _layer_parts(piece, units[0].axis, by_layer):
+        for index, start, part in _layer_parts(piece, units[0].levels, by_layer):
             u = by_layer[index]
             if id(u) in redo:
                 continue
             if m.op is Op.MERGE_LORA:
-                part = merge_part(m, index or 0, start, part, factors.read_layer)
+                part = merge_part(m, index[0] if index else 0, start, part, factors.read_layer)
                 if part is None:
                     redo[id(u)] = u
                     continue
@@ -823,20 +825,26 @@ def _write_pieces(model, m: Move, units, fns, sources, ctx, where, size: int) ->
     factors.cache.clear()
     reader = _Reader(sources, ctx, whole=False)
     for u in redo.values():
-        _write_unit(model, u, [reader.layer(m, u.axis, u.index)], where)
+        _write_unit(model, u, [u.take_more(reader.layer(m, u.axis, u.index))], where)
 
 
-def _layer_parts(piece: chunks.Piece, axis: int | None, by_layer: dict):
-    """``(layer index, start, values)`` of each layer a piece holds part of (``axis``
-    None: the param is one unit, and the piece is its part)."""
-    if axis is None:
+def _layer_parts(piece: chunks.Piece, levels: tuple, by_index: dict):
+    """``(indices, start, values)`` of each unit slice a piece holds part of: the piece
+    cut on each stacked axis in turn (``levels``: a unit's ``(axis, index)`` slices; none:
+    the param is one unit, and the piece is its part)."""
+    if not levels:
         yield None, piece.start, piece.data
         return
-    first = piece.start[axis]
-    start = piece.start[:axis] + piece.start[axis + 1 :]
-    for i in range(piece.data.shape[axis]):
-        if first + i in by_layer:
-            yield first + i, start, piece.data[(slice(None),) * axis + (i,)]
+    parts = [((), piece.start, piece.data)]
+    for a, _ in levels:
+        parts = [
+            ((*idx, start[a] + i), start[:a] + start[a + 1 :], data[(slice(None),) * a + (i,)])
+            for idx, start, data in parts
+            for i in range(data.shape[a])
+        ]
+    for idx, start, data in parts:
+        if idx in by_index:
+            yield idx, start, data
 
 
 class _Reader:

@@ -65,20 +65,41 @@ class HfModel:
 class Unit:
     """One slice of work: layer ``index`` (on ``axis``) of the MaxText params ``keys``
     (one key, or a composite MaxText key fused into one HF tensor), to ``hf_path``: a
-    name, or a tuple of names a hook splits into. ``index`` None: the whole param.
-    ``whole``: a param stacked on two axes (scanned MoE), given whole to MaxText's
-    ``process_maxtext_param`` (its ``hf_path`` is then its nested list of names)."""
+    name, or a tuple of names a hook splits into. ``index`` None: the whole param. A param
+    stacked on several axes (a scanned MoE param: experts and layers) is cut on each in
+    turn, as ``process_maxtext_param`` cuts it (``more``)."""
 
     keys: tuple[str, ...]
     index: int | None
     axis: int | None
     hf_path: Any
     hooks: Any
-    whole: bool = False
+    # further (axis, index) slices after the first, each on the array the one before left
+    # (a scanned MoE param, stacked on its expert and layer axes)
+    more: tuple[tuple[int, int], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(_flat_names(self.hf_path))
+
+    @property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        """Every ``(axis, index)`` slice that makes the unit's slice, in order."""
+        if self.index is None or self.axis is None:
+            return ()
+        return ((self.axis, self.index), *self.more)
+
+    def slice_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        out = tuple(shape)
+        for a, _ in self.levels:
+            out = out[:a] + out[a + 1 :]
+        return out
+
+    def take_more(self, x: Any) -> Any:
+        """The unit's slice of ``x``, already cut on its first stacked axis (a view)."""
+        for a, i in self.more:
+            x = x[(slice(None),) * a + (i,)]
+        return x
 
 
 def _flat_names(p: Any) -> list[str]:
@@ -213,8 +234,26 @@ def _units_of(model: HfModel, key: Any, shape: tuple[int, ...]) -> list[Unit]:
         return []
     if not isinstance(paths, list):
         return [Unit(keys, None, None, paths, hooks)]
-    if isinstance(paths[0], list):
-        return [Unit(keys, None, None, paths, hooks, whole=True)]
+    if isinstance(paths[0], list):  # stacked on several axes: as utils._emit_slices cuts it
+        from maxtext.checkpoint_conversion.utils.tensor_handling import (
+            nesting_depth,
+            stacked_axes,
+        )
+
+        depth = nesting_depth(paths)
+        axes = stacked_axes(keys[0], model.config, depth)
+        out: list[Unit] = []
+
+        def emit(p: Any, idx: tuple[int, ...]) -> None:
+            if len(idx) == depth:
+                more = tuple((axes[k] - k, idx[k]) for k in range(1, depth))
+                out.append(Unit(keys, idx[0], axes[0], p, hooks, more=more))
+                return
+            for i, sub in enumerate(p):
+                emit(sub, (*idx, i))
+
+        emit(paths, ())
+        return out
     if model.config.scan_layers:
         axis = model.config.param_scan_axis if len(shape) > model.config.param_scan_axis else 0
     else:
@@ -224,8 +263,6 @@ def _units_of(model: HfModel, key: Any, shape: tuple[int, ...]) -> list[Unit]:
 
 def out_shapes(model: HfModel, unit: Unit) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of what ``unit`` writes, from MaxText's shape map."""
-    if unit.whole:
-        return {n: tuple(model.shape_map[n]) for n in unit.names}
     if isinstance(unit.hf_path, tuple):
         if unit.hf_path in model.shape_map:
             return dict(zip(unit.hf_path, map(tuple, model.shape_map[unit.hf_path]), strict=True))
@@ -247,11 +284,8 @@ def check_units(model: HfModel, units: Sequence[Unit], specs: Mapping[str, Any])
         except KeyError as e:
             problems.append(f"{u.keys[0]}: MaxText's shape map has no {e}")
             continue
-        if u.whole:
-            continue  # traced by MaxText itself when written
         args = [
-            jax.ShapeDtypeStruct(_slice_shape(specs[k].shape, u.axis, u.index), model.weight_dtype)
-            for k in u.keys
+            jax.ShapeDtypeStruct(u.slice_shape(specs[k].shape), model.weight_dtype) for k in u.keys
         ]
         try:
             got = jax.eval_shape(lambda *a, u=u: hooked(model, u, list(a)), *args)
@@ -269,12 +303,6 @@ def check_units(model: HfModel, units: Sequence[Unit], specs: Mapping[str, Any])
                     f"{tuple(g.shape)}, Hugging Face expects {shape}"
                 )
     return problems
-
-
-def _slice_shape(shape: tuple[int, ...], axis: int | None, index: int | None) -> tuple:
-    if axis is None or index is None:
-        return tuple(shape)
-    return tuple(shape[:axis]) + tuple(shape[axis + 1 :])
 
 
 def hooked(model: HfModel, unit: Unit, arrays: list) -> Any:
@@ -300,15 +328,8 @@ def transform(model: HfModel, unit: Unit, arrays: list[np.ndarray]) -> list[tupl
     ``arrays`` is emptied once JAX holds its slices, so that they are not held twice."""
     import jax.numpy as jnp
 
-    _, mu, _, _ = _maxtext()
     xs = [jnp.asarray(a) for a in arrays]
     arrays.clear()  # the caller's host copies go once JAX holds the slices
-    if unit.whole:
-        x = xs if len(unit.keys) > 1 else xs[0]
-        key = unit.keys if len(unit.keys) > 1 else unit.keys[0]
-        return mu.process_maxtext_param(
-            key, x, model.param_map, model.hook_map, model.shape_map, model.config
-        )
     y = hooked(model, unit, xs)
     shapes = out_shapes(model, unit)
     ys = list(y) if isinstance(unit.hf_path, tuple) else [y]
