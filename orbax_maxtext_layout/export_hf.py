@@ -871,10 +871,11 @@ class _Reader:
         if m.op is Op.MERGE_LORA:
             if index is None:  # the whole merged param: what the op computes
                 return apply_op(m, lambda item, p: self.read_layer(item, p, None, None))
-            if m.axis != axis:
-                raise LayoutMismatchError(
-                    f"{keystr(m.dst)}: merged on layer axis {m.axis}, exported on {axis}."
-                )
+            if m.axis != axis:  # cut on another axis first (MoE experts): merged whole, once
+                if ("merged", m.dst) not in self.cache:
+                    whole = apply_op(m, lambda item, p: self.read_layer(item, p, None, None))
+                    self.cache["merged", m.dst] = whole
+                return self.cache["merged", m.dst][(slice(None),) * axis + (index,)]
             return merge_layer(m, index, self.read_layer)
         if m.op is not Op.COPY:
             raise LayoutMismatchError(f"{keystr(m.dst)}: cannot export a {m.op.value} move.")

@@ -37,15 +37,8 @@ class _Cannot(Exception):
     """The box cannot be carried through an op."""
 
 
-# Elementwise ops on a box and constants (sliced to the box), applied by numpy.
-_ELEMENTWISE = {
-    "mul": np.multiply,
-    "div": np.divide,
-    "add": np.add,
-    "sub": np.subtract,
-    "max": np.maximum,
-    "min": np.minimum,
-}
+# Elementwise ops on a box and constants (sliced to the box), run by JAX (`_elementwise`).
+_ELEMENTWISE = {"mul", "div", "add", "sub", "max", "min"}
 _STRUCTURAL = {"reshape", "transpose", "slice", "concatenate", "squeeze", "expand_dims"}
 _NESTED = {"pjit", "jit", "closed_call"}
 
@@ -171,17 +164,10 @@ def _eqn(e: Any, ins: list[Any]) -> list[Any]:
     if name in _NESTED:
         inner = e.params["jaxpr"]
         return _run(inner.jaxpr, inner.consts, ins)
-    dtype = np.dtype(e.outvars[0].aval.dtype)
-    if name == "convert_element_type":
-        x = ins[0]
-        return [dataclasses.replace(x, data=x.data.astype(dtype))]
     if name in ("copy", "copy_p"):
         return [ins[0]]
-    if name == "neg":
-        x = ins[0]
-        return [dataclasses.replace(x, data=np.negative(x.data))]
-    if name in _ELEMENTWISE:
-        return [_elementwise(_ELEMENTWISE[name], ins, dtype)]
+    if name in _ELEMENTWISE or name in ("convert_element_type", "neg"):
+        return [_elementwise(e, ins)]
     if name == "transpose":
         x, perm = ins[0], e.params["permutation"]
         return [
@@ -202,7 +188,12 @@ def _eqn(e: Any, ins: list[Any]) -> list[Any]:
     raise _Cannot(name)
 
 
-def _elementwise(fn: Any, ins: list[Any], dtype: np.dtype) -> _Boxed:
+def _elementwise(e: Any, ins: list[Any]) -> _Boxed:
+    """An arithmetic op on a box: run by JAX, as MaxText runs its hooks (XLA divides by
+    multiplying with the reciprocal: NumPy's division differs in the last bit), on the
+    box's values and the constants' part in the box."""
+    import jax.numpy as jnp
+
     boxed = [x for x in ins if isinstance(x, _Boxed)]
     ref = boxed[0]
     if any(b.box != ref.box for b in boxed):
@@ -210,19 +201,15 @@ def _elementwise(fn: Any, ins: list[Any], dtype: np.dtype) -> _Boxed:
     args = []
     for x in ins:
         if isinstance(x, _Boxed):
-            args.append(x.data)
+            args.append(jnp.asarray(x.data))
             continue
         c = np.asarray(x)
         if c.ndim:  # a constant of the full shape (or broadcastable): its part in the box
-            c = c[
-                tuple(
-                    slice(a, b) if n > 1 else slice(None)
-                    for (a, b), n in zip(ref.box, c.shape, strict=False)
-                )
-            ]
-        args.append(c.astype(dtype) if c.dtype != dtype else c)
-    out = fn(*args)
-    return _Boxed(ref.box, np.asarray(out).astype(dtype, copy=False), ref.full)
+            box = zip(ref.box, c.shape, strict=False)
+            c = c[tuple(slice(a, b) if n > 1 else slice(None) for (a, b), n in box)]
+        args.append(c)
+    out = e.primitive.bind(*args, **e.params)
+    return _Boxed(ref.box, np.asarray(out), ref.full)
 
 
 def _full(x: _Boxed, axis: int) -> bool:
