@@ -1,7 +1,8 @@
 """Benchmark (issue 30): every streaming operation of the CLI on real-size steps, against ``cp -r``.
 
     V=$(ls -d /root/.cache/orbax-maxtext-layout/interop-venv-*)
-    # the real-size run (about 52 GiB of steps under --work, and up to 15 GiB of output at once)
+    # the real-size run: about 40 GiB of steps under --work (kept for the next run), and up
+    # to 15 GiB of output at a time (deleted after each operation); steps built in ~15 min
     PYTHONPATH=$PWD $V/bin/python bench/realsize.py --work /tmp/omtl-realsize --json realsize.json
     # a quick run on cut models (about 2.5 GB per llama step)
     PYTHONPATH=$PWD $V/bin/python bench/realsize.py --layers 2 --moe-layers 1 --max-shard-size 1GiB
@@ -25,7 +26,8 @@ parameters (``--layers``, ``--moe-layers``, ``--seed``):
   (`orbax_maxtext_layout.maxtext_config.abstract_model`). It is saved as from 8 devices
   (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), each param sharded on its largest
   non-layer axis that divides by 8 (replicated if none), so each array is stored as 8
-  per-device chunks. Values: normal * 0.02 (norm scales 1 + normal * 0.1) in bf16, drawn per
+  per-device chunks, each spanning every layer (issue 30's step; MaxText's own fsdp rules
+  would shard most kernels on their embed axis instead, e.g. ``wi_0`` on axis 0, not 2). Values: normal * 0.02 (norm scales 1 + normal * 0.1) in bf16, drawn per
   piece (the 8 fsdp slices of a param) from ``default_rng([seed, crc32(param path), piece])``
   as 16-bit indices into the normal quantiles (`Values`).
 - ``llama-onechunk`` (``<work>/llama-onechunk/0``): the same values, saved as from one device
@@ -883,6 +885,10 @@ def compare_steps(mine: Path, stock: Path) -> dict:
 
 
 def prove(argv: list[str]) -> int:
+    """Each step built by the builder and saved by stock Orbax from real jax.Arrays holding
+    the same values (llama-fsdp also by MaxText 0.2.5's own save_checkpoint), at a small size:
+    every JSON file, every OCDBT key and every stored value must be byte-identical. Exit 1 on
+    any difference."""
     ap = argparse.ArgumentParser(prog="realsize.py prove", description=prove.__doc__)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--moe-layers", type=int, default=1)
