@@ -1,11 +1,12 @@
-"""Writes a plan's merge_lora moves: each stored base kernel decoded once, its layers merged
-and encoded on both cores, within a memory bound.
+"""Writes the merge_lora moves `routing` cannot take piece by piece (a box that does not split
+onto the factors): each stored base kernel decoded once, its layers merged and encoded on
+both cores, within a memory bound.
 
 The work is a pipeline of three kinds of thread:
 
 * one *decoder* decodes the base kernels in plan order, each whole where it fits the budget
-  (`tskv.read_layers`: zstandard splits it into one buffer per layer as it decodes), with its
-  LoRA factors; it runs ahead of the merge as far as memory allows;
+  (`chunks.read_whole`: each stored chunk once), with its LoRA factors; it runs ahead of the
+  merge as far as memory allows;
 * `MERGE_WORKERS` *workers* merge one layer each (`moves.merge_layer`, in place in that
   layer's buffer) and encode and write it as one chunk (`tskv.write_part`);
 * the caller hands the layers of each decoded kernel to the workers.
@@ -30,8 +31,9 @@ import numpy as np
 import tensorstore as ts
 from threadpoolctl import threadpool_limits
 
-from . import orbax_files, tskv
+from . import chunks, orbax_files, tskv
 from .moves import Move, Op, merge_base, merge_layer
+from .orbax_files import param_name
 from .treepaths import Path
 
 # Layers merged and encoded at once: one per core (numpy's merge and zstd's encode both run
@@ -190,20 +192,21 @@ class _Kernel:
         }
         factor_bytes = self.factor_bytes = sum(s.nbytes for s in factors.values())
         self.left = len(self.tasks)
-        fast = self.whole and tskv.fast_decode_fits(self.nbytes, ledger.bound)
-        cost = factor_bytes + (
-            (self.nbytes + tskv.FAST_EXTRA if fast else int(tskv.TS_DECODING * self.nbytes))
-            if self.whole
-            else 0
-        )
+        cost = factor_bytes + (int(tskv.FAST_DECODING * self.nbytes) if self.whole else 0)
         ledger.take_decode(cost, keep)
         try:
             for item, p in factors:
-                self.factors[item, p] = tskv.read_array(self.sources[item], p, self.ctx)
+                self.factors[item, p] = chunks.read_whole(
+                    self.sources[item], param_name(p), self.ctx
+                )
             if self.whole:
-                src = self.sources[self.item]
-                self.layers, self.own = tskv.read_layers(src, self.src, self.axis, self.ctx, fast)
-                if not self.own:  # views of the whole kernel: each layer is copied out
+                whole = chunks.read_whole(self.sources[self.item], param_name(self.src), self.ctx)
+                if self.axis is None:
+                    self.layers, self.own = [whole], True
+                else:  # views of the whole kernel: each layer is copied out
+                    a = self.axis
+                    self.layers = [whole[(slice(None),) * a + (i,)] for i in range(whole.shape[a])]
+                    self.own = False
                     for t in self.tasks:
                         t.cost += self.nbytes // len(self.layers)
         except BaseException:

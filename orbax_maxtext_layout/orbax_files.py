@@ -182,9 +182,11 @@ def io_counts() -> Iterator[collections.Counter]:
     `tskv.keys_by_array`) and ``("zarr metadata", database)`` for each batch of
     `read_zarr_metadata`, and ``("step metadata", step)`` for each read of a step's
     metadata file (`stepmeta.read`). An operation should make each once per database, not once per
-    array. Decodes are counted too: ``("array decoded", "<item>/<array>")`` for each whole
-    array, ``("layer decoded", ...)`` for each layer read on its own (`tskv.read_array`,
-    `tskv.read_layers`). Nothing is counted (or computed for it) while no counter is active."""
+    array. Decodes are counted too: ``("chunk decoded", "<item>/<array>/<chunk>")`` for each
+    stored chunk the chunk-aware reader decodes (`chunks.pieces`), ``("array decoded", ...)``
+    for each whole array and ``("layer decoded", ...)`` for each layer tensorstore reads on
+    its own (`tskv.read_array`). Nothing is counted (or computed for it) while no counter is
+    active."""
     counter: collections.Counter = collections.Counter()
     _COUNTERS.append(counter)
     try:

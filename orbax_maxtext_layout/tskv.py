@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ from etils import epath
 
 from .errors import CheckpointReadError
 
-try:  # decodes a whole stored chunk ~2.4x faster than tensorstore (`_read_one_chunk`)
+try:  # decodes a stored chunk ~2.4x faster than tensorstore (`chunks`)
     import zstandard as _zstd
 except ImportError:  # pragma: no cover - a dependency; tensorstore reads without it
     _zstd = None
@@ -244,45 +243,23 @@ def _value_ref(location: str) -> tuple[str, int, int]:
 
 
 # What decoding a whole array holds at its peak, in times the array's bytes: tensorstore
-# holds the stored chunk (at most the array's size) and the array; zstandard's path holds
-# the array and one piece of the chunk (`_ValueReader`). Both with a margin.
+# holds the stored chunk (at most the array's size) and the array; `chunks.read_whole` holds
+# the array and one piece. Both with a margin.
 TS_DECODING = 2.2
 FAST_DECODING = 1.2
-# What zstandard's layer-by-layer decode holds beyond the array (`read_layers`): the stored
-# value's piece being decoded, and the block of rows being split into layers.
-FAST_EXTRA = 2 * (8 << 20)
-# Below this the zstandard path's extra kvstore reads (metadata, byte ranges) cost more than
-# its faster decode saves (measured: +19% on a test run of small arrays).
-FAST_MIN_BYTES = 4 << 20
-
-
-def fast_decode_fits(nbytes: int, room: int) -> bool:
-    """Whether an array of ``nbytes`` is read by zstandard (`read_array`'s ``fast``): large
-    enough to gain, and its peak (`FAST_DECODING`) within ``room`` bytes."""
-    return FAST_MIN_BYTES <= nbytes and FAST_DECODING * nbytes <= room
 
 
 def read_array(
-    src: SourceItem,
-    path: Path,
-    context: ts.Context,
-    layer: tuple[int, int] | None = None,
-    *,
-    fast: bool = False,
+    src: SourceItem, path: Path, context: ts.Context, layer: tuple[int, int] | None = None
 ) -> np.ndarray:
-    """Decodes one stored array (stored form: PRNG keys as their raw data).
+    """Decodes one stored array through tensorstore (stored form: PRNG keys as their raw
+    data); the streaming operations read through `chunks` instead.
 
     ``layer=(axis, i)`` reads only index ``i`` on ``axis`` (tensorstore decodes the
-    stored chunks that hold it, one at a time). With ``fast`` (see `fast_decode_fits`), a
-    whole array stored as one zstd chunk is decoded by zstandard (`_read_one_chunk`):
-    faster, and holding less (`FAST_DECODING` against `TS_DECODING`).
+    stored chunks that hold it, one at a time).
     """
     name = param_name(path)
     count("array decoded" if layer is None else "layer decoded", f"{src.dir}/{name}")
-    if layer is None and fast:
-        got = _read_one_chunk(src, name)
-        if got is not None:
-            return got
     driver = "zarr3" if src.use_zarr3 else "zarr"
     spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), param_name(path))}
     # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
@@ -294,81 +271,6 @@ def read_array(
         return np.asarray(store.read().result())
     except ValueError as e:
         raise CheckpointReadError(f"{src.dir}: cannot read {param_name(path)}: {e}") from e
-
-
-def read_layers(
-    src: SourceItem, path: Path, axis: int | None, context: ts.Context, fast: bool
-) -> tuple[list[np.ndarray], bool]:
-    """Array ``path`` decoded once, as its layers on ``axis`` (``axis`` None: ``[array]``),
-    and whether each layer is a buffer of its own.
-
-    With ``fast`` (`fast_decode_fits`), an array stored as one zstd chunk is split into
-    layers as zstandard decodes it (`_decode_layers`): they hold the array's bytes plus
-    `FAST_EXTRA`, and each can be freed on its own. Otherwise tensorstore decodes it
-    (`TS_DECODING`) and the layers are views of the whole array (with ``axis`` None, the
-    array itself: its own buffer).
-    """
-    if fast:
-        got = _read_one_chunk(src, param_name(path), axis)
-        if got is not None:
-            count("array decoded", f"{src.dir}/{param_name(path)}")
-            return (got if axis is not None else [got]), True
-    whole = read_array(src, path, context)
-    if axis is None:  # the one layer is the array tensorstore decoded: a buffer of its own
-        return [whole], True
-    return [whole[(slice(None),) * axis + (i,)] for i in range(whole.shape[axis])], False
-
-
-def _read_one_chunk(src: SourceItem, name: str, axis: int | None = None):
-    """Array ``name`` decoded from its one stored chunk by the zstandard library, or None
-    where that does not apply (then tensorstore reads it). With ``axis``: its layers on that
-    axis, each decoded into a buffer of its own (`_decode_layers`).
-
-    Orbax stores an array saved from one host as one zstd chunk, and tensorstore decodes
-    a chunk on one thread at about a third of zstandard's speed (measured: 224 MiB of
-    bfloat16 in 1.2 s against 0.5 s). Only the plain layouts are taken here: one chunk
-    covering the array, C order, little-endian bytes, zstd alone (zarr3 ``bytes`` +
-    ``zstd``; zarr2 ``compressor`` zstd, no filters); a missing chunk falls back too (the
-    tensorstore path reports it).
-    """
-    if _zstd is None:
-        return None
-    layout = _one_chunk_layout(src, name)
-    if layout is None:
-        return None
-    key, shape, dtype, index = layout
-    value = _stored_value(src, f"{name}/{key}")
-    if value is None:
-        return None
-    with value:
-        if index:  # a zarr3 shard of one inner chunk: its index (offset, size) at the end
-            tail = value.suffix(index)
-            if tail is None:
-                return None
-            offset, size = struct.unpack("<QQ", tail[:16])
-            if offset == _MISSING:
-                return None
-            value = value.part(offset, size)
-        return _decode_frame(f"{src.dir}: cannot read {name}", value, shape, dtype, axis=axis)
-
-
-def _decode_frame(what: str, frame, shape: tuple, dtype: np.dtype, *, axis: int | None = None):
-    """The array of ``shape`` and ``dtype`` whose bytes are the zstd frame ``frame`` (read
-    piece by piece), or its layers on ``axis``; else a `CheckpointReadError` starting with
-    ``what`` (which array could not be read)."""
-    try:
-        with _zstd.ZstdDecompressor().stream_reader(frame, read_size=_PIECE) as r:
-            if axis is None:
-                out = np.empty(shape, dtype)
-                _read_exactly(r, out)
-                return out
-            return _decode_layers(r, shape, dtype, axis)
-    except (_zstd.ZstdError, OSError) as e:
-        raise CheckpointReadError(f"{what}: its chunk: {e}") from e
-    except _Short as e:
-        raise CheckpointReadError(
-            f"{what}: its chunk decodes to fewer bytes than the array has ({e})."
-        ) from e
 
 
 class _Short(Exception):
@@ -384,37 +286,6 @@ def _read_exactly(r, out: np.ndarray) -> None:
         if not n:
             raise _Short(f"{done} of {len(view)} bytes")
         done += n
-
-
-def _decode_layers(r, shape: tuple, dtype: np.dtype, axis: int) -> list[np.ndarray]:
-    """The layers on ``axis`` of the C-order array of ``shape`` streamed by ``r``, each a
-    C-contiguous buffer of its own, filled as the stream goes: so the array is decoded once
-    and never held whole, and each layer can be freed on its own.
-
-    Seen as ``(rows, layers, run)``, the stream is rows of one run per layer. Rows are
-    decoded a piece at a time into a scratch block and each layer's runs copied out; a row
-    larger than a piece has its runs decoded straight into their layers.
-    """
-    rows, count = math.prod(shape[:axis]), shape[axis]
-    run = math.prod(shape[axis + 1 :])
-    layers = [np.empty(shape[:axis] + shape[axis + 1 :], dtype) for _ in range(count)]
-    flat = [x.reshape(rows, run) for x in layers]
-    row_bytes = count * run * np.dtype(dtype).itemsize
-    if not row_bytes:
-        return layers
-    if row_bytes > _PIECE:
-        for p in range(rows):
-            for f in flat:
-                _read_exactly(r, f[p])
-        return layers
-    step = _PIECE // row_bytes
-    block = np.empty((min(step, rows), count, run), dtype)
-    for p0 in range(0, rows, step):
-        part = block[: min(step, rows - p0)]
-        _read_exactly(r, part)
-        for i, f in enumerate(flat):
-            f[p0 : p0 + len(part)] = part[:, i]
-    return layers
 
 
 # A stored value is read in pieces of this size, so a decode holds one piece of the stored
@@ -510,51 +381,6 @@ class _KvValue:
             self.done = True
         self.pos += len(data)
         return data
-
-
-def _one_chunk_layout(src: SourceItem, name: str) -> tuple[str, tuple, np.dtype, int] | None:
-    """``(chunk key, shape, dtype, shard index bytes)`` of an array stored as one plain zstd
-    chunk (alone, or the one inner chunk of a zarr3 shard), else None."""
-    import json
-
-    meta_key = f"{name}/zarr.json" if src.use_zarr3 else f"{name}/.zarray"
-    got = src.kv.read(meta_key).result()
-    if got.state != "value":
-        return None
-    meta = json.loads(bytes(got.value))
-    shape = tuple(meta.get("shape", ()))
-    index = 0
-    if src.use_zarr3:
-        grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-        codecs = meta.get("codecs", [])
-        if [c.get("name") for c in codecs] == ["sharding_indexed"]:  # Orbax v1's default
-            conf = codecs[0].get("configuration") or {}
-            index = _shard_index_bytes(conf)
-            if index is None or tuple(conf.get("chunk_shape") or ()) != shape:
-                return None
-            codecs = conf.get("codecs", [])
-        enc = meta.get("chunk_key_encoding", {"name": "default"})
-        sep = (enc.get("configuration") or {}).get("separator", "/")
-        if tuple(grid or ()) != shape or not _plain_zstd(codecs):
-            return None
-        if enc.get("name") != "default":
-            return None
-        key = sep.join(["c", *("0" for _ in shape)])
-        dtype = _np_dtype(meta.get("data_type"))
-    else:
-        comp = meta.get("compressor") or {}
-        if tuple(meta.get("chunks", ())) != shape or comp.get("id") != "zstd":
-            return None
-        if meta.get("filters") or meta.get("order", "C") != "C":
-            return None
-        sep = meta.get("dimension_separator", ".")
-        key = sep.join("0" for _ in shape) or "0"
-        dtype = _np_dtype(meta.get("dtype"))
-        if dtype is not None and dtype.byteorder == ">":
-            return None
-    if dtype is None or not shape:
-        return None
-    return key, shape, dtype, index
 
 
 _MISSING = (1 << 64) - 1  # a shard index's offset of a chunk never written

@@ -159,7 +159,7 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
         problems.append(f"{where}: {what}")
     for m in chunked:  # one array at a time
         try:
-            tskv.read_array(sources[m.item], m.src, ctx, fast=False)  # memory as before
+            tskv.read_array(sources[m.item], m.src, ctx)
         except CheckpointReadError as e:
             problems.append(str(e))
     if problems:

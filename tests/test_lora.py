@@ -362,12 +362,12 @@ def test_merge_of_large_kernels_decodes_each_stored_chunk_once(tmp_path, axis, b
 
 @pytest.mark.parametrize("which", ["mlp.wo", "self_attention.query"])
 def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
-    """A kernel whose stored chunk is cut short fails its decode (on the decoder's thread,
+    """A kernel whose stored chunk is cut short fails its decode (on a worker's thread,
     while other kernels are merged): the merge stops with an error naming it, promptly, and
     leaves no step."""
     import threading
 
-    from orbax_maxtext_layout import tskv
+    from orbax_maxtext_layout import chunks, tskv
     from orbax_maxtext_layout.errors import CheckpointReadError
 
     shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)
@@ -375,7 +375,8 @@ def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
     a = write_adapters(tmp_path / "sft", 2, lora_factors(layers=3, shapes=shapes))
     src = tskv.SourceItem.open(b / "items", tskv.ts_context())
     name = f"params.params.decoder.layers.{which}.kernel"
-    key, *_ = tskv._one_chunk_layout(src, name)
+    lay = chunks.layout(src, name)
+    key = lay.key((0,) * len(lay.shape))
     raw = src.kv.read(f"{name}/{key}").result().value
     src.kv.write(f"{name}/{key}", raw[: len(raw) // 2]).result()
     failure: list = []

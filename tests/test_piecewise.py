@@ -57,7 +57,9 @@ def test_boxes_give_the_whole_function_bit_for_bit(case):
     for box_shape in boxes:
         out = np.zeros(target, want.dtype)
         seen = np.zeros(target, np.int8)
-        for start in itertools.product(*(range(0, n, b) for n, b in zip(shape, box_shape, strict=False))):
+        for start in itertools.product(
+            *(range(0, n, b) for n, b in zip(shape, box_shape, strict=False))
+        ):
             box = tuple(slice(s, s + b) for s, b in zip(start, box_shape, strict=False))
             got = pf.apply(start, x[box])
             assert got is not None, (case, box_shape)
