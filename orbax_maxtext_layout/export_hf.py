@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from etils import epath
@@ -710,7 +710,8 @@ def _run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budge
             factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in set(moves[0].lora))
             held = gate.take(int(size * per) + factors)
             try:
-                _write_pieces(ep.model, moves[0], units, fns, sources, ctx, where, size)
+                run = _Run(ep.model, sources, ctx, where)
+                _write_pieces(run, moves[0], units, fns, size)
             finally:
                 gate.give(held)
             return
@@ -794,11 +795,21 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     return fns
 
 
-def _write_pieces(model, m: Move, units, fns, sources, ctx, where, size: int) -> None:
+class _Run(NamedTuple):
+    """What every job of an export shares: the model, the opened sources, the files."""
+
+    model: HfModel
+    sources: dict
+    ctx: Any
+    where: dict
+
+
+def _write_pieces(run: _Run, m: Move, units: list[Unit], fns: dict, size: int) -> None:
     """Param ``m`` over the budget: each stored chunk decoded once (`chunks.pieces`), and
     each piece's part of each layer put through the hooks (`piecewise`) and written at its
     place in its HF tensors (`ShardFile.write_box`). A part the hooks cannot take alone
     leaves its unit to be read whole at the end (counted as ``layer decoded``)."""
+    model, sources, ctx, where = run
     src = sources[m.item]
     wd = model.weight_dtype
     by_layer = {tuple(i for _, i in u.levels) or None: u for u in units}

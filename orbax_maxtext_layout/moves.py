@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from .names import Dest
 from .rng import fresh_rng
+from .scratch import scratch_buffer
 from .spec import LeafSpec
 from .treepaths import Path, keystr
 
@@ -429,13 +429,8 @@ def _run(box: list[tuple[int, int]], sizes: Sequence[int]) -> tuple[int, int] | 
     return lo, hi + 1
 
 
-_SCRATCH = threading.local()
-
-
 def _scratch(shape: tuple[int, int], dtype: type) -> np.ndarray:
-    """This thread's scratch block of at least ``shape`` (kept for the next call)."""
-    buf = getattr(_SCRATCH, "buf", None)
+    """This thread's scratch block of at least ``shape`` (`scratch`: kept for the next call)."""
     need = shape[0] * shape[1]
-    if buf is None or buf.dtype != np.dtype(dtype) or buf.size < need:
-        buf = _SCRATCH.buf = np.empty(need, dtype)
-    return buf[:need].reshape(shape)
+    item = np.dtype(dtype).itemsize
+    return scratch_buffer("merge", need * item).view(dtype)[:need].reshape(shape)
