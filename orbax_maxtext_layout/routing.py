@@ -114,14 +114,12 @@ def walk(
     groups: Mapping[tuple[str, Path], list[Move]],
     sources: Mapping[str, tskv.SourceItem],
     ctx: Any,
-    visit: Callable[[Move, tuple[int, ...], np.ndarray], Callable[[], None] | None],
+    visit: Callable[[Move, tuple[int, ...], np.ndarray], None],
     piece: int = PIECE,
 ) -> None:
     """Every source array decoded once, each piece's parts handed to ``visit(move, start,
-    values)``; ``WORKERS`` source arrays at a time. ``visit`` may start its work and return
-    what finishes it: all a piece's parts are started (tensorstore encodes or decodes them
-    on its own threads, side by side), then finished before the next piece is decoded (the
-    pieces share one buffer per worker)."""
+    values)`` before the next piece is decoded (the pieces share one buffer per worker);
+    ``WORKERS`` source arrays at a time."""
 
     def one(key: tuple[str, Path], moves: list[Move]) -> None:
         item, path = key
@@ -132,10 +130,8 @@ def walk(
                     parts = _merged(m, path, got.start, got.data, factors.read_layer)
                 else:
                     parts = piece_parts(m, path, got.start, got.data)
-                pending = [visit(m, start, data) for start, data in parts]
-                for finish in pending:
-                    if finish is not None:
-                        finish()
+                for start, data in parts:
+                    visit(m, start, data)
 
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         futures = [pool.submit(one, k, ms) for k, ms in groups.items()]
@@ -220,14 +216,14 @@ def write_routed(
         for m in moves
     }
 
-    def visit(m: Move, start: tuple[int, ...], data: np.ndarray) -> Callable[[], None]:
+    def visit(m: Move, start: tuple[int, ...], data: np.ndarray) -> None:
         box = tuple(slice(s, s + n) for s, n in zip(start, data.shape, strict=True))
-        return stores[id(m)][box].write(data).result
+        stores[id(m)][box].write(data).result()
 
     walk(by_source(moves), sources, ctx, visit, piece)
     for m in moves:  # a stack's layers the source lacks: fresh RNG state, as `apply_op`
         for j, p in enumerate(m.layers if m.op is Op.STACK else ()):
             if p is None:
                 x = np.expand_dims(fresh_rng(m.spec, m.dst, j), m.axis)
-                visit(m, (0,) * m.axis + (j,) + (0,) * (x.ndim - m.axis - 1), x)()
+                visit(m, (0,) * m.axis + (j,) + (0,) * (x.ndim - m.axis - 1), x)
     return shapes
