@@ -114,7 +114,14 @@ class Layout:
 
 
 def layout(src: tskv.SourceItem, name: str) -> Layout | None:
-    """The stored layout of array ``name`` from its zarr metadata (None: none is stored)."""
+    """The stored layout of array ``name`` from its zarr metadata (None: none is stored),
+    read once per item: a writer, its routing and its walk all ask for it."""
+    if name not in src._layouts:
+        src._layouts[name] = _read_layout(src, name)
+    return src._layouts[name]
+
+
+def _read_layout(src: tskv.SourceItem, name: str) -> Layout | None:
     meta_key = f"{name}/zarr.json" if src.use_zarr3 else f"{name}/.zarray"
     got = src.kv.read(meta_key).result()
     if got.state != "value":

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from .names import Dest
+from .piecewise import flat_run
 from .rng import fresh_rng
 from .scratch import scratch_buffer
 from .spec import LeafSpec
@@ -270,11 +271,13 @@ def piece_parts(
 
 
 def part_shape(m: Move, piece: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of a `piece_parts` box, from the source's piece shape."""
-    if m.op is Op.SLICE:
+    """The shape of the box a piece of a source of ``m`` (``piece`` long) puts in the leaf
+    ``m`` writes: one layer of it (a slice, a merge unrolled), a layer of the leaf (a stack,
+    a merge of per-layer bases), or the piece itself."""
+    if m.op is Op.SLICE or (m.op is Op.MERGE_LORA and m.index is not None):
         assert m.axis is not None
         return piece[: m.axis] + piece[m.axis + 1 :]
-    if m.op is Op.STACK:
+    if m.op is Op.STACK or (m.op is Op.MERGE_LORA and m.layers):
         assert m.axis is not None
         return piece[: m.axis] + (1,) + piece[m.axis :]
     return piece
@@ -410,23 +413,11 @@ def factor_boxes(full, start, shape, a_shape, b_shape, layout) -> tuple | None:
         p += 1
     if rows != a_shape[0] or len(a_shape) != 2 or len(b_shape) != 2:
         return None
-    r = _run(box[:p], full[:p])
-    c = _run(box[p:], full[p:])
+    r = flat_run(box[:p], full[:p])
+    c = flat_run(box[p:], full[p:])
     if r is None or c is None:
         return None
     return (slice(*r), slice(None)), (slice(None), slice(*c))
-
-
-def _run(box: list[tuple[int, int]], sizes: Sequence[int]) -> tuple[int, int] | None:
-    """The flat C-order run ``[lo, hi)`` a box of ``sizes`` covers, or None if it is not one
-    run (single indices, then a range, then whole axes)."""
-    cut = [a for a in range(len(sizes)) if box[a] != (0, sizes[a])]
-    if cut and any(box[a][1] - box[a][0] != 1 for a in range(cut[-1])):
-        return None
-    lo = hi = 0
-    for (b0, b1), n in zip(box, sizes, strict=True):
-        lo, hi = lo * n + b0, hi * n + b1 - 1
-    return lo, hi + 1
 
 
 def _scratch(shape: tuple[int, int], dtype: type) -> np.ndarray:

@@ -258,7 +258,10 @@ def _reshape(x: _Boxed, shape: tuple[int, ...]) -> _Boxed:
         raise _Cannot("reshape")
     box: list[tuple[int, int]] = []
     for ins, outs in _groups(x.full, shape):
-        lo, hi = _flat_range([x.box[a] for a in ins], [x.full[a] for a in ins])
+        run = flat_run([x.box[a] for a in ins], [x.full[a] for a in ins])
+        if run is None:
+            raise _Cannot("a box that is not one run of the reshaped axes")
+        lo, hi = run
         box += _as_box(lo, hi, [shape[a] for a in outs])
     new = tuple(b - a for a, b in box)
     return _Boxed(tuple(box), x.data.reshape(new), tuple(shape))
@@ -289,18 +292,17 @@ def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[range, range]]:
     return out
 
 
-def _flat_range(box: list[tuple[int, int]], sizes: list[int]) -> tuple[int, int]:
-    """The run ``[lo, hi)`` of C-order flat indices a box of ``sizes`` covers; it must be
-    one run: single indices, then one range, then whole axes."""
+def flat_run(box: Sequence[tuple[int, int]], sizes: Sequence[int]) -> tuple[int, int] | None:
+    """The run ``[lo, hi)`` of C-order flat indices a box of ``sizes`` covers, or None if it
+    is not one run (single indices, then one range, then whole axes). A LoRA merge splits a
+    box onto its factors' rows and columns with it too (`moves.factor_boxes`)."""
     cut = [a for a in range(len(sizes)) if box[a] != (0, sizes[a])]
     if cut and any(box[a][1] - box[a][0] != 1 for a in range(cut[-1])):
-        raise _Cannot("a box that is not one run of the reshaped axes")
-    lo, hi_last, stride = 0, 0, 1
-    for a in reversed(range(len(sizes))):
-        lo += box[a][0] * stride
-        hi_last += (box[a][1] - 1) * stride
-        stride *= sizes[a]
-    return lo, hi_last + 1
+        return None
+    lo = hi = 0
+    for (b0, b1), n in zip(box, sizes, strict=True):
+        lo, hi = lo * n + b0, hi * n + b1 - 1
+    return lo, hi + 1
 
 
 def _as_box(lo: int, hi: int, sizes: list[int]) -> list[tuple[int, int]]:

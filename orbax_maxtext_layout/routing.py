@@ -70,8 +70,8 @@ def merge_splits(m: Move, sources: Mapping[str, tskv.SourceItem], piece: int = P
     if lay is None:
         return False
     piece = lay.piece_shape(piece)
-    if m.axis is not None and not m.layers:
-        piece = piece[: m.axis] + piece[m.axis + 1 :]
+    if m.axis is not None and not m.layers:  # a layer's part of a stacked base's piece
+        piece = _drop(piece, m.axis)
     f = m.lora[0]
     layer = m.spec.shape if m.layers or m.axis is None else _drop(m.spec.shape, m.axis)
     part = tuple(min(p, n) for p, n in zip(piece, layer, strict=True))
@@ -100,14 +100,7 @@ def dest_chunk(
     lay = chunks.layout(sources[m.item], param_name(m.sources[0]))
     if lay is None:  # no metadata: the walk reports it; one chunk meanwhile
         return tuple(m.out_spec.shape)
-    piece = lay.piece_shape(piece_bytes)
-    if m.op is Op.MERGE_LORA:  # as `_merged` yields
-        if m.layers:
-            return piece[: m.axis] + (1,) + piece[m.axis :]
-        if m.index is not None:
-            return piece[: m.axis] + piece[m.axis + 1 :]
-        return piece
-    return part_shape(m, piece)
+    return part_shape(m, lay.piece_shape(piece_bytes))
 
 
 def walk(

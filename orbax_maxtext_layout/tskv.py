@@ -89,6 +89,8 @@ class SourceItem:
     kv: ts.KvStore
     # key -> (data file, offset, length) of its stored value (`value_files`), once read
     _value_files: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    # array name -> its stored layout (`chunks.layout`), once read
+    _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def dir(self) -> epath.Path:
