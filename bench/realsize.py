@@ -116,6 +116,8 @@ import time
 import zlib
 from pathlib import Path
 
+from export_hf import parse_size  # bench/export_hf.py's (standard library only at its top)
+
 # Standard library only at the top: the orchestrator and the wrapper must stay small (a
 # child's ru_maxrss starts from its parent's high-water mark).
 HERE = Path(__file__).resolve().parent
@@ -152,15 +154,6 @@ APPLICABLE = {
     "moe-cut": ("export-hf",),
 }
 MIB, GIB = 1 << 20, 1 << 30
-
-
-def parse_size(text: str) -> int:
-    """``512MiB``, ``2GiB``, ``600MB``, ``1024`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    power = " KMGT".index(m.group(2).upper() or " ")
-    return int(float(m.group(1)) * (1024 if m.group(3) or not m.group(2) else 1000) ** power)
 
 
 def _du(p: Path) -> int:
