@@ -206,18 +206,55 @@ def pieces(
     if not lay.streamed:
         yield from _tensorstore_pieces(src, name, lay, ctx, what)
         return
+    for origin, frame in _frames(src, name, lay, what):
+        yield from _decode(what, frame, lay, origin, max_bytes, "decode" if reuse else None)
+
+
+def read_chunk(
+    src: tskv.SourceItem, name: str, start: tuple[int, ...], shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """The box of array ``name`` at ``start`` (``shape``), when it is exactly one stored
+    chunk (cropped at the array's edge) that zstandard decodes: decoded alone, into a
+    buffer of this thread that the next call reuses. None for any other box (read it
+    through tensorstore). `verify` reads back each chunk a writer wrote this way."""
+    lay = layout(src, name)
+    if lay is None or not lay.plain or not lay.shape or 0 in lay.shape:
+        return None
+    if len(start) != len(lay.shape):
+        return None
+    cell = tuple(s // c for s, c in zip(start, lay.chunk, strict=True))
+    origin = tuple(c * n for c, n in zip(cell, lay.chunk, strict=True))
+    whole = tuple(min(c, d - o) for c, d, o in zip(lay.chunk, lay.shape, origin, strict=True))
+    if tuple(start) != origin or tuple(shape) != whole:
+        return None
+    what = f"{src.dir}: cannot read {name}"
+    for _, frame in _frames(src, name, lay, what, only=cell):
+        got = list(_decode(what, frame, lay, origin, lay.chunk_bytes, "check"))
+        return got[0].data
+    return None
+
+
+def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, only=None):
+    """``(origin, frame)`` of each stored chunk in storage order, each counted as decoded
+    (``only``: the chunk at that grid cell alone). Raises `CheckpointReadError` for a
+    chunk or a shard index that is not stored."""
     if lay.shard is None:
-        for cell in lay.grid(lay.chunk):
+        for cell in [only] if only is not None else lay.grid(lay.chunk):
             origin = tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))
             value = tskv._stored_value(src, f"{name}/{lay.key(cell)}")
             if value is None:
                 raise CheckpointReadError(f"{what}: chunk {lay.key(cell)} is not stored.")
             with value:
                 count("chunk decoded", f"{src.dir}/{name}/{lay.key(cell)}")
-                yield from _decode(what, value, lay, origin, max_bytes, reuse)
+                yield origin, value
         return
     inner = tuple(s // c for s, c in zip(lay.shard, lay.chunk, strict=False))
-    for cell in lay.grid(lay.shard):
+    shards = lay.grid(lay.shard)
+    want = None  # the inner chunk ``only`` is, in its shard
+    if only is not None:
+        shards = [tuple(c // i for c, i in zip(only, inner, strict=False))]
+        want = tuple(c % i for c, i in zip(only, inner, strict=False))
+    for cell in shards:
         key = f"{name}/{lay.key(cell)}"
         value = tskv._stored_value(src, key)
         if value is None:
@@ -233,13 +270,15 @@ def pieces(
                 )
                 if any(o >= n for o, n in zip(origin, lay.shape, strict=False)):
                     continue  # an inner chunk wholly past the array's edge
+                if only is not None and sub != want:
+                    continue
                 offset, size = struct.unpack_from("<QQ", tail, 16 * k)
                 if offset == tskv._MISSING:
                     raise CheckpointReadError(
                         f"{what}: shard {lay.key(cell)} lacks inner chunk {sub}."
                     )
                 count("chunk decoded", f"{src.dir}/{key}#{k}")
-                yield from _decode(what, value.part(offset, size), lay, origin, max_bytes, reuse)
+                yield origin, value.part(offset, size)
 
 
 def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piece]:
@@ -266,14 +305,16 @@ def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piec
         raise CheckpointReadError(f"{what}: {e}") from e
 
 
-def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, reuse: bool):
+def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, scratch_kind: str | None):
     """The pieces of one stored chunk at ``origin``: its zstd frame streamed, in runs of
     whole rows of at most ``max_bytes`` (rows: on the first axis whose rows fit), each
-    decoded into one scratch buffer with ``reuse``."""
+    decoded into this thread's scratch buffer ``scratch_kind`` (None: fresh arrays)."""
     chunk, item = lay.chunk, lay.dtype.itemsize
     k, run = lay.rows(max_bytes) if lay.chunk_bytes > max_bytes else (0, chunk[0])
     size = math.prod(chunk[k + 1 :]) * min(run, chunk[k])
-    scratch = scratch_buffer("decode", size * item).view(lay.dtype)[:size] if reuse else None
+    scratch = None
+    if scratch_kind is not None:
+        scratch = scratch_buffer(scratch_kind, size * item).view(lay.dtype)[:size]
     try:
         with tskv._zstd.ZstdDecompressor().stream_reader(frame, read_size=tskv._PIECE) as r:
             for lead in itertools.product(*(range(n) for n in chunk[:k])):

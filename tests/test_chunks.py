@@ -133,6 +133,23 @@ def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
     assert result.ok, result.problems
     decodes = _decodes(counts)
     assert [k for k in decodes if "mlp" in k] and set(decodes.values()) == {1}, decodes
+    # both sides: the source's chunks and the unrolled layers' own chunks, each once
+    written = [k for k in decodes if "/items/" in k and "layers_1.mlp.wo" in k]
+    assert written and all(decodes[k] == 1 for k in written), decodes
+
+    # a written layer's chunk damaged: verify names that layer (and only it)
+    ctx = tskv.ts_context()
+    dst = tskv.SourceItem.open(epath.Path(out / "items"), ctx)
+    name = "params.params.decoder.layers_1.mlp.wo.kernel"
+    key = f"{name}/{chunks.layout(dst, name).key((0, 0))}"
+    data_file, offset, length = dst.value_file(key)
+    with open(data_file, "r+b") as f:
+        f.seek(offset + length // 2)
+        f.write(b"\0" * (length // 4))
+    result = verify_step(out)
+    assert not result.ok
+    assert any("layers_1" in p and "wo" in p for p in result.problems), result.problems
+    assert not any("layers_2" in p for p in result.problems), result.problems
 
 
 def test_a_damaged_chunk_is_named(step, tmp_path):
