@@ -491,6 +491,8 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         process_index=args.process_index,
         process_count=args.process_count,
+        adapter=args.adapter,
+        base_model_name_or_path=args.base_model_name_or_path,
     )
     print(report.to_json() if args.json else report)
     return 0
@@ -708,10 +710,21 @@ def _add_export_hf(sub: _Subparsers) -> None:
         "step",
         metavar="STEP",
         help="a MaxText or Tunix step (or its items/ or model_params/), a merge-lora output, "
-        "or a LoRA adapter step (with --base)",
+        "or a LoRA adapter step (with --base, or --adapter)",
     )
     e.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory")
     e.add_argument("--base", help="a LoRA step's base: the step its run started from")
+    e.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write a LoRA step's adapters as a PEFT adapter (adapter_model.safetensors, "
+        "adapter_config.json), to serve on the base model",
+    )
+    e.add_argument(
+        "--base-model-name-or-path",
+        metavar="NAME",
+        help="--adapter: the adapter config's base model (default: MaxText's HF id of it)",
+    )
     e.add_argument("--alpha", type=float, help="a LoRA run's lora.lora_alpha (unless recorded)")
     e.add_argument(
         "--hf-model-path", metavar="PATH", help="a local tokenizer directory to write beside"

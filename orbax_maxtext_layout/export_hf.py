@@ -42,6 +42,7 @@ from threadpoolctl import threadpool_limits
 
 from . import chunks, hf_mapping, piecewise, safetensors_out, stepmeta, tskv
 from .errors import LayoutMismatchError, StepExistsError, UsageError
+from .export_adapter import AdapterReport, export_adapter
 from .hf_mapping import HfModel, Unit
 from .layermap import scanned_form
 from .layout import TUNIX_PARAMS_ITEM
@@ -286,22 +287,8 @@ class _Source:
         return cls(step, None, kind, _scan_form(step))
 
     def argv(self, argv: list[str]) -> list[str]:
-        """``argv`` with the ``scan_layers`` of the stored form, as MaxText's
-        ``verify_and_sync_scan_layers`` syncs it (a conflicting explicit value is refused)."""
-        given = [a for a in argv if a.split("=", 1)[0] == "scan_layers"]
-        if self.scan_layers is None:
-            return argv
-        if given:
-            value = given[-1].split("=", 1)[1].strip().lower() in ("true", "1")
-            if value != self.scan_layers:
-                raise UsageError(
-                    f"{self.base or self.step}: the params are stored "
-                    f"{'scanned' if self.scan_layers else 'unscanned'}, but the config says "
-                    f"{given[-1]}: drop the key (it is read from the step) or export the "
-                    f"{'--unroll' if value is False else '--stack'} form of the step."
-                )
-            return argv
-        return [*argv, f"scan_layers={str(self.scan_layers).lower()}"]
+        """``argv`` with the ``scan_layers`` of the stored form (`hf_mapping.with_scan_layers`)."""
+        return hf_mapping.with_scan_layers(argv, self.scan_layers, self.base or self.step)
 
     def plan(self, target: Target, alpha: float | None):
         if self.base is not None:
@@ -443,7 +430,9 @@ def export_hf(
     dry_run: bool = False,
     process_index: int | None = None,
     process_count: int | None = None,
-) -> ExportReport:
+    adapter: bool = False,
+    base_model_name_or_path: str | None = None,
+) -> ExportReport | AdapterReport:
     """Exports ``step`` to Hugging Face safetensors in ``out``; returns the report.
 
     ``step``: a MaxText step (full state or param-only, scanned or not) or its ``items``;
@@ -453,6 +442,8 @@ def export_hf(
     model (``scan_layers`` is read from the step). What is written equals MaxText 0.2.5's
     ``to_huggingface`` in Base mode (see docs/export-hf.md). ``process_index`` /
     ``process_count`` default to JAX's where ``jax.distributed`` is initialized.
+    ``adapter``: write a LoRA adapter step as a PEFT adapter instead (`export_adapter`;
+    ``base_model_name_or_path`` for its config, by default MaxText's HF id of the model).
 
     Raises:
       LayoutMismatchError: an adapter step without ``base``; a config of another model
@@ -461,6 +452,23 @@ def export_hf(
       UsageError: no alpha; MaxText not installed (`hf_mapping.MaxTextMissing`).
       StepExistsError: ``out`` holds files already.
     """
+    if adapter:
+        if base is not None:
+            raise UsageError(
+                "--adapter writes the adapters alone, to be served on the base model; --base "
+                "merges them into the base: pass one of them."
+            )
+        if (process_count or 1) > 1:
+            raise UsageError("--adapter writes one small file: run it as one process.")
+        return export_adapter(
+            step,
+            out,
+            maxtext_config=maxtext_config,
+            alpha=alpha,
+            base_model_name_or_path=base_model_name_or_path,
+            override_model_architecture=override_model_architecture,
+            dry_run=dry_run,
+        )
     start = time.monotonic()
     pi, pc = _processes(process_index, process_count)
     out = epath.Path(out)

@@ -133,6 +133,31 @@ def supported_models() -> list[str]:
     )
 
 
+def with_scan_layers(argv: list[str], scanned: bool | None, where: Any) -> list[str]:
+    """``argv`` with the ``scan_layers`` of the stored form (None: unknown, unchanged), as
+    MaxText's ``verify_and_sync_scan_layers`` syncs it; a conflicting explicit value is
+    refused, naming ``where`` the params are stored."""
+    given = [a for a in argv if a.split("=", 1)[0] == "scan_layers"]
+    if scanned is None:
+        return argv
+    if given:
+        value = given[-1].split("=", 1)[1].strip().lower() in ("true", "1")
+        if value != scanned:
+            raise UsageError(
+                f"{where}: the params are stored {'scanned' if scanned else 'unscanned'}, but "
+                f"the config says {given[-1]}: drop the key (it is read from the step) or "
+                f"export the {'--unroll' if value is False else '--stack'} form of the step."
+            )
+        return argv
+    return [*argv, f"scan_layers={str(scanned).lower()}"]
+
+
+def hf_id(model_name: str) -> str:
+    """MaxText's Hugging Face model id of ``model_name`` (its ``HF_IDS``)."""
+    _, _, _, ids = _maxtext()
+    return ids[model_name]
+
+
 def load_config(argv: Sequence[str]) -> Any:
     """MaxText's pydantic config of ``argv`` (the config file, then KEY=VALUE overrides),
     as ``to_huggingface`` reads it, without its process-exiting error handler."""

@@ -1,0 +1,83 @@
+"""The PEFT side of test_export_adapter.py, run by the hf venv's Python 3.11 (constraints/hf.txt:
+transformers 5.24.0, peft 0.21.2, the CPU build of torch 2.13.0), never imported by pytest.
+
+    python peft_child.py JOBS.json OUT.npz
+
+JOBS.json: ``{"tokens": [[...], ...], "jobs": [{"name", "base", "merged", "adapter"}, ...]}``,
+each a directory: ``base`` and ``merged`` Hugging Face models (``export-hf`` of the base step
+and of the LoRA step merged into it), ``adapter`` a PEFT adapter (``export-hf --adapter``).
+For each job, in float32, without a cache, under ``torch.no_grad()``:
+
+- ``<name>::base``, ``<name>::merged``: transformers' logits of the two models;
+- ``<name>::peft``: the logits of ``PeftModel.from_pretrained(<base model>, adapter)``;
+- ``<name>::info`` (JSON): the adapter's tensors that PEFT did not load as they are in the
+  file (``not_loaded``: none is expected), the modules that hold a LoRA layer
+  (``adapted``), the config's ``target_modules``, and per weight the largest difference
+  between ``merge_and_unload()``'s weight and the merged model's (``merge_diff``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+
+def _model(path: str) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def run(job: dict, tokens: torch.Tensor) -> dict[str, object]:
+    out: dict[str, object] = {}
+    with torch.no_grad():
+        out["base"] = _model(job["base"])(tokens, use_cache=False).logits.numpy()
+        merged = _model(job["merged"])
+        out["merged"] = merged(tokens, use_cache=False).logits.numpy()
+        peft = PeftModel.from_pretrained(_model(job["base"]), job["adapter"])
+        peft.eval()
+        out["peft"] = peft(tokens, use_cache=False).logits.numpy()
+    state = peft.state_dict()
+    not_loaded = []
+    for name, value in load_file(f"{job['adapter']}/adapter_model.safetensors").items():
+        key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight"
+        )
+        if key not in state or not torch.equal(state[key], value):
+            not_loaded.append(name)
+    adapted = sorted(n for n, m in peft.named_modules() if hasattr(m, "lora_A") and len(m.lora_A))
+    config = json.loads(open(f"{job['adapter']}/adapter_config.json").read())
+    unloaded = peft.merge_and_unload()
+    want = merged.state_dict()
+    merge_diff = {
+        n: float((p.detach() - want[n]).abs().max())
+        for n, p in unloaded.state_dict().items()
+        if n in want
+    }
+    info = {
+        "not_loaded": not_loaded,
+        "adapted": adapted,
+        "target_modules": config["target_modules"],
+        "merge_diff": merge_diff,
+    }
+    out["info"] = json.dumps(info)
+    return out
+
+
+def main(jobs_path: str, out_path: str) -> None:
+    spec = json.loads(open(jobs_path).read())
+    tokens = torch.tensor(spec["tokens"], dtype=torch.long)
+    out = {}
+    for job in spec["jobs"]:
+        for k, v in run(job, tokens).items():
+            out[f"{job['name']}::{k}"] = v if isinstance(v, np.ndarray) else np.array(v)
+    np.savez(out_path, **out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

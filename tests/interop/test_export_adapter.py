@@ -1,0 +1,320 @@
+"""Interop (issue 31): ``export-hf --adapter`` writes a PEFT adapter that PEFT itself loads,
+and that adds in Hugging Face space what the merge adds.
+
+The LoRA steps are the frozen fixtures of tests/fixtures/maxtext025 (their README), each
+copied with its factors replaced by random ones of real magnitude (the trained ones move the
+logits by ~2e-3 only; ``lora_logits_support.write_random_adapters``, written as Tunix
+writes):
+
+- ``scanned``: ``lora_run/checkpoints/2`` (llama3.1, scanned at axis 1, the 7 projections),
+  from ``pretrain_run/checkpoints/1``;
+- ``unscanned``: ``lora_unscanned_run/checkpoints/2``, from ``pretrain_unscanned_run/checkpoints/0``;
+- ``gemma3``: ``gemma3_lora_run/checkpoints/2`` (block scans ``layers_<k>``), from
+  ``gemma3_pretrain_run/checkpoints/0``.
+
+What proves what:
+
+- *the values*: for every adapted module and layer, ``(alpha/r) * lora_B @ lora_A`` equals
+  ``export-hf --base`` (the merge) minus ``export-hf`` of the base, in Hugging Face space, to
+  float32 rounding; the other tensors of the two exports are equal. MaxText's own Adapter mode
+  writes ``B @ A`` without the hooks: that misses the merge for ``q_proj``/``k_proj`` (the depth
+  scaling and RoPE's row order), which this test also shows, so it cannot pass by accident;
+- *PEFT* (the hf venv, ``OMTL_HF_PYTHON``; skipped without it): ``PeftModel.from_pretrained``
+  on the base's export loads every tensor of the adapter as written, puts a LoRA layer on
+  every ``target_modules`` entry of every layer, and gives transformers' logits of the
+  merged export within 1e-5; ``merge_and_unload()`` gives the merged export's weights;
+- *the contract*: ``--dry-run --json`` lists what the export writes and writes nothing; the
+  step's ``model_params`` form writes the same files; every refusal exits as the issue says,
+  writes nothing and leaves the step as it was (mixtral's expert adapters, which PEFT cannot
+  carry here, are named one by one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import hf_export_support as S
+import lora_logits_support as LS
+import maxtext_loop_support as L
+import numpy as np
+import pytest
+
+from orbax_maxtext_layout import cli
+
+GEN = L.generator()
+FIX = L.FIXTURE
+HERE = Path(__file__).resolve().parent
+ALPHA, RANK = GEN.LORA_ALPHA, GEN.LORA_RANK  # 8, 4
+HF_PYTHON = os.environ.get("OMTL_HF_PYTHON", "")
+LOGITS_TOLERANCE = 1e-5
+FORMS = {  # form -> (LoRA step, its base, the model's keys (scan_layers read from the step))
+    "scanned": ("lora_run/checkpoints/2", "pretrain_run/checkpoints/1", S.model_keys()),
+    "unscanned": (
+        "lora_unscanned_run/checkpoints/2",
+        "pretrain_unscanned_run/checkpoints/0",
+        S.model_keys(),
+    ),
+    "gemma3": (
+        "gemma3_lora_run/checkpoints/2",
+        "gemma3_pretrain_run/checkpoints/0",
+        [k for k in GEN.GEMMA3_MODEL_KEYS if not k.startswith("scan_layers=")],
+    ),
+}
+LLAMA_FORMS = ("scanned", "unscanned")
+
+
+def _export(*args: object) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["export-hf", *map(str, args)])
+    return rc, out.getvalue() + err.getvalue()
+
+
+def _config(keys: list[str]) -> list[str]:
+    return ["--override-model-architecture", "--maxtext-config", str(L.base_yml()), *keys]
+
+
+def _tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("export_adapter")
+
+
+@pytest.fixture(scope="module")
+def steps(work) -> dict[str, tuple[Path, Path]]:
+    """form -> (the LoRA step with random factors, a copy of its base)."""
+    out = {}
+    for seed, (form, (lora, base, _)) in enumerate(FORMS.items()):
+        src = L.copy_tree(FIX / lora, work / "src" / form / "checkpoints" / "2")
+        dst = work / "steps" / form / "lora" / "checkpoints" / "2"
+        LS.write_random_adapters(src, dst, seed=seed)
+        out[form] = (dst, L.copy_tree(FIX / base, work / "steps" / form / "base" / Path(base).name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(work, steps) -> dict[str, dict[str, Path]]:
+    """form -> {"base", "merged", "adapter"}: the three exports of each form."""
+    out = {}
+    for form, (lora, base) in steps.items():
+        keys = FORMS[form][2]
+        d = {k: work / "hf" / form / k for k in ("base", "merged", "adapter")}
+        runs = {
+            "base": (base,),
+            "merged": (lora, "--base", base, "--alpha", ALPHA),
+            "adapter": (lora, "--adapter", "--alpha", ALPHA),
+        }
+        for k, args in runs.items():
+            rc, text = _export(*args, "--out", d[k], *_config(keys))
+            assert rc == 0, (form, k, text)
+        out[form] = d
+    return out
+
+
+def _hf_module(peft_name: str) -> str:
+    return peft_name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_adapter_adds_what_the_merge_adds(form, exports):
+    d = exports[form]
+    base, merged, adapter = (S.read_hf(d[k]) for k in ("base", "merged", "adapter"))
+    config = json.loads((d["adapter"] / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["task_type"]) == ("LORA", "CAUSAL_LM")
+    assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+    assert (config["lora_dropout"], config["bias"]) == (0.0, "none")
+    modules = sorted({_hf_module(n) for n in adapter})
+    assert modules and len(adapter) == 2 * len(modules)
+    assert {m.rsplit(".", 1)[-1] for m in modules} == set(config["target_modules"])
+    for m in modules:
+        a = adapter[f"base_model.model.{m}.lora_A.weight"]
+        b = adapter[f"base_model.model.{m}.lora_B.weight"]
+        assert a.shape[0] == RANK and b.shape[1] == RANK and a.dtype == b.dtype, m
+        got = (ALPHA / RANK) * (b.astype(np.float64) @ a.astype(np.float64))
+        want = merged[f"{m}.weight"].astype(np.float64) - base[f"{m}.weight"]
+        top = float(np.abs(want).max())
+        assert top > 1e-2, m  # real adapters: the merge moves this weight
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, top), err_msg=m)
+    unadapted = set(base) - {f"{m}.weight" for m in modules}
+    assert unadapted and all(np.array_equal(base[n], merged[n]) for n in unadapted)
+
+
+def _factors(step: Path) -> dict[str, np.ndarray]:
+    """``{"<module path>/kernel_lora_{a,b}": array}`` of a Tunix LoRA step, by stock Orbax."""
+    import orbax.checkpoint as ocp
+
+    tree = ocp.PyTreeCheckpointHandler().restore(step / "model_params")
+    out = {}
+
+    def walk(node, path):
+        if isinstance(node, dict) and set(node) == {"value"}:
+            out["/".join(path)] = np.asarray(node["value"])
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, [*path, str(k)])
+
+    walk(tree, [])
+    return out
+
+
+HF_OF = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "o_proj"}
+
+
+@pytest.mark.parametrize("form", LLAMA_FORMS)
+def test_without_the_hooks_q_and_k_would_be_wrong(form, steps, exports):
+    """MaxText's Adapter mode writes each layer's factors as they are (``lora_A = a.T``,
+    ``lora_B = b.T``, no hooks): that misses the merge for q_proj and k_proj (llama3.1's
+    depth scaling and RoPE row order) and matches it for v_proj and o_proj. The carried
+    adapter matches all four (`test_the_adapter_adds_what_the_merge_adds`)."""
+    d = exports[form]
+    base, merged = S.read_hf(d["base"]), S.read_hf(d["merged"])
+    factors = _factors(steps[form][0])
+    misses = {}
+    for layer in range(3):
+        for mod, hf in HF_OF.items():
+            if form == "scanned":
+                a = factors[f"decoder/layers/self_attention/{mod}/kernel_lora_a"][:, layer]
+                b = factors[f"decoder/layers/self_attention/{mod}/kernel_lora_b"][:, layer]
+            else:
+                a = factors[f"decoder/layers_{layer}/self_attention/{mod}/kernel_lora_a"]
+                b = factors[f"decoder/layers_{layer}/self_attention/{mod}/kernel_lora_b"]
+            naive = (ALPHA / RANK) * (b.T.astype(np.float64) @ a.T.astype(np.float64))
+            name = f"model.layers.{layer}.self_attn.{hf}.weight"
+            want = merged[name].astype(np.float64) - base[name]
+            misses.setdefault(hf, []).append(float(np.abs(naive - want).max()))
+    assert max(misses["q_proj"]) > 1e-2 and max(misses["k_proj"]) > 1e-2, misses
+    assert max(misses["v_proj"]) < 1e-5 and max(misses["o_proj"]) < 1e-5, misses
+
+
+def test_dry_run_lists_what_is_written_and_writes_nothing(work, steps, exports):
+    lora, _ = steps["scanned"]
+    out = work / "dry"
+    rc, text = _export(
+        lora,
+        "--adapter",
+        "--alpha",
+        ALPHA,
+        "--out",
+        out,
+        "--dry-run",
+        "--json",
+        *_config(FORMS["scanned"][2]),
+    )
+    assert rc == 0, text
+    report = json.loads(text[text.index("{") :])
+    assert report["status"] == "dry-run" and not out.exists()
+    written = S.read_hf(exports["scanned"]["adapter"])
+    assert {t["name"]: tuple(t["shape"]) for t in report["tensor_list"]} == {
+        n: x.shape for n, x in written.items()
+    }
+    assert (
+        report["target_modules"]
+        == json.loads((exports["scanned"]["adapter"] / "adapter_config.json").read_text())[
+            "target_modules"
+        ]
+    )
+
+
+def test_the_model_params_form_writes_the_same_files(work, steps, exports):
+    lora, _ = steps["scanned"]
+    out = work / "from_model_params"
+    rc, text = _export(
+        lora / "model_params",
+        "--adapter",
+        "--alpha",
+        ALPHA,
+        "--out",
+        out,
+        *_config(FORMS["scanned"][2]),
+    )
+    assert rc == 0, text
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (out / name).read_bytes() == (exports["scanned"]["adapter"] / name).read_bytes()
+
+
+def _refused(work: Path, name: str, step: Path, *args: object, keys=None) -> tuple[int, str]:
+    out = work / "refused" / name
+    before = _tree_hash(step.parent)
+    rc, text = _export(step, *args, "--out", out, *_config(keys or S.model_keys()))
+    assert not out.exists() and not out.parent.joinpath(out.name + ".export-hf-tmp").exists()
+    assert _tree_hash(step.parent) == before, "the step was modified"
+    return rc, text
+
+
+def test_refusals_write_nothing(work, steps):
+    lora, base = steps["scanned"]
+    rc, text = _refused(work, "not_lora", base, "--adapter", "--alpha", ALPHA)
+    assert rc == 2 and "without --adapter" in text, text
+    rc, text = _refused(work, "with_base", lora, "--adapter", "--base", base, "--alpha", ALPHA)
+    assert rc == 2 and "--base" in text, text
+    rc, text = _refused(work, "no_alpha", lora, "--adapter")  # Tunix records no alpha
+    assert rc == 2 and "--alpha" in text, text
+
+
+def test_expert_adapters_are_refused_each_named(work):
+    """mixtral's LoRA run adapts the experts with qwix's einsum factors: refused, exit 1, each
+    expert weight named; nothing written."""
+    step = L.copy_tree(
+        FIX / "mixtral_lora_run/checkpoints/2", work / "mixtral" / "checkpoints" / "2"
+    )
+    keys = [k for k in GEN.MIXTRAL_MODEL_KEYS if not k.startswith("scan_layers=")]
+    rc, text = _refused(work, "mixtral", step, "--adapter", "--alpha", ALPHA, keys=keys)
+    assert rc == 1, text
+    for w in ("wi_0", "wi_1", "wo"):
+        assert f"MoeBlock_0/{w}" in text, (w, text)
+    assert "self_attention/query" not in text, text  # the rest could be carried
+
+
+# ----------------------------------------------------------------------------- PEFT itself
+
+
+@pytest.fixture(scope="module")
+def peft(work, exports) -> dict[str, np.ndarray]:
+    if not HF_PYTHON:
+        pytest.skip(
+            "OMTL_HF_PYTHON is not set: it names the hf venv's python (PEFT, "
+            "transformers, CPU torch; constraints/hf.txt), which .ci/interop.sh sets"
+        )
+    jobs = [dict(name=f, **{k: str(v) for k, v in exports[f].items()}) for f in LLAMA_FORMS]
+    tokens = np.random.RandomState(0).randint(0, 64, (2, 16)).tolist()
+    spec, out = work / "peft_jobs.json", work / "peft.npz"
+    spec.write_text(json.dumps({"tokens": tokens, "jobs": jobs}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    run = subprocess.run(
+        [HF_PYTHON, str(HERE / "peft_child.py"), str(spec), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with np.load(out) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("form", LLAMA_FORMS)
+def test_peft_loads_the_adapter_and_gives_the_merged_logits(form, peft):
+    info = json.loads(str(peft[f"{form}::info"]))
+    assert info["not_loaded"] == [], info["not_loaded"]
+    adapted = info["adapted"]
+    for t in info["target_modules"]:  # every entry receives an adapter in every layer
+        assert sum(n.endswith(f".{t}") for n in adapted) == 3, (t, adapted)
+    assert len(adapted) == 3 * len(info["target_modules"]) == 21
+    got, want, base = (peft[f"{form}::{k}"] for k in ("peft", "merged", "base"))
+    assert float(np.abs(got - base).max()) > 1e-2  # the adapters matter
+    assert float(np.abs(got - want).max()) <= LOGITS_TOLERANCE
+    assert max(info["merge_diff"].values()) <= 1e-6, info["merge_diff"]

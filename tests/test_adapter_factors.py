@@ -1,0 +1,112 @@
+"""LoRA factors carried through linear hooks onto PEFT's factors (`adapter_factors`): per
+hook, per kernel axis, and the refusal of hooks that cannot be split onto the factors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from orbax_maxtext_layout.adapter_factors import TOLERANCE, carry, check
+from orbax_maxtext_layout.moves import lora_delta_added
+
+EMB, HEADS, HD, R = 12, 3, 8, 4
+
+
+def _delta(kernel: tuple[int, ...]):
+    return lambda a, b: lora_delta_added(np.zeros(kernel, np.float64), a, b, 1.0)
+
+
+def _query_hook(x):  # llama's query: depth scaling, RoPE's row order, (out, in)
+    x = x * math.sqrt(HD)
+    x = x.reshape(EMB, HEADS, HD // 2, 2).transpose(0, 1, 3, 2).reshape(EMB, HEADS * HD)
+    return x.T
+
+
+def _out_hook(x):  # attention out (heads, head_dim, emb): (emb, heads * head_dim)
+    return x.reshape(HEADS * HD, EMB).T
+
+
+def _mlp_hook(x):  # a plain dense kernel (emb, mlp): its transpose
+    return x.T
+
+
+def _row_scaled_hook(x):  # a different constant per output row (and per input column)
+    return (x * np.arange(1, x.shape[1] + 1)[None, :] * np.arange(2, x.shape[0] + 2)[:, None]).T
+
+
+CASES = {  # kernel, its hook, qwix's (in, out) split of the kernel (contracting dims first)
+    "query": ((EMB, HEADS, HD), _query_hook, (EMB, HEADS * HD)),
+    "out": ((HEADS, HD, EMB), _out_hook, (HEADS * HD, EMB)),
+    "mlp": ((EMB, 20), _mlp_hook, (EMB, 20)),
+    "scaled": ((EMB, 20), _row_scaled_hook, (EMB, 20)),
+}
+
+
+def _factors(split, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((split[0], R)).astype(np.float32)
+    b = rng.standard_normal((R, split[1])).astype(np.float32)
+    return a, b
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_carried_factors_give_the_hooked_delta(name):
+    kernel, hook, split = CASES[name]
+    a, b = _factors(split, 0)
+    delta = _delta(kernel)
+    fmap = carry(hook, delta, a.shape[0], b.shape[1])
+    assert not isinstance(fmap, str), fmap
+    lora_a, lora_b = fmap.peft(a, b)
+    want = hook(lora_delta_added(np.zeros(kernel, np.float64), a, b, 1.0))
+    assert lora_a.shape == (R, want.shape[1]) and lora_b.shape == (want.shape[0], R)
+    assert lora_a.dtype == np.float32 and lora_b.dtype == np.float32
+    top = np.abs(want).max()
+    np.testing.assert_allclose(lora_b.astype(np.float64) @ lora_a, want, rtol=0, atol=1e-6 * top)
+    assert check(hook, delta, fmap, a, b) <= TOLERANCE
+    # another layer's factors through the same map (the map is the module's, not the layer's)
+    a2, b2 = _factors(split, 1)
+    assert check(hook, delta, fmap, a2, b2) <= TOLERANCE
+
+
+def test_the_query_map_is_a_permutation_and_the_depth_scale():
+    kernel, hook, _ = CASES["query"]
+    fmap = carry(hook, _delta(kernel), EMB, HEADS * HD)
+    assert not isinstance(fmap, str)
+    assert sorted(fmap.out_index.tolist()) == list(range(HEADS * HD))
+    assert fmap.out_index.tolist() != list(range(HEADS * HD))  # RoPE's rows moved
+    np.testing.assert_allclose(fmap.in_scale * fmap.out_scale[0], math.sqrt(HD), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "hook, why",
+    [
+        (lambda x: (x + x[::-1]).T, "do not act on"),  # mixes two input entries
+        (lambda x: np.cumsum(x, axis=1).T, "do not act on"),  # mixes output entries
+        (lambda x: (x + 1.0).T, "do not act on"),  # affine, not linear
+        (lambda x: x.T[:, :-1], "one to one"),  # loses an input entry
+        (lambda x: np.stack([x.T, x.T]), "not a matrix"),
+        (lambda x: x, "do not act on"),  # the input side on the rows
+    ],
+    ids=["mix-in", "mix-out", "affine", "lossy", "3d", "swapped"],
+)
+def test_a_hook_that_cannot_be_split_is_refused(hook, why):
+    kernel = (EMB, 20)
+    got = carry(hook, _delta(kernel), EMB, 20)
+    assert isinstance(got, str) and why in got, got
+
+
+def test_check_catches_a_map_that_does_not_hold():
+    """A hook whose probes pass but which mixes entries elsewhere: the layer check fails."""
+    kernel = (EMB, 20)
+
+    def sneaky(x):
+        y = x.T.copy()
+        y[5, 7] += x[3, 2]  # an entry the probes (entry 0 on each side) never see moved
+        return y
+
+    fmap = carry(sneaky, _delta(kernel), EMB, 20)
+    assert not isinstance(fmap, str)
+    a, b = _factors((EMB, 20), 0)
+    assert check(sneaky, _delta(kernel), fmap, a, b) > TOLERANCE
