@@ -18,6 +18,7 @@ from .errors import (
     StepLocked,
     UsageError,
 )
+from .export_adapter import AdapterReport
 from .export_hf import ExportReport, export_hf, plan_export
 from .handler import (
     MaxTextLayoutHandler,
@@ -56,6 +57,7 @@ __all__ = [
     "KNOWN_INTERMEDIATES",
     "SCAN_GROUPS",
     "TUNIX_STEP_KEY",
+    "AdapterReport",
     "CheckpointManager",
     "CheckpointReadError",
     "Dest",

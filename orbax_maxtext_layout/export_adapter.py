@@ -151,20 +151,53 @@ def plan_adapter(
             problems,
             hint="Merge them instead: export-hf STEP --base BASE, or merge-lora.",
         )
-    tensors = [t for mod in modules for t in _tensors(model, mod)]
+    tensors = [t for mod in modules for t in _tensors(mod)]
     shard = safetensors_out.layout_shards(tensors, 1 << 62)[0]
     shard = dataclasses.replace(shard, name=ADAPTER_FILE)
     hf_id = base_model_name_or_path or hf_mapping.hf_id(model.model_name)
-    target_modules = sorted(
-        {_hf_module(model, u).rsplit(".", 1)[-1] for m in modules for u in m.units}
+    targets = sorted({_hf_module(u).rsplit(".", 1)[-1] for m in modules for u in m.units})
+    report = AdapterReport(
+        step=str(step),
+        out=str(out),
+        status="dry-run",
+        model_name=model.model_name,
+        scan_layers=bool(model.scan_layers),
+        rank=adapters.rank,
+        alpha=float(alpha),
+        dtype=np.dtype(tensors[0].dtype).name if tensors else adapters.dtype,
+        base_model_name_or_path=hf_id,
+        target_modules=targets,
+        modules=[_module_row(m) for m in modules],
+        tensors=len(tensors),
+        bytes=sum(t.nbytes for t in tensors),
+        tensor_list=[
+            {"name": t.name, "shape": list(t.shape), "dtype": np.dtype(t.dtype).name}
+            for t in sorted(tensors, key=lambda t: t.name)
+        ],
     )
-    peft_config = {
+    return AdapterPlan(model, adapter_dir, modules, shard, _peft_config(report), report)
+
+
+def _module_row(m: _Module) -> dict[str, Any]:
+    """A module's line of the report (its ``check`` is filled in by the export)."""
+    return {
+        "module": keystr(m.move.dst[2:-1]),
+        "hf_module": _hf_module(m.units[0]).replace(".0.", ".{i}."),
+        "layers": len(m.units),
+        "check": None,
+    }
+
+
+def _peft_config(r: AdapterReport) -> dict[str, Any]:
+    """``adapter_config.json``: what PEFT's ``save_pretrained`` writes for a LoRA adapter
+    of a causal LM, without dropout or biases (MaxText trains none)."""
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": hf_id,
-        "r": adapters.rank,
-        "lora_alpha": float(alpha),
-        "target_modules": target_modules,
+        "base_model_name_or_path": r.base_model_name_or_path,
+        "r": r.rank,
+        "lora_alpha": r.alpha,
+        "target_modules": r.target_modules,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -176,35 +209,6 @@ def plan_adapter(
         "rank_pattern": {},
         "alpha_pattern": {},
     }
-    dtype = np.dtype(tensors[0].dtype).name if tensors else adapters.dtype
-    report = AdapterReport(
-        step=str(step),
-        out=str(out),
-        status="dry-run",
-        model_name=model.model_name,
-        scan_layers=bool(model.scan_layers),
-        rank=adapters.rank,
-        alpha=float(alpha),
-        dtype=dtype,
-        base_model_name_or_path=hf_id,
-        target_modules=target_modules,
-        modules=[
-            {
-                "module": keystr(m.move.dst[2:-1]),
-                "hf_module": _hf_module(model, m.units[0]).replace(".0.", ".{i}."),
-                "layers": len(m.units),
-                "check": None,
-            }
-            for m in modules
-        ],
-        tensors=len(tensors),
-        bytes=sum(t.nbytes for t in tensors),
-        tensor_list=[
-            {"name": t.name, "shape": list(t.shape), "dtype": np.dtype(t.dtype).name}
-            for t in sorted(tensors, key=lambda t: t.name)
-        ],
-    )
-    return AdapterPlan(model, adapter_dir, modules, shard, peft_config, report)
 
 
 def _modules(
@@ -234,7 +238,7 @@ def _modules(
         delta = _delta(kernel)
         fmap = adapter_factors.carry(hook, delta, a[0], b[1])
         if isinstance(fmap, str):
-            problems.append(f"{name} -> {_hf_module(model, us[0])}: {fmap}")
+            problems.append(f"{name} -> {_hf_module(us[0])}: {fmap}")
             continue
         modules.append(_Module(m, us, fmap, hook, delta))
     return modules, problems
@@ -256,23 +260,23 @@ def _delta(kernel: tuple[int, ...]):
     return delta
 
 
-def _hf_module(model: HfModel, unit: Unit) -> str:
+def _hf_module(unit: Unit) -> str:
     """The HF module a unit's tensor belongs to (its name without ``.weight``)."""
     return str(unit.hf_path).removesuffix(".weight")
 
 
-def _names(model: HfModel, unit: Unit) -> tuple[str, str]:
-    base = PEFT_PREFIX + _hf_module(model, unit)
+def _names(unit: Unit) -> tuple[str, str]:
+    base = PEFT_PREFIX + _hf_module(unit)
     return f"{base}.lora_A.weight", f"{base}.lora_B.weight"
 
 
-def _tensors(model: HfModel, mod: _Module) -> list[safetensors_out.Tensor]:
+def _tensors(mod: _Module) -> list[safetensors_out.Tensor]:
     f, r = mod.factor, int(mod.factor.a_spec.shape[-1])
     dtype = np.dtype(f.a_spec.dtype)
     n_in, n_out = len(mod.fmap.in_index), len(mod.fmap.out_index)
     out = []
     for u in mod.units:
-        a_name, b_name = _names(model, u)
+        a_name, b_name = _names(u)
         out += [
             safetensors_out.Tensor(a_name, (r, n_in), dtype),
             safetensors_out.Tensor(b_name, (n_out, r), dtype),
@@ -364,7 +368,7 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
                         )
                         break
                 lora_a, lora_b = mod.fmap.peft(la, lb)
-                a_name, b_name = _names(plan.model, u)
+                a_name, b_name = _names(u)
                 f.write(a_name, lora_a)
                 f.write(b_name, lora_b)
         if bad:
