@@ -97,3 +97,27 @@ def test_a_published_export_on_gs_is_not_replaced(gs_prefix, tmp_path):
     with pytest.raises(StepExistsError):
         export_hf(step, gs_prefix.path("hf"), **kw)
     assert gs_prefix.objects("hf") == before
+
+
+def test_adapter_export_from_and_to_gs_equals_disk(gs_prefix, tmp_path):
+    """``--adapter`` on gs://: the same two files as on a disk, ``adapter_config.json``
+    published last; a publish cut short (no config under out, the work objects there) is
+    completed by a rerun."""
+    lora = gs_prefix.upload(FIX / "lora_run", "lora") / "checkpoints" / "2"
+    kw = dict(maxtext_config=_config(), override_model_architecture=True, alpha=8, adapter=True)
+    local = export_hf(FIX / "lora_run/checkpoints/2", tmp_path / "ad", **kw)
+    out = gs_prefix.path("ad")
+    remote = export_hf(lora, out, **kw)
+    assert remote.status == local.status == "exported"
+    assert remote.files == local.files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert _files(gs_prefix.download("ad", tmp_path / "down")) == _files(tmp_path / "ad")
+    assert not gs_prefix.objects(f"ad{EXPORT_WORK_SUFFIX}")
+
+    work = gs_prefix.path(f"ad{EXPORT_WORK_SUFFIX}")
+    objstore.copy_tree(out, work)
+    (out / "adapter_config.json").unlink()
+    objstore.refresh(out)
+    again = export_hf(lora, out, **kw)
+    assert again.status == "exported"
+    assert _files(gs_prefix.download("ad", tmp_path / "down2")) == _files(tmp_path / "ad")
+    assert not gs_prefix.objects(f"ad{EXPORT_WORK_SUFFIX}")

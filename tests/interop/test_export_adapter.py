@@ -67,7 +67,11 @@ FORMS = {  # form -> (LoRA step, its base, the model's keys (scan_layers read fr
         [k for k in GEN.GEMMA3_MODEL_KEYS if not k.startswith("scan_layers=")],
     ),
 }
-LLAMA_FORMS = ("scanned", "unscanned")
+# ``axis0``: the ``scanned`` form's base params and random factors with the layer axis moved
+# from 1 to 0 (MaxText's ``param_scan_axis=0``), written by stock Orbax (`_axis0`).
+AXIS0_KEYS = [k if k != "param_scan_axis=1" else "param_scan_axis=0" for k in S.model_keys()]
+LLAMA_FORMS = ("scanned", "unscanned", "axis0")
+KEYS = {**{f: v[2] for f, v in FORMS.items()}, "axis0": AXIS0_KEYS}
 
 
 def _export(*args: object) -> tuple[int, str]:
@@ -103,7 +107,51 @@ def steps(work) -> dict[str, tuple[Path, Path]]:
         dst = work / "steps" / form / "lora" / "checkpoints" / "2"
         LS.write_random_adapters(src, dst, seed=seed)
         out[form] = (dst, L.copy_tree(FIX / base, work / "steps" / form / "base" / Path(base).name))
+    out["axis0"] = _axis0(*out["scanned"], work / "steps" / "axis0")
     return out
+
+
+def _axis0(lora: Path, base: Path, root: Path) -> tuple[Path, Path]:
+    """A LoRA step and its base at layer axis 0, from ``lora`` and ``base`` at axis 1: every
+    scanned leaf (under ``decoder/layers``) with its axis 1 moved to 0. The base is written
+    as a MaxText param-only step (``items`` holding ``params``), the adapters as a Tunix
+    ``model_params`` (a ``value`` level on each factor), both by stock Orbax."""
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    def moved(path, x):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        scanned = "decoder" in keys and "layers" in keys and np.ndim(x) >= 2
+        return np.moveaxis(np.asarray(x), 1, 0) if scanned else np.asarray(x)
+
+    handler = ocp.PyTreeCheckpointHandler()
+    params = handler.restore(epath.Path(base / "items"))["params"]
+    factors = handler.restore(epath.Path(lora / "model_params"))
+    saved = {}
+    for name, item, tree in (
+        ("base", "items", {"params": jax.tree_util.tree_map_with_path(moved, params)}),
+        ("lora", "model_params", jax.tree_util.tree_map_with_path(moved, factors)),
+    ):
+        manager = ocp.CheckpointManager(
+            epath.Path(root / name / "checkpoints"),
+            item_handlers={item: ocp.PyTreeCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
+        )
+        try:
+            step = 1 if name == "base" else 2
+            custom = {"scan_layers": True} if name == "base" else {}
+            manager.save(
+                step,
+                args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}),
+                custom_metadata=custom,
+                force=True,
+            )
+            manager.wait_until_finished()
+        finally:
+            manager.close()
+        saved[name] = root / name / "checkpoints" / str(step)
+    return saved["lora"], saved["base"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +159,7 @@ def exports(work, steps) -> dict[str, dict[str, Path]]:
     """form -> {"base", "merged", "adapter"}: the three exports of each form."""
     out = {}
     for form, (lora, base) in steps.items():
-        keys = FORMS[form][2]
+        keys = KEYS[form]
         d = {k: work / "hf" / form / k for k in ("base", "merged", "adapter")}
         runs = {
             "base": (base,),
@@ -129,7 +177,7 @@ def _hf_module(peft_name: str) -> str:
     return peft_name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", list(KEYS))
 def test_the_adapter_adds_what_the_merge_adds(form, exports):
     d = exports[form]
     base, merged, adapter = (S.read_hf(d[k]) for k in ("base", "merged", "adapter"))
@@ -186,9 +234,10 @@ def test_without_the_hooks_q_and_k_would_be_wrong(form, steps, exports):
     misses = {}
     for layer in range(3):
         for mod, hf in HF_OF.items():
-            if form == "scanned":
-                a = factors[f"decoder/layers/self_attention/{mod}/kernel_lora_a"][:, layer]
-                b = factors[f"decoder/layers/self_attention/{mod}/kernel_lora_b"][:, layer]
+            if form != "unscanned":  # the layer axis: 1, or 0 (axis0)
+                at = (slice(None), layer) if form == "scanned" else (layer,)
+                a = factors[f"decoder/layers/self_attention/{mod}/kernel_lora_a"][at]
+                b = factors[f"decoder/layers/self_attention/{mod}/kernel_lora_b"][at]
             else:
                 a = factors[f"decoder/layers_{layer}/self_attention/{mod}/kernel_lora_a"]
                 b = factors[f"decoder/layers_{layer}/self_attention/{mod}/kernel_lora_b"]
@@ -295,11 +344,18 @@ def test_dry_run_lists_what_is_written_and_writes_nothing(work, steps, exports):
     )
 
 
-def test_the_model_params_form_writes_the_same_files(work, steps, exports):
+@pytest.mark.parametrize("given", ["model_params", "actor"])
+def test_the_other_forms_of_the_step_write_the_same_files(given, work, steps, exports):
+    """The step's ``model_params``, and the step as Tunix's RL trainer places it
+    (``checkpoints/actor/<n>``)."""
     lora, _ = steps["scanned"]
-    out = work / "from_model_params"
+    out = work / f"from_{given}"
+    if given == "actor":
+        where = L.copy_tree(lora, work / "rl" / "checkpoints" / "actor" / lora.name)
+    else:
+        where = lora / "model_params"
     rc, text = _export(
-        lora / "model_params",
+        where,
         "--adapter",
         "--alpha",
         ALPHA,
