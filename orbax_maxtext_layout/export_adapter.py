@@ -102,7 +102,7 @@ class _Module:
 @dataclasses.dataclass
 class AdapterPlan:
     model: HfModel
-    adapter_dir: epath.Path
+    params_dir: epath.Path  # the step's model_params: the factors
     modules: list[_Module]
     shard: safetensors_out.Shard
     config: dict[str, Any]
@@ -175,7 +175,7 @@ def plan_adapter(
             for t in sorted(tensors, key=lambda t: t.name)
         ],
     )
-    return AdapterPlan(model, adapter_dir, modules, shard, _peft_config(report), report)
+    return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report)
 
 
 def _module_row(m: _Module) -> dict[str, Any]:
@@ -348,7 +348,7 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
     """Every module's PEFT factors, layer by layer, each module checked on its first layer
     first; a module that fails its check stops the export, naming every such module."""
     ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(_params_dir(plan), ctx)
+    src = tskv.SourceItem.open(plan.params_dir, ctx)
     f = safetensors_out.ShardFile(str(path), plan.shard)
     bad: list[str] = []
     try:
@@ -382,11 +382,6 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
     except BaseException:
         f.abandon()
         raise
-
-
-def _params_dir(plan: AdapterPlan) -> epath.Path:
-    _, params_dir = adapter_item(epath.Path(plan.report.step))
-    return params_dir
 
 
 def _layer(x: np.ndarray, axis: int | None, index: int | None) -> np.ndarray:
