@@ -130,12 +130,12 @@ install_repo "$INTEROP_VENV"
 log "versions: $("$INTEROP_VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
   | grep -iE '^(orbax-checkpoint|jax|flax|optax|google-tunix|maxtext)==' | tr '\n' ' ')"
 
-# -- 1b. hf venv: transformers + CPU torch, for the logits of export-hf's output ----------
+# -- 1b. hf venv: transformers + CPU torch + PEFT, for export-hf's output (and --adapter's) --
 HF_VENV="$(build_venv hf-venv "$HF_CONSTRAINTS" "$PY311")"
-"$HF_VENV/bin/python" -c 'import torch, transformers, safetensors' 2>/dev/null \
-  || die "the hf venv cannot import torch / transformers / safetensors"
+"$HF_VENV/bin/python" -c 'import torch, transformers, safetensors, peft' 2>/dev/null \
+  || die "the hf venv cannot import torch / transformers / safetensors / peft"
 log "hf venv: $("$HF_VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
-  | grep -iE '^(torch|transformers|safetensors|tokenizers)==' | tr '\n' ' ')"
+  | grep -iE '^(torch|transformers|safetensors|tokenizers|peft)==' | tr '\n' ' ')"
 export OMTL_HF_PYTHON="$HF_VENV/bin/python"
 
 log "interop suite (python -m pytest -q tests/interop), OMTL_HF_PYTHON=$OMTL_HF_PYTHON"
