@@ -71,6 +71,8 @@ right after (then ``sync``); the step's files are read once, untimed, before eac
   both processes started together: wall until both exit, bytes summed, each one's peak RSS;
 - ``merge-lora`` (lora16): ``merge-lora LORA --base LLAMA_FSDP --alpha 32 --out OUT
   --memory-budget BUDGET``;
+- ``export-adapter`` (lora16): ``export-hf LORA --adapter --alpha 32 --out OUT
+  --maxtext-config <base.yml> <keys>``, the adapters as a PEFT adapter (issue 31);
 - ``convert-unroll`` (tunix-fsdp): ``convert ROOT --unroll --out OUT --optimizer drop
   --memory-budget BUDGET -q --maxtext-config <base.yml> <keys>``, then ``verify`` of that
   output (its ``model_params`` hard-linked beside ``items/``), timed alone;
@@ -145,12 +147,21 @@ STEPS = {
     "lora16": {"model": "llama", "layout": "lora"},
     "moe-cut": {"model": "moe", "layout": "maxtext", "chunks": "fsdp"},
 }
-OPS = ("cp", "export-hf", "export-hf-2p", "merge-lora", "convert-unroll", "verify", "baseline")
+OPS = (
+    "cp",
+    "export-hf",
+    "export-hf-2p",
+    "merge-lora",
+    "export-adapter",
+    "convert-unroll",
+    "verify",
+    "baseline",
+)
 APPLICABLE = {
     "llama-fsdp": ("export-hf", "export-hf-2p"),
     "llama-onechunk": ("export-hf", "export-hf-2p"),
     "tunix-fsdp": ("convert-unroll", "verify"),
-    "lora16": ("merge-lora",),
+    "lora16": ("merge-lora", "export-adapter"),
     "moe-cut": ("export-hf",),
 }
 MIB, GIB = 1 << 20, 1 << 30
@@ -1172,6 +1183,24 @@ class Runner:
                 )
                 for i in range(2)
             ]
+        if op == "export-adapter":
+            override = any(
+                k.startswith("override_model_config")
+                for k in self.infos[name]["params"]["model_keys"]
+            )
+            return [
+                self._cli(
+                    "export-hf",
+                    step,
+                    "--adapter",
+                    "--alpha",
+                    ALPHA,
+                    "--out",
+                    out,
+                    *(["--override-model-architecture"] if override else []),
+                    *self._mt(name),
+                )
+            ]
         if op == "merge-lora":
             base = step_path(self.work, "llama-fsdp")
             return [
@@ -1515,7 +1544,7 @@ def _row(name, op, tag, runs, cp, size, one, base_rss, base_rchar, budget, faile
         )
     if llama_export:
         goals.append(("rchar ≤ 1.25x step", row["x_step"], 1.25))
-    if llama_export or op == "merge-lora":
+    if llama_export or op in ("merge-lora", "export-adapter"):
         goals.append((f"RSS ≤ baseline + {bound:.0f} MiB", row["rss_over_baseline_mib"], bound))
     if op == "convert-unroll":
         goals.append(("≤ 3x cp -r", row["x_cp"], 3.0))
