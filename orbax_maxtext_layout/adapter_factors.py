@@ -30,6 +30,7 @@ Delta = Callable[[np.ndarray, np.ndarray], np.ndarray]  # a (in, r), b (r, out) 
 # The carried product must equal the hooked delta to this, relative to the delta's largest
 # entry: float32 rounding of a sum over the rank, with room for a constant's rounding.
 TOLERANCE = 1e-5
+CHECK_BLOCK = 32 << 20  # bytes of the carried product held at once by `check`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,19 +89,21 @@ def _probe(hook: Hook, delta: Delta, a, b, codes, *, axis: int):
     the entry numbers (``codes``) on this side. ``axis`` 0: this side is the HF matrix's
     rows (the output), 1: its columns. Returns ``(line, scale, index)``: the one HF column
     (or row) the one-hot lands in, each entry's constant and its source entry; or why not."""
-    ones = np.asarray(hook(delta(a, b)), np.float64)
+    # Kernel-size matrices: only the one line is kept (float64), never a second full copy.
+    ones = np.asarray(hook(delta(a, b)))
     if ones.ndim != 2:
         return f"the Hugging Face tensor is {ones.ndim}-dimensional, not a matrix"
-    lines = np.flatnonzero(np.any(ones != 0, axis=axis))
+    lines = np.flatnonzero(np.any(ones, axis=axis))
     if len(lines) != 1:
         return f"one entry lands in {len(lines)} {'columns' if axis == 0 else 'rows'}"
     line = int(lines[0])
-    scale = ones[:, line] if axis == 0 else ones[line, :]
+    scale = np.array(ones[:, line] if axis == 0 else ones[line, :], np.float64)
+    del ones
     if np.any(scale == 0):
         return "an entry is lost"
-    numbered = delta(a, codes) if axis == 0 else delta(codes, b)
-    got = np.asarray(hook(numbered), np.float64)
-    got = got[:, line] if axis == 0 else got[line, :]
+    numbered = np.asarray(hook(delta(a, codes) if axis == 0 else delta(codes, b)))
+    got = np.array(numbered[:, line] if axis == 0 else numbered[line, :], np.float64)
+    del numbered
     index = np.rint(got / scale) - 1
     if np.any(np.abs(got / scale - 1 - index) > 1e-3) or np.any(index < 0):
         return "an entry is not moved whole"
@@ -112,9 +115,13 @@ def check(hook: Hook, delta: Delta, fmap: FactorMap, a: np.ndarray, b: np.ndarra
     to the delta's largest entry (0 when both are zero). At most `TOLERANCE` to be used."""
     want = np.asarray(hook(delta(np.asarray(a, np.float32), np.asarray(b, np.float32))))
     lora_a, lora_b = fmap.peft(a, b)
-    have = np.asarray(lora_b, np.float64) @ np.asarray(lora_a, np.float64)
-    if have.shape != want.shape:
+    la, lb = np.asarray(lora_a, np.float64), np.asarray(lora_b, np.float64)
+    if want.ndim != 2 or want.shape != (lb.shape[0], la.shape[1]):
         return float("inf")
-    top = float(np.max(np.abs(want))) if want.size else 0.0
-    err = float(np.max(np.abs(have - want))) if want.size else 0.0
+    top = err = 0.0
+    rows = max(1, CHECK_BLOCK // max(1, 8 * la.shape[1]))  # the product, a block of rows
+    for r0 in range(0, want.shape[0], rows):
+        w = want[r0 : r0 + rows]
+        top = max(top, float(np.max(np.abs(w), initial=0.0)))
+        err = max(err, float(np.max(np.abs(lb[r0 : r0 + rows] @ la - w), initial=0.0)))
     return 0.0 if top == 0 and err == 0 else err / (top or 1.0)

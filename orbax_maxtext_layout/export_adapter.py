@@ -254,8 +254,8 @@ def _hook(model: HfModel, unit: Unit):
 
 
 def _delta(kernel: tuple[int, ...]):
-    def delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return lora_delta_added(np.zeros(kernel, np.float32), a, b, 1.0)
+    def delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # one kernel-size array
+        return lora_delta_added(np.zeros(kernel, np.float32), a, b, 1.0, inplace=True)
 
     return delta
 
