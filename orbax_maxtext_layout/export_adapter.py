@@ -233,15 +233,24 @@ def _modules(
             continue
         a = per_layer_shape(f.a_spec.shape, f.axis)
         b = per_layer_shape(f.b_spec.shape, f.axis)
-        kernel = us[0].slice_shape(m.out_spec.shape)
-        hook = _hook(model, us[0])
-        delta = _delta(kernel)
-        fmap = adapter_factors.carry(hook, delta, a[0], b[1])
-        if isinstance(fmap, str):
-            problems.append(f"{name} -> {_hf_module(us[0])}: {fmap}")
-            continue
-        modules.append(_Module(m, us, fmap, hook, delta))
+        delta = _delta(us[0].slice_shape(m.out_spec.shape))
+        for group in _by_hooks(us).values():  # one map per hook: layers may differ
+            hook = _hook(model, group[0])
+            fmap = adapter_factors.carry(hook, delta, a[0], b[1])
+            if isinstance(fmap, str):
+                problems.append(f"{name} -> {_hf_module(group[0])}: {fmap}")
+                continue
+            modules.append(_Module(m, group, fmap, hook, delta))
     return modules, problems
+
+
+def _by_hooks(units: list[Unit]) -> dict[Any, list[Unit]]:
+    """A weight's units grouped by their hooks (a layer of another type may have others)."""
+    out: dict[Any, list[Unit]] = {}
+    for u in units:
+        key = u.hooks if callable(u.hooks) else tuple(u.hooks or ())
+        out.setdefault(key, []).append(u)
+    return out
 
 
 def _hook(model: HfModel, unit: Unit):
