@@ -140,7 +140,7 @@ def plan_adapter(
     config = hf_mapping.load_config(argv)
     model = hf_mapping.load_model(config, override_model_architecture=override_model_architecture)
     target = Target.from_maxtext_config(argv)
-    moves, _ = adapter_moves(step, target, alpha=float(alpha))
+    moves = adapter_moves(adapters, target, alpha=float(alpha))  # metadata read once, above
     keyed = {"params-" + "-".join(str(k) for k in m.dst[2:]): m for m in moves}
     units = hf_mapping.plan_units(model, {k: m.out_spec.shape for k, m in keyed.items()})
     modules, problems = _modules(model, keyed, units)

@@ -215,15 +215,11 @@ def params_plan(
     return Plan(moves, drops, (), None, ""), Target(params, {})
 
 
-def adapter_moves(
-    adapter_step: epath.PathLike, target: Target, *, alpha: float
-) -> tuple[list[Move], LoraAdapters]:
+def adapter_moves(adapters: LoraAdapters, target: Target, *, alpha: float) -> list[Move]:
     """The merge_lora move of each adapted weight of the model ``target`` (its params), from
-    metadata alone: what a merge into a base of that model would compute, without a base
-    (``export-hf --adapter`` reads only the factors). Raises `LayoutMismatchError` naming
-    every module whose factors do not fit the model."""
-    adapter_dir, params_dir = adapter_item(adapter_step)
-    adapters = read_adapters(adapter_dir, params_dir)
+    the ``adapters`` a LoRA step holds (`read_adapters`): what a merge into a base of that
+    model would compute, without a base (``export-hf --adapter`` reads only the factors).
+    Raises `LayoutMismatchError` naming every module whose factors do not fit the model."""
     moves = tuple(
         Move("base", PARAMS_ROOT + p, PARAMS_ROOT + p, Dest.PARAMS, s)
         for p, s in sorted(target.params.items(), key=lambda kv: keystr(kv[0]))
@@ -236,7 +232,7 @@ def adapter_moves(
         scan_axis=None,
         base_dir=epath.Path(f"(the model of the --maxtext-config, {len(moves)} params)"),
     )
-    return [merged[m.dst] for m in moves if m.dst in merged], adapters
+    return [merged[m.dst] for m in moves if m.dst in merged]
 
 
 def _merge_moves(
