@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from . import pagecache
 from .scratch import scratch_buffer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -168,6 +169,8 @@ class ShardFile:
         # elements still to write of tensors written box by box (`write_box`)
         self._todo: dict[str, int] = {}
         self._lock = threading.Lock()
+        # a tensor written whole leaves the page cache once on the disk (`pagecache`)
+        self._drop = pagecache.RangeDropper(self._fd)
 
     def write(self, name: str, array: np.ndarray) -> None:
         t = self._left[name]
@@ -182,6 +185,7 @@ class ShardFile:
         with self._lock:
             self._left.pop(name)
             self._todo.pop(name, None)
+        self._drop.done(start, a.nbytes)
 
     def write_box(self, name: str, start: Sequence[int], data: np.ndarray) -> None:
         """Writes the box of tensor ``name`` at ``start`` (``data.shape`` long) in place.
@@ -218,6 +222,9 @@ class ShardFile:
                 self._todo.pop(name, None)
             else:
                 self._todo[name] = left
+        if left <= 0:
+            begin, end = self.shard.offsets[name]
+            self._drop.done(begin, end - begin)
 
     def _pwrite(self, view: memoryview, at: int) -> None:
         done = 0
@@ -246,6 +253,7 @@ class ShardFile:
         if self._left and not self.shared:
             raise ValueError(f"{self.shard.name}: tensors never written: {self.missing[:5]}")
         os.fsync(self._fd)
+        self._drop.close()
         os.close(self._fd)
 
     def abandon(self) -> None:

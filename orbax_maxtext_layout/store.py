@@ -26,7 +26,7 @@ from typing import Any
 
 from etils import epath
 
-from . import objstore, placement
+from . import objstore, pagecache, placement
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # Orbax's marker of a directory being written
 COMMIT_MARKER = objstore.COMMIT_MARKER
@@ -169,6 +169,11 @@ class StepStore:
         written and the clone is only ever read; otherwise each file is a private copy. On
         an object store every object is copied server-side."""
         raise NotImplementedError
+
+    def drop_written(self, folder: epath.Path) -> contextlib.AbstractContextManager:
+        """A context in which the files written into ``folder`` leave the local page cache
+        once on the disk (`pagecache.dropping`); an object store has none to leave."""
+        return contextlib.nullcontext()
 
     def disk_usage(
         self, path: epath.Path, *, new_only: bool = False, shared: Container = ()
@@ -333,6 +338,9 @@ class LocalStore(StepStore):
 
     def absolute(self, path: epath.PathLike) -> str:
         return os.path.abspath(str(path))
+
+    def drop_written(self, folder: epath.Path) -> contextlib.AbstractContextManager:
+        return pagecache.dropping(folder)
 
     def clone_tree(self, src: epath.Path, dst: epath.Path, *, share: bool) -> placement.Placement:
         placed = placement.Placement(mode=placement.SHARE_MODE if share else placement.COPY_MODE)

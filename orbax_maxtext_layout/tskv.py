@@ -31,6 +31,8 @@ from .treepaths import Path
 # Source databases are cloned under the new item with this prefix, like Orbax's
 # own per-process sub-databases (which it also grafts into the root database).
 CHILD_PREFIX = "ocdbt.src_"
+# An OCDBT database's data files, under its base directory (tensorstore's layout).
+DATA_DIR = "d"
 
 
 def ts_context() -> ts.Context:

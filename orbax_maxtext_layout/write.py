@@ -93,17 +93,17 @@ def write_items(
         decoded = [m for m in plan.moves if id(m) not in copied]
         dst_json = parent.spec().to_json()
 
-        # each source array decoded once, its pieces routed to every move reading it
+        # each source array decoded once, its pieces routed to every move reading it; the
+        # new data files leave the page cache once written (nothing here reads them back)
         piece = routing.piece_for(budget)
-        walked = routing.routed(decoded, sources, piece)
-        shapes = routing.write_routed(walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece)
-        merges = [m for m in decoded if m.op is Op.MERGE_LORA and id(m) not in shapes]
-        write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
-        for m in decoded:  # what is made, not read: fresh RNG state, constants
-            if m.op in (Op.FRESH, Op.CONSTANT):
-                data = apply_op(m, None)
-                name = orbax_files.param_name(m.dst)
-                tskv.write_array(dst_json, name, data, use_zarr3=zarr3, context=ctx)
+        with store_for(tmp).drop_written(tmp / tskv.DATA_DIR):
+            walked = routing.routed(decoded, sources, piece)
+            shapes = routing.write_routed(
+                walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece
+            )
+            merges = [m for m in decoded if m.op is Op.MERGE_LORA and id(m) not in shapes]
+            write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
+            _write_made(decoded, dst_json, zarr3=zarr3, ctx=ctx)
         orbax_files.write_metadata(
             tmp,
             {
@@ -134,6 +134,15 @@ def write_items(
         stepdir.discard(tmp)
         raise
     return Written(written, placed.to_dict())
+
+
+def _write_made(decoded: list[Move], dst_json: dict, *, zarr3: bool, ctx) -> None:
+    """What is made, not read: fresh RNG state, constants."""
+    for m in decoded:
+        if m.op in (Op.FRESH, Op.CONSTANT):
+            data = apply_op(m, None)
+            name = orbax_files.param_name(m.dst)
+            tskv.write_array(dst_json, name, data, use_zarr3=zarr3, context=ctx)
 
 
 def _rename(m: Move) -> tskv.Rename:

@@ -11,6 +11,7 @@ an array layer by layer decodes each chunk 3 times; the counts below (``("chunk 
 from __future__ import annotations
 
 import collections
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import writers as W
 from conftest import raw, restore_flat
 from etils import epath
+from test_pagecache import resident
 
 from orbax_maxtext_layout import chunks, convert_step, tskv, verify_step
 from orbax_maxtext_layout.errors import CheckpointReadError
@@ -118,6 +120,11 @@ def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
     with io_counts() as counts:
         report = convert_step(out, unroll_target(scanned), rescan="unroll", memory_budget=16 << 20)
     assert report.status == "converted", report
+    # the written data files left the page cache once on the disk (`pagecache`); what
+    # stays is B-tree nodes, read again by the check before the commit
+    data = list((out / "items" / tskv.DATA_DIR).iterdir())
+    pages = sum(-(-p.stat().st_size // mmap.PAGESIZE) for p in data)
+    assert pages > 128 and sum(resident(p) for p in data) < pages // 10
     decodes = _decodes(counts)
     big = [k for k in decodes if "mlp" in k]
     assert len(big) == 16 and set(decodes.values()) == {1}, decodes

@@ -111,3 +111,25 @@ def test_a_tensor_of_another_shape_or_dtype_is_refused_and_a_missing_one_blocks_
         f2.close()
     f.abandon()
     f2.abandon()
+
+
+def test_a_closed_shard_is_out_of_the_page_cache_and_reads_back(tmp_path):
+    """Tensors written whole, by row runs and by column blocks (the mapped copy) leave the
+    page cache once the shard is closed (`pagecache.RangeDropper`), bytes intact."""
+    from test_pagecache import resident
+
+    rng = np.random.default_rng(1)
+    arrays = {n: rng.standard_normal((512, 1024)).astype(np.float32) for n in "abc"}
+    shard = so.layout_shards([so.Tensor(n, a.shape, a.dtype) for n, a in arrays.items()])[0]
+    path = tmp_path / shard.name
+    f = so.ShardFile(str(path), shard)
+    f.write("a", arrays["a"])
+    for r in range(0, 512, 128):  # row runs
+        f.write_box("b", (r, 0), arrays["b"][r : r + 128])
+    for c in range(0, 1024, 256):  # column blocks: every row's run, through a mapping
+        f.write_box("c", (0, c), arrays["c"][:, c : c + 256])
+    f.close()
+    assert resident(path) == 0
+    got = load_file(str(path))
+    for n, a in arrays.items():
+        assert got[n].tobytes() == a.tobytes(), n
