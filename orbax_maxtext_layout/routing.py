@@ -38,7 +38,7 @@ from .treepaths import Path
 PIECE = 64 << 20  # the largest pieces a writer streams in
 WORKERS = 2  # source arrays walked at once
 # What a worker holds per byte of piece: the piece, a cast or a merge's float32 delta and
-# its sum, and tensorstore's encoded chunk.
+# its sum, and the piece's parts in its transaction (`write_routed`), then encoded.
 HELD = 6
 
 
