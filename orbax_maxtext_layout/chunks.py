@@ -199,6 +199,14 @@ def pieces(
     Raises `CheckpointReadError` naming the array for a chunk that is missing (Orbax
     stores every chunk: a missing one is damage, never the fill value) or undecodable.
     """
+    return _pieces(src, name, ctx, max_bytes, "decode" if reuse else None)
+
+
+def _pieces(
+    src: tskv.SourceItem, name: str, ctx: ts.Context, max_bytes: int, scratch_kind: str | None
+) -> Iterator[Piece]:
+    """`pieces`, decoded into this thread's scratch buffer ``scratch_kind`` (None: fresh
+    arrays). Each reader that may run while another's piece is held has its own kind."""
     lay = layout(src, name)
     what = f"{src.dir}: cannot read {name}"
     if lay is None:
@@ -207,7 +215,7 @@ def pieces(
         yield from _tensorstore_pieces(src, name, lay, ctx, what)
         return
     for origin, frame in _frames(src, name, lay, what):
-        yield from _decode(what, frame, lay, origin, max_bytes, "decode" if reuse else None)
+        yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind)
 
 
 def read_chunk(
@@ -349,12 +357,16 @@ def _crop(start: tuple[int, ...], buf: np.ndarray, shape: tuple[int, ...]) -> Pi
 
 
 def read_whole(src: tskv.SourceItem, name: str, ctx: ts.Context) -> np.ndarray:
-    """Array ``name`` decoded whole, each chunk once, holding the array and one piece."""
+    """Array ``name`` decoded whole, each chunk once, holding the array and one piece.
+
+    A merge reads its LoRA factors this way while a piece of its base (`pieces`, ``reuse``)
+    is held: the pieces here go through a buffer of their own (``whole``), never the
+    base's."""
     lay = layout(src, name)
     if lay is None:
         raise CheckpointReadError(f"{src.dir}: cannot read {name}: no zarr metadata.")
     out: np.ndarray | None = None
-    for p in pieces(src, name, ctx, max_bytes=tskv._PIECE * 4, reuse=True):
+    for p in _pieces(src, name, ctx, tskv._PIECE * 4, "whole"):
         if out is None:
             out = np.empty(lay.shape, p.data.dtype)
         out[p.box] = p.data

@@ -175,3 +175,15 @@ def test_a_damaged_chunk_is_named(step, tmp_path):
         f.write(b"\0" * (length // 4))
     with pytest.raises(CheckpointReadError, match=name.replace(".", r"\.")):
         list(chunks.pieces(src, name, ctx, max_bytes=1 << 20))
+
+
+def test_reading_an_array_whole_leaves_a_held_piece_intact(step):
+    """A merge reads its factors whole (`read_whole`) while a piece of its base, decoded
+    into the worker's reused buffer, is held: the piece must keep its values."""
+    ctx = tskv.ts_context()
+    src = tskv.SourceItem.open(epath.Path(step / "model_params"), ctx)
+    first, other = sorted(_streamed(src))[:2]
+    held = next(chunks.pieces(src, first, ctx, max_bytes=64 << 20, reuse=True))
+    before = held.data.copy()
+    chunks.read_whole(src, other, ctx)
+    np.testing.assert_array_equal(held.data, before)

@@ -619,3 +619,24 @@ def test_sigkill_during_merge_leaves_nothing_listed(tmp_path):
         assert not list(out.glob("*.orbax-checkpoint-tmp*")), tmp
     assert killed_before_commit >= 2  # the kills did land inside the work
     assert left_behind >= 1  # and some left a half-built step for the rerun to remove
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 8 << 20], ids=["roomy", "below-a-kernel"])
+def test_merge_with_factors_past_the_small_size_keeps_the_base_piece(tmp_path, budget):
+    """Rank-192 factors (1.2 to 2.4 MiB: zstandard's path, as a rank-16 adapter of an 8B
+    model is) are read while a piece of their base is held in the worker's decode buffer:
+    reading them must not overwrite that piece (it did: the first piece of each base merged
+    with factor bytes in place of its own)."""
+    shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)
+    base = base_params(layers=3, axis=1, shapes=shapes)
+    factors = lora_factors(layers=3, axis=1, rank=192, scale=0.01, shapes=shapes)
+    small = [x.nbytes for p, x in factors.items() if x.nbytes <= 1 << 20]
+    assert not small, small  # every factor is streamed, not read by tensorstore
+    b = write_base(tmp_path / "base", 0, base)
+    a = write_adapters(tmp_path / "sft", 2, factors)
+    oml.merge_lora(a, b, alpha=8, out=tmp_path / "m", memory_budget=budget)
+    got = _params(tmp_path / "m" / "0")
+    want = expected_merge(base, factors, 8.0, 192, 1)
+    for p, w in want.items():
+        if p[-1] == "kernel":
+            np.testing.assert_allclose(got[p], w, rtol=1e-5, atol=1e-5, err_msg=keystr(p))
