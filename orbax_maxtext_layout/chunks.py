@@ -214,7 +214,7 @@ def _pieces(
     if not lay.streamed:
         yield from _tensorstore_pieces(src, name, lay, ctx, what)
         return
-    for origin, frame in _frames(src, name, lay, what):
+    for origin, frame in _frames(src, name, lay, what, scratch=scratch_kind):
         yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind)
 
 
@@ -236,20 +236,22 @@ def read_chunk(
     if tuple(start) != origin or tuple(shape) != whole:
         return None
     what = f"{src.dir}: cannot read {name}"
-    for _, frame in _frames(src, name, lay, what, only=cell):
+    for _, frame in _frames(src, name, lay, what, only=cell, scratch="check"):
         got = list(_decode(what, frame, lay, origin, lay.chunk_bytes, "check"))
         return got[0].data
     return None
 
 
-def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, only=None):
+def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, only=None, scratch=None):
     """``(origin, frame)`` of each stored chunk in storage order, each counted as decoded
-    (``only``: the chunk at that grid cell alone). Raises `CheckpointReadError` for a
+    (``only``: the chunk at that grid cell alone), read into this thread's buffer
+    ``<scratch>-read`` (None: each frame its own). Raises `CheckpointReadError` for a
     chunk or a shard index that is not stored."""
+    scratch = None if scratch is None else f"{scratch}-read"
     if lay.shard is None:
         for cell in [only] if only is not None else lay.grid(lay.chunk):
             origin = tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))
-            value = tskv._stored_value(src, f"{name}/{lay.key(cell)}")
+            value = tskv._stored_value(src, f"{name}/{lay.key(cell)}", scratch)
             if value is None:
                 raise CheckpointReadError(f"{what}: chunk {lay.key(cell)} is not stored.")
             with value:
@@ -264,7 +266,7 @@ def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, only=None):
         want = tuple(c % i for c, i in zip(only, inner, strict=False))
     for cell in shards:
         key = f"{name}/{lay.key(cell)}"
-        value = tskv._stored_value(src, key)
+        value = tskv._stored_value(src, key, scratch)
         if value is None:
             raise CheckpointReadError(f"{what}: shard {lay.key(cell)} is not stored.")
         with value:

@@ -213,6 +213,12 @@ class ShardFile:
                     assign(buf.reshape(data.shape), data.view(raw))
                     data = buf
                 self._pwrite(memoryview(data.reshape(-1).view(np.uint8)), begin + lo)
+                # A run's pages are whole once written (no other box writes them, but for
+                # its edge pages, which the kernel keeps): they leave the cache now, not
+                # when the tensor is complete. A chunk that spans every layer completes its
+                # tensors only with the param's last chunk, so they held a whole param
+                # (3.7 GB for an 8B MLP kernel) in new page-cache pages (`pagecache`).
+                self._drop.done(begin + lo, data.nbytes)
             else:
                 self._copy_mapped(begin + lo, begin + hi + item, data, strides)
         with self._lock:

@@ -187,3 +187,24 @@ def test_reading_an_array_whole_leaves_a_held_piece_intact(step):
     before = held.data.copy()
     chunks.read_whole(src, other, ctx)
     np.testing.assert_array_equal(held.data, before)
+
+
+def test_a_stored_chunk_is_read_through_one_reused_buffer(step, monkeypatch):
+    """zstandard's reader asks for a chunk's bytes piece by piece (64 KiB here): every
+    read lands in one buffer of the thread (a fresh ``bytes`` per read took fresh pages,
+    which the kernel zeroes), and the decoded pieces stay right."""
+    monkeypatch.setattr(tskv, "_PIECE", 64 << 10)
+    ctx = tskv.ts_context()
+    src = tskv.SourceItem.open(epath.Path(step / "model_params"), ctx)
+    want = {".".join(map(str, p)): x for p, x in _restore(step / "model_params").items()}
+    for name, lay in _streamed(src).items():
+        out = np.zeros(lay.shape, lay.dtype)
+        for p in chunks.pieces(src, name, ctx, max_bytes=96 << 10, reuse=True):
+            out[p.box] = p.data
+        np.testing.assert_array_equal(out, want[name], err_msg=name)
+        frames = chunks._frames(src, name, lay, name, scratch="test")  # holds the file open
+        _, frame = next(frames)
+        first, second = frame.read(4096), frame.read(4096)
+        assert isinstance(frame, tskv._FileValue) and len(first) == len(second) == 4096
+        at = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] for v in (first, second)]
+        assert at[0] == at[1], name  # the second read reused the first's buffer

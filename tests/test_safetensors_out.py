@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import mmap
 import random
 
 import numpy as np
@@ -111,6 +112,29 @@ def test_a_tensor_of_another_shape_or_dtype_is_refused_and_a_missing_one_blocks_
         f2.close()
     f.abandon()
     f2.abandon()
+
+
+def test_row_runs_leave_the_page_cache_before_their_tensor_is_complete(tmp_path):
+    """A tensor written in row runs (a chunk of an fsdp save that spans every layer: its
+    tensors complete only with the param's last chunk) leaves the page cache run by run,
+    not when complete: runs synced before the next is written are out."""
+    from test_pagecache import resident
+
+    a = np.random.default_rng(2).standard_normal((512, 1024)).astype(np.float32)
+    shard = so.layout_shards([so.Tensor("b", a.shape, a.dtype)])[0]
+    path = tmp_path / shard.name
+    f = so.ShardFile(str(path), shard)
+    f.write_box("b", (0, 0), a[:128])
+    f.write_box("b", (128, 0), a[128:256])  # the first run: written back, then evicted
+    f.write_box("b", (256, 0), a[256:384])  # the second too
+    run = 128 * 1024 * 4 // mmap.PAGESIZE
+    assert f.missing == ["b"]
+    # the last run (129 pages: the data is not page-aligned), the header's page, and the
+    # page the first two runs share
+    assert resident(path) <= run + 3, resident(path)
+    f.write_box("b", (384, 0), a[384:])
+    f.close()
+    assert load_file(str(path))["b"].tobytes() == a.tobytes()
 
 
 def test_a_closed_shard_is_out_of_the_page_cache_and_reads_back(tmp_path):
