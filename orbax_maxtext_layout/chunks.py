@@ -242,7 +242,7 @@ def read_chunk(
     return None
 
 
-def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, only=None, scratch=None):
+def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, *, only=None, scratch=None):
     """``(origin, frame)`` of each stored chunk in storage order, each counted as decoded
     (``only``: the chunk at that grid cell alone), read into this thread's buffer
     ``<scratch>-read`` (None: each frame its own). Raises `CheckpointReadError` for a
