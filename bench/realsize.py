@@ -76,6 +76,14 @@ right after (then ``sync``); the step's files are read once, untimed, before eac
 - ``convert-unroll`` (tunix-fsdp): ``convert ROOT --unroll --out OUT --optimizer drop
   --memory-budget BUDGET -q --maxtext-config <base.yml> <keys>``, then ``verify`` of that
   output (its ``model_params`` hard-linked beside ``items/``), timed alone;
+- ``floor-decode`` (the llama steps, tunix-fsdp, moe-cut) and ``floor-codec`` (tunix-fsdp):
+  ``bench/floor.py STEP [--encode 1]``, every stored chunk of the step decoded once on both
+  cores with the package's reader (and re-encoded at zstd level 1), nothing written: what
+  this machine spends at least. Each row of ``export-hf`` and ``convert-unroll`` gets its
+  floor (``FLOOR_OF``; ``verify``'s is two decode passes, both sides) as ``floor_s``,
+  ``x_floor`` and ``floor_x_cp`` (a ``cp -r`` goal below ``floor_x_cp`` is out of this
+  machine's reach); ``export-hf-2p`` gets ``x_one_process_floor``, one process's CPU seconds
+  spread over 2 cores, as a share of its wall time;
 - ``baseline``: a child that imports what the operations import (jax with its CPU backend up,
   MaxText's exporter module, Orbax, safetensors, the package) and exits.
 
@@ -155,14 +163,24 @@ OPS = (
     "export-adapter",
     "convert-unroll",
     "verify",
+    "floor-decode",
+    "floor-codec",
     "baseline",
 )
 APPLICABLE = {
-    "llama-fsdp": ("export-hf", "export-hf-2p"),
-    "llama-onechunk": ("export-hf", "export-hf-2p"),
-    "tunix-fsdp": ("convert-unroll", "verify"),
+    "llama-fsdp": ("floor-decode", "export-hf", "export-hf-2p"),
+    "llama-onechunk": ("floor-decode", "export-hf", "export-hf-2p"),
+    "tunix-fsdp": ("floor-decode", "floor-codec", "convert-unroll", "verify"),
     "lora16": ("merge-lora", "export-adapter"),
-    "moe-cut": ("export-hf",),
+    "moe-cut": ("floor-decode", "export-hf"),
+}
+# The floor of an operation (`bench/floor.py`, measured on the same step in the same run):
+# what it must at least spend on this machine's 2 cores, decoding (and re-encoding) every byte.
+FLOOR_OF = {
+    "export-hf": "floor-decode",
+    "export-hf-2p": "floor-decode",
+    "convert-unroll": "floor-codec",
+    "verify": "floor-decode",  # twice: both sides (`_floor_wall`)
 }
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -1225,6 +1243,9 @@ class Runner:
             ]
         if op == "verify":
             return [self._cli("verify", out)]
+        if op in ("floor-decode", "floor-codec"):
+            level = ["--encode", "1"] if op == "floor-codec" else []  # the writers' zarr2 level
+            return [[sys.executable, str(HERE / "floor.py"), str(step), *level]]
         raise ValueError(op)
 
     # -- one measured operation -------------------------------------------------------------
@@ -1234,7 +1255,8 @@ class Runner:
         package = self.packages[tag]
         label = f"{name}-{op}{'-' + tag if tag else ''}-{repeat}"
         cmds = self.commands(op, name, out)
-        need = 0 if op in ("baseline", "verify") else self._output_bytes(op, name)
+        need = 0 if op in ("baseline", "verify") or op in FLOOR_OF.values() else None
+        need = self._output_bytes(op, name) if need is None else need
         free = shutil.disk_usage(self.work).free
         run = {"step": name, "op": op, "package": tag or "this", "repeat": repeat}
         if need and free < need + 2 * GIB:
@@ -1258,6 +1280,9 @@ class Runner:
                 for k in ("rchar", "read_bytes", "wchar", "write_bytes")
             },
         )
+        if run["rc"] == 0 and op.startswith("floor-"):
+            lines = logs[0].read_text().splitlines()
+            run["floor"] = json.loads(next(x for x in reversed(lines) if x.startswith("{")))
         if run["rc"] != 0:
             tails = "\n".join(_tail(x) for x in logs)
             run["error"] = tails[-4000:]
@@ -1297,6 +1322,8 @@ class Runner:
                 for op in ops:
                     if op == "verify":
                         continue  # run right after convert-unroll, on its output
+                    if op.startswith("floor-") and tag:
+                        continue  # the machine's, not a package's
                     out = self.scratch / f"out-{op}"
                     _settle(out)
                     warm = [step]
@@ -1449,6 +1476,16 @@ def summarize(args, infos: dict, runner: Runner) -> dict:
     base_rss = {t: max((x["peak_rss_kib"] for x in v), default=0) for t, v in base.items()}
     base_rchar = {t: med(v, "rchar") or 0 for t, v in base.items()}
     cp_wall = {n: med(pick(n, "cp", "this"), "wall") for n in infos}
+
+    def floor_wall(name, op):
+        runs = pick(name, FLOOR_OF[op], "this") if op in FLOOR_OF else []
+        if not runs:
+            return None
+        wall = med(runs, "wall")
+        if op == "verify":  # both sides decoded: a second pass, without a second start
+            wall += statistics.median(r["floor"]["wall_s"] for r in runs)
+        return wall
+
     order = [(n, op) for n in STEPS for op in ("cp", *APPLICABLE[n])]
     for tag in ("this", "before"):
         if base[tag]:
@@ -1484,6 +1521,10 @@ def summarize(args, infos: dict, runner: Runner) -> dict:
                     0 if op == "cp" else nproc * base_rchar[tag],
                     budget,
                     failed=len(failed),
+                    floors=(
+                        floor_wall(name, op),
+                        _cpu(pick(name, "export-hf", tag)) if op == "export-hf-2p" else None,
+                    ),
                 )
             )
     return {
@@ -1504,7 +1545,26 @@ def summarize(args, infos: dict, runner: Runner) -> dict:
     }
 
 
-def _row(name, op, tag, runs, cp, size, one, base_rss, base_rchar, budget, failed=0) -> dict:
+def _cpu(runs: list[dict]) -> float | None:
+    """The median CPU seconds (user + kernel, every process) of ``runs``."""
+    if not runs:
+        return None
+    return statistics.median(sum(p["user_s"] + p["sys_s"] for p in r["procs"]) for r in runs)
+
+
+def _floors(row: dict, wall, cp, one, floor=None, one_cpu=None) -> None:
+    """What this machine allows: the operation's floor (`FLOOR_OF`), and for 2 processes the
+    best split of one process's CPU over 2 cores."""
+    if floor:
+        row["floor_s"] = round(floor, 2)
+        row["x_floor"] = round(wall / floor, 2) if wall is not None else None
+        row["floor_x_cp"] = round(floor / cp, 2) if cp else None
+    if one and one_cpu:
+        row["one_process_cpu_s"] = round(one_cpu, 1)
+        row["x_one_process_floor"] = round(one_cpu / 2 / one, 2)
+
+
+def _row(name, op, tag, runs, cp, size, one, base_rss, base_rchar, budget, failed=0, floors=()):
     def med(k):
         return statistics.median(x[k] for x in runs) if runs else None
 
@@ -1535,6 +1595,9 @@ def _row(name, op, tag, runs, cp, size, one, base_rss, base_rchar, budget, faile
         else None,
         "step_bytes": size,
     }
+    if runs:
+        row["cpu_s"] = round(_cpu(runs), 1)
+    _floors(row, wall, cp, one, *(floors or (None, None)))
     bound = (budget + 512 * MIB) / MIB
     goals = []
     llama_export = op == "export-hf" and name.startswith("llama-")
@@ -1587,14 +1650,15 @@ def report(s: dict) -> None:
             f"{', '.join(map(str, keys))} | {check} |"
         )
     print(
-        "\n| step | operation | wall s | x cp -r | rchar GiB (over imports) | x step on disk "
-        "| peak RSS MiB | RSS over baseline MiB | goal | held |"
+        "\n| step | operation | wall s | x cp -r | CPU s | floor s (x cp -r) | x floor "
+        "| rchar GiB (over imports) | x step on disk | peak RSS MiB | RSS over baseline MiB "
+        "| goal | held |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in s["rows"]:
         op = r["op"] + (" (before)" if r["package"] == "before" else "")
         if r["wall_s"] is None:
-            print(f"| {r['step']} | {op} | failed ({r['failed']}) | | | | | | | |")
+            print(f"| {r['step']} | {op} | failed ({r['failed']}) |" + " |" * 10)
             continue
         goals = "; ".join(g["goal"] for g in r["goals"]) or "-"
         held = (
@@ -1608,8 +1672,12 @@ def report(s: dict) -> None:
             if len(r["rss_per_process_mib"] or []) < 2
             else "/".join(map(str, r["rss_per_process_mib"]))
         )
+        floor = f"{r['floor_s']} ({r['floor_x_cp']})" if r.get("floor_s") else ""
+        if r.get("x_one_process_floor"):
+            floor = f"{r['x_one_process_floor']} of 1 process (its CPU over 2 cores)"
         print(
-            f"| {r['step']} | {op} | {r['wall_s']} | {r['x_cp'] or ''} | "
+            f"| {r['step']} | {op} | {r['wall_s']} | {r['x_cp'] or ''} | {r.get('cpu_s', '')} | "
+            f"{floor} | {r.get('x_floor', '')} | "
             f"{r['rchar_gib']} ({r['rchar_over_imports_gib']}) | {r['x_step'] if r['x_step'] is not None else ''} | "
             f"{rss} | {'' if r['rss_over_baseline_mib'] is None else r['rss_over_baseline_mib']} | {goals} | {held} |"
         )
