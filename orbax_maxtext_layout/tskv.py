@@ -316,6 +316,33 @@ def _stored_value(
     return value if value.exists() else None
 
 
+def same_stored(a: SourceItem, a_key: str, b: SourceItem, b_key: str) -> bool | None:
+    """Whether stored values ``a_key`` of ``a`` and ``b_key`` of ``b`` hold the same bytes,
+    read from their data files piece by piece into this thread's two buffers; None where
+    either does not lie whole in a local data file (`SourceItem.value_file`; a file cut
+    short, even both names of one file: compare through the kvstore, which reports it). A
+    kvstore read makes a fresh buffer of each whole value, whose pages the kernel zeroes
+    first: most of the time of ``verify``'s copied arrays at 8B."""
+    wa, wb = a.value_file(a_key), b.value_file(b_key)
+    if wa is None or wb is None:
+        return None
+    if wa[2] != wb[2]:
+        return False
+    try:
+        va = _FileValue(wa[0], wa[1], wa[1] + wa[2], scratch="same-a")
+        vb = _FileValue(wb[0], wb[1], wb[1] + wb[2], scratch="same-b")
+    except OSError:  # gone or unreadable: the kvstore's read reports it
+        return None
+    with va, vb:
+        for _ in range(0, wa[2], _PIECE):
+            x, y = va.read(), vb.read()
+            if len(x) != len(y) or not len(x):
+                return None  # a file cut short
+            if not np.array_equal(np.frombuffer(x, np.uint8), np.frombuffer(y, np.uint8)):
+                return False
+    return True
+
+
 class _FileValue:
     """Bytes ``[start, end)`` of a data file, read (``read``, as a file is) with `os.preadv`
     into one reused buffer: this thread's ``scratch`` buffer, or one of the value's own.

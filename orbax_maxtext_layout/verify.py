@@ -7,6 +7,7 @@ target, so a scan change verifies exactly like a plain conversion.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -244,15 +245,16 @@ def _unequal_values(
 ) -> set[int]:
     """The moves (by ``id``) of which a stored value differs from its source's.
 
-    Reads go out in batches: every read of a batch is issued before any is awaited,
-    and a batch holds about `BATCH_BYTES` at most: a stored chunk is counted at its
-    decoded size (its array's bytes over its chunk keys; compression only shrinks it,
-    but for a few bytes of framing).
+    Values that lie in local data files are compared there (`_unequal_in_files`). The
+    others are read through the kvstores in batches: every read of a batch is issued
+    before any is awaited, and a batch holds about `BATCH_BYTES` at most: a stored chunk
+    is counted at its decoded size (its array's bytes over its chunk keys; compression
+    only shrinks it, but for a few bytes of framing).
     """
     per_key: dict[int, int] = {}
     for m, _, _ in pairs:
         per_key[id(m)] = per_key.get(id(m), 0) + 1
-    unequal: set[int] = set()
+    unequal, pairs = _unequal_in_files(pairs, srcs, dst)
     batch: list[tuple[Move, bytes, bytes]] = []
     held = 0
 
@@ -273,3 +275,27 @@ def _unequal_values(
     if batch:
         flush()
     return unequal
+
+
+def _unequal_in_files(
+    pairs: list[tuple[Move, bytes, bytes]],
+    srcs: Mapping[str, tskv.SourceItem],
+    dst: tskv.SourceItem,
+) -> tuple[set[int], list[tuple[Move, bytes, bytes]]]:
+    """The pairs whose two values lie in local data files, compared there, two at a time,
+    each streamed through reused buffers (`tskv.same_stored`): the moves (by ``id``) of
+    which a value differs, and the pairs left to compare through the kvstores."""
+
+    def same(pair: tuple[Move, bytes, bytes]) -> bool | None:
+        m, a, b = pair
+        return tskv.same_stored(srcs[m.item], a.decode(), dst, b.decode())
+
+    unequal: set[int] = set()
+    rest = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for pair, got in zip(pairs, pool.map(same, pairs), strict=True):
+            if got is None:
+                rest.append(pair)
+            elif not got:
+                unequal.add(id(pair[0]))
+    return unequal, rest

@@ -5,6 +5,8 @@ reads, from a data file as through the kvstore; a damaged chunk is a CheckpointR
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import FIXTURES, copy_fixture
@@ -96,3 +98,25 @@ def test_a_chunk_larger_than_a_piece_is_streamed_once(tmp_path, zarr3, max_bytes
             seen[p.box] += 1
     assert (seen == 1).all()
     assert [n for (kind, _), n in counts.items() if kind == "chunk decoded"] == [1]
+
+
+def test_stored_values_compare_in_their_data_files_piece_by_piece(tmp_path):
+    """`tskv.same_stored` (verify's copied arrays): equal stored values are equal, one byte
+    flipped in the second 8 MiB piece of a value is found, and a value not in a local data
+    file is left to the kvstore (None)."""
+    data = np.random.default_rng(1).integers(0, 1 << 16, size=(5 << 20,)).astype(np.uint16)
+    a, b, c = (_item(tmp_path / n, False, data, (data.size,)) for n in "abc")
+    key = f"w/{chunks.layout(a, 'w').key((0,))}"
+    path, offset, length = c.value_file(key)
+    assert length > tskv._PIECE + 100  # compressed, still over one piece
+    with open(path, "r+b") as f:  # the stored bytes damaged, the length kept
+        f.seek(offset + tskv._PIECE + 100)
+        byte = f.read(1)[0]
+        f.seek(offset + tskv._PIECE + 100)
+        f.write(bytes([byte ^ 1]))
+    assert tskv.same_stored(a, key, b, key) is True
+    assert tskv.same_stored(a, key, c, key) is False
+    os.truncate(path, offset + tskv._PIECE)  # cut short: the kvstore's read reports it
+    assert tskv.same_stored(a, key, c, key) is None
+    b._value_files = {}  # no data file known (as on an object store)
+    assert tskv.same_stored(a, key, b, key) is None
