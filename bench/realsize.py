@@ -1255,8 +1255,8 @@ class Runner:
         package = self.packages[tag]
         label = f"{name}-{op}{'-' + tag if tag else ''}-{repeat}"
         cmds = self.commands(op, name, out)
-        need = 0 if op in ("baseline", "verify") or op in FLOOR_OF.values() else None
-        need = self._output_bytes(op, name) if need is None else need
+        writes = op not in ("baseline", "verify", *FLOOR_OF.values())
+        need = self._output_bytes(op, name) if writes else 0
         free = shutil.disk_usage(self.work).free
         run = {"step": name, "op": op, "package": tag or "this", "repeat": repeat}
         if need and free < need + 2 * GIB:
@@ -1597,7 +1597,7 @@ def _row(name, op, tag, runs, cp, size, one, base_rss, base_rchar, budget, faile
     }
     if runs:
         row["cpu_s"] = round(_cpu(runs), 1)
-    _floors(row, wall, cp, one, *(floors or (None, None)))
+    _floors(row, wall, cp, one, *floors)
     bound = (budget + 512 * MIB) / MIB
     goals = []
     llama_export = op == "export-hf" and name.startswith("llama-")

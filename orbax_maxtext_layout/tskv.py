@@ -328,18 +328,27 @@ def same_stored(a: SourceItem, a_key: str, b: SourceItem, b_key: str) -> bool | 
         return None
     if wa[2] != wb[2]:
         return False
-    try:
+    try:  # gone or unreadable: the kvstore's read reports it
         va = _FileValue(wa[0], wa[1], wa[1] + wa[2], scratch="same-a")
-        vb = _FileValue(wb[0], wb[1], wb[1] + wb[2], scratch="same-b")
-    except OSError:  # gone or unreadable: the kvstore's read reports it
+    except OSError:
         return None
-    with va, vb:
-        for _ in range(0, wa[2], _PIECE):
-            x, y = va.read(), vb.read()
-            if len(x) != len(y) or not len(x):
-                return None  # a file cut short
-            if not np.array_equal(np.frombuffer(x, np.uint8), np.frombuffer(y, np.uint8)):
-                return False
+    with va:
+        try:
+            vb = _FileValue(wb[0], wb[1], wb[1] + wb[2], scratch="same-b")
+        except OSError:
+            return None
+        with vb:
+            return _same_pieces(va, vb, wa[2])
+
+
+def _same_pieces(va: _FileValue, vb: _FileValue, length: int) -> bool | None:
+    """`same_stored`'s comparison of two open values of ``length`` bytes, piece by piece."""
+    for _ in range(0, length, _PIECE):
+        x, y = va.read(), vb.read()
+        if len(x) != len(y) or not len(x):
+            return None  # a file cut short
+        if not np.array_equal(np.frombuffer(x, np.uint8), np.frombuffer(y, np.uint8)):
+            return False
     return True
 
 
