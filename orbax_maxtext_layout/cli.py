@@ -48,6 +48,10 @@ from .target import Target
 from .verify import verify_step
 from .write import DEFAULT_BUDGET
 
+# `verify`'s exit code when it found nothing to verify (0: all verified, 1: a mismatch or an
+# error, 2: a usage error).
+NOTHING_VERIFIED = 3
+
 
 def _parse_steps(text: str | None) -> set[int] | None:
     if not text:
@@ -370,8 +374,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"{r.step_dir}: {'ok' if r.ok else 'MISMATCH'} ({r.checked} leaves)")
             for p in r.problems:
                 print(f"  {p}")
-        if not results:
-            print("no converted step with legacy items (or merged LoRA step) found")
+    if not results:
+        # A check that checked nothing must not pass: CI scripts tell it from "all verified".
+        print_error(
+            f"nothing verified: {args.root} holds no converted step that still has its legacy "
+            "items (model_params/ beside items/) and no step written by merge-lora; steps "
+            "converted --in-place or with --remove-legacy have nothing left to compare with."
+        )
+        return NOTHING_VERIFIED
     return 0 if all(r.ok for r in results) else 1
 
 

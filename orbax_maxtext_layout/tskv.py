@@ -13,11 +13,13 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
+from urllib.parse import unquote
 
 import numpy as np
 import tensorstore as ts
 from etils import epath
 
+from .containment import check_inside, escape
 from .errors import CheckpointReadError
 
 try:  # decodes a stored chunk ~2.4x faster than tensorstore (`chunks`)
@@ -109,31 +111,54 @@ class SourceItem:
 
     @classmethod
     def open(cls, item_dir: epath.Path, context: ts.Context) -> SourceItem:
+        """The item at ``item_dir``. An OCDBT item's B-tree (nodes only) is walked here,
+        before any data file is opened: a data file named outside the item is refused
+        (`containment`) whatever reads it later, this package's reader or tensorstore."""
         files = ItemFiles.read(item_dir)
-        return cls(files, open_kvstore(files.dir, context, use_ocdbt=files.use_ocdbt))
+        item = cls(files, open_kvstore(files.dir, context, use_ocdbt=files.use_ocdbt))
+        if item.is_ocdbt:
+            item._value_files = _value_locations(files.dir)
+        return item
 
     def value_file(self, key: str) -> tuple[str, int, int] | None:
         """Where the stored value ``key`` lies, as ``(data file, offset, length)``, where it
         can be read from that file directly (an OCDBT item on a local disk, the value not
         inline); else None (then it is read through the kvstore).
 
-        The B-tree of the item's latest version is read once (nodes only, no value), on
-        the first call. Orbax never rewrites a data file, so a location stays valid.
+        The B-tree of the item's latest version is read once (nodes only, no value), when
+        the item is opened. Orbax never rewrites a data file, so a location stays valid.
         """
         if not self.is_ocdbt or not store_for(self.dir).reads_files:
             return None
         if self._value_files is None:
-            found = {}
-            try:
-                for entry, _ in _btree_entries(self.dir):
-                    ref = entry.get("indirect_value")
-                    if ref:
-                        rel, offset, length = _value_ref(ref)
-                        found[bytes(entry["key"])] = (os.fspath(self.dir / rel), offset, length)
-            except ValueError:  # an unreadable B-tree: the kvstore's reads report it
-                found = {}
-            self._value_files = found
-        return self._value_files.get(key.encode())
+            self._value_files = _value_locations(self.dir)
+        where = self._value_files.get(key.encode())
+        if where is None:
+            return None
+        rel, offset, length = where
+        return os.fspath(self.dir / rel), offset, length
+
+
+def _value_locations(item_dir: epath.Path) -> dict[bytes, tuple[str, int, int]]:
+    """``key -> (data file relative to the item, offset, length)`` of every indirect value
+    of the item's latest version, each path checked to stay inside the item (raises
+    `CheckpointReadError` naming the key and the path); ``{}`` for a B-tree that cannot
+    be read (the kvstore's reads report it, as stock does)."""
+    found = {}
+    try:
+        for entry, _ in _btree_entries(item_dir):
+            ref = entry.get("indirect_value")
+            if ref:
+                found[bytes(entry["key"])] = _value_ref(ref, item_dir, _key_text(entry))
+    except ValueError as e:
+        if isinstance(e, CheckpointReadError):
+            raise
+        return {}
+    return found
+
+
+def _key_text(entry: dict) -> str:
+    return bytes(entry.get("key", b"")).decode("utf-8", "backslashreplace")
 
 
 def keys(kv: ts.KvStore, name: str) -> list[bytes]:
@@ -201,13 +226,18 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
         return sizes[rel]
 
     def unreadable(location: str, e: ValueError) -> None:
-        bad.setdefault(_value_ref(location)[0], f"B-tree node unreadable ({e})")
+        rel = _split_ref(location)[0]
+        why = "leaves the checkpoint" if escape(rel) else f"B-tree node unreadable ({e})"
+        bad.setdefault(rel, why)
 
     try:
         for entry, _ in _btree_entries(item_dir, unreadable):
             ref = entry.get("indirect_value")
             if ref:
-                rel, offset, length = _value_ref(ref)
+                rel, offset, length = _split_ref(ref)
+                if escape(rel):
+                    bad.setdefault(rel, "leaves the checkpoint")
+                    continue
                 have = size(rel)
                 if have is None:
                     bad.setdefault(rel, "missing, or not a file")
@@ -228,7 +258,8 @@ def _btree_entries(item_dir: epath.Path, unreadable=None) -> Iterator[tuple[dict
     todo = [versions[-1]["root"]["location"]] if versions else []
     while todo:
         location = todo.pop()
-        try:
+        try:  # a node outside the item is never read, not even by tensorstore
+            _value_ref(location, item_dir, "a B-tree node")
             node = ts.ocdbt.dump(base, location).result()
         except ValueError as e:
             if unreadable is None:
@@ -240,11 +271,21 @@ def _btree_entries(item_dir: epath.Path, unreadable=None) -> Iterator[tuple[dict
             todo += [v for v in entry.values() if isinstance(v, str) and v.startswith("btreenode:")]
 
 
-def _value_ref(location: str) -> tuple[str, int, int]:
+def _split_ref(location: str) -> tuple[str, int, int]:
     """``(file relative to the item, offset, length)`` of a B-tree location,
-    ``"<kind>:<base path>:<relative path>:<offset>:<length>"``."""
+    ``"<kind>:<base path>:<relative path>:<offset>:<length>"``: the two paths are
+    percent-encoded (`tensorstore.ocdbt.dump`), so no ``:`` is left in them. Unchecked:
+    see `_value_ref`."""
     _, prefix, rel, offset, length = location.split(":")
-    return prefix + rel, int(offset), int(length)
+    path = unquote(prefix, errors="surrogateescape") + unquote(rel, errors="surrogateescape")
+    return path, int(offset), int(length)
+
+
+def _value_ref(location: str, item_dir: epath.Path, key: str) -> tuple[str, int, int]:
+    """`_split_ref`, the path checked to stay inside the item (`containment`)."""
+    rel, offset, length = _split_ref(location)
+    check_inside(item_dir, key, rel)
+    return rel, offset, length
 
 
 # What decoding a whole array holds at its peak, in times the array's bytes: tensorstore

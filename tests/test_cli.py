@@ -76,6 +76,23 @@ def test_convert_then_skip_then_verify(tmp_path):
     assert [r["ok"] for r in json.loads(res.stdout)] == [True, True, True]
 
 
+def test_verify_that_verified_nothing_exits_3(tmp_path):
+    # A run with no converted step, and one converted in place (no legacy items left):
+    # "nothing to verify" must not read as "all verified" to a CI script.
+    root = tmp_path / "checkpoints"
+    shutil.copytree(RL, root / "actor" / "2")
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    res = cli("verify", str(root), check_rc=3)
+    assert "nothing verified" in res.stderr and str(root) in res.stderr
+    assert "Traceback" not in res.stderr
+    cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--in-place")
+    assert not (root / "actor" / "2" / "model_params").exists()
+    res = cli("verify", str(root), "--json", check_rc=3)
+    assert json.loads(res.stdout) == [] and "--in-place" in res.stderr
+    cli("verify", str(MAXTEXT_NATIVE.parent), check_rc=3)  # a MaxText run: nothing converted
+
+
 def test_dry_run_writes_nothing_and_reads_no_array_bytes(tmp_path):
     # Pathways-style items keep each array's chunks in their own files: delete every
     # chunk, keep the zarr metadata. A dry run must still plan; a real run must not.
