@@ -1,7 +1,8 @@
-"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify,merge-lora}``.
+"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify,merge-lora,export-hf}``.
 
-A thin layer over `find_steps`, `plan_step`, `convert_step` and `merge_lora`.
-Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error.
+A thin layer over `find_steps`, `plan_step`, `convert_step`, `merge_lora` and `export_hf`.
+Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error (`verify`: 3
+when nothing was verified).
 """
 
 from __future__ import annotations
@@ -562,13 +563,17 @@ def _add_target(sp: argparse.ArgumentParser) -> None:
     )
 
 
+# The flag names the written form; the target names the model, in either form.
+_FORM_NOTE = "; the target (--target-from, --maxtext-config's scan_layers) may be in either form"
+
+
 def _add_scan_form(sp: argparse.ArgumentParser, *, target_note: bool) -> None:
     """``--unroll`` | ``--stack`` (convert, merge-lora); ``target_note``: the help says the
     target is given in the written form."""
     form = sp.add_mutually_exclusive_group()
     for flag, const, form_help, note in (
-        ("--unroll", "unroll", "the unscanned form (layers_<i>)", "; the target is unscanned"),
-        ("--stack", "stack", "the scanned form (layers)", "; the target is scanned"),
+        ("--unroll", "unroll", "the unscanned form (layers_<i>)", _FORM_NOTE),
+        ("--stack", "stack", "the scanned form (layers)", _FORM_NOTE),
     ):
         form.add_argument(
             flag,
