@@ -82,13 +82,8 @@ def _load_target(args: argparse.Namespace) -> Target | None:
 
 
 def _target_from_maxtext_config(argv: list[str], both_forms: bool = False) -> Target:
-    """Built by MaxText (metadata only), on CPU unless ``JAX_PLATFORMS`` says otherwise: an
-    accelerator of this host may be busy training, and none is needed. ``both_forms``: with
+    """Built by MaxText (metadata only), on CPU (`main`). ``both_forms``: with
     MaxText's model in the other scan form too (`rescan.maxtext_forms`), for a scan change."""
-    if not os.environ.get("JAX_PLATFORMS"):
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
     try:
         if both_forms:
             return rescan.maxtext_forms(argv)
@@ -800,9 +795,21 @@ def _positionals_first(argv: Sequence[str]) -> list[str]:
     return out[:i] + moved + out[i : i + 2] + values + out[j:]
 
 
+def _on_cpu() -> None:
+    """Every command runs on JAX's CPU backend unless the user set ``JAX_PLATFORMS``: none
+    needs an accelerator, and this host's may be held by a trainer (a second process that
+    opens a TPU fails on libtpu's lockfile). Fresh RNG keys (`jax.random.key`) and
+    MaxText's model (`--maxtext-config`) would otherwise start the default backend."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(_positionals_first(argv))
+    _on_cpu()
     try:
         return args.fn(args)
     except UsageError as e:

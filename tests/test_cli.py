@@ -93,6 +93,23 @@ def test_verify_that_verified_nothing_exits_3(tmp_path):
     cli("verify", str(MAXTEXT_NATIVE.parent), check_rc=3)  # a MaxText run: nothing converted
 
 
+def test_every_command_runs_on_the_cpu_unless_jax_platforms_is_set(tmp_path):
+    # On a TPU host a trainer may hold the chip; a second process that opens it fails. The
+    # CLI needs no accelerator: JAX's backend is pinned to the CPU before any command runs
+    # (checked here by JAX's own setting, which decides the backend before it starts).
+    code = (
+        "import jax, sys; from orbax_maxtext_layout import cli; "
+        "rc = cli.main(sys.argv[1:]); print(rc, jax.config.jax_platforms)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    run = [sys.executable, "-c", code, "inspect", str(RL)]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.stdout.split()[-2:] == ["0", "cpu"], out.stdout + out.stderr
+    env["JAX_PLATFORMS"] = "cpu,tpu"  # the user's choice is kept
+    out = subprocess.run(run, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.stdout.split()[-2:] == ["0", "cpu,tpu"], out.stdout + out.stderr
+
+
 def test_dry_run_writes_nothing_and_reads_no_array_bytes(tmp_path):
     # Pathways-style items keep each array's chunks in their own files: delete every
     # chunk, keep the zarr metadata. A dry run must still plan; a real run must not.
