@@ -155,6 +155,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """``convert``: checks the options, plans the run, converts each step, reports."""
     _check_convert_options(args)
     target = _convert_target(args)
+    if args.rescan == "stack":  # a usage error (exit 2), before any step is planned
+        rescan.check_plain_stack(target, plain_scan=args.plain_scan, where=args.root)
     wanted = _parse_steps(args.steps)
     root = epath.Path(args.root)
     if (hint := _no_steps_hint(root)) is not None:
@@ -232,7 +234,12 @@ def _plan_run(
 
     def plan_of(step_dir: epath.Path) -> Plan:
         return plan_step(
-            step_dir, target, optimizer=args.optimizer, ignore=args.ignore, scan=args.rescan
+            step_dir,
+            target,
+            optimizer=args.optimizer,
+            ignore=args.ignore,
+            scan=args.rescan,
+            plain_scan=args.plain_scan,
         )
 
     placed = renumbering.plan_run(steps, plan_of, renumber=moves)
@@ -287,6 +294,7 @@ def _convert_one(
             copy=args.copy,
             out=_dest(root, p.info, args.out, renumber=renumber),
             rescan=args.rescan,
+            plain_scan=args.plain_scan,
             renumber=renumber and args.out is not None,
         )
     except (OrbaxMaxTextLayoutError, OSError) as e:
@@ -469,6 +477,7 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
             target=target,
             scan=args.rescan,
             scan_axis=args.scan_axis,
+            plain_scan=args.plain_scan,
             memory_budget=args.memory_budget,
             dry_run=args.dry_run,
         )
@@ -577,6 +586,14 @@ def _add_scan_form(sp: argparse.ArgumentParser, *, target_note: bool) -> None:
             const=const,
             help=f"write {form_help}" + (note if target_note else ""),
         )
+    sp.add_argument(
+        "--plain-scan",
+        action="store_true",
+        help="--stack onto an unscanned target with no scanned form at hand (no "
+        "--maxtext-config, no scanned --target-from): the model is a plain scan (layers_<i> -> "
+        "layers); refused without it, as a block-scanned model (gemma3, gpt-oss, llama4) "
+        "would be written in a layout MaxText cannot read",
+    )
 
 
 def _add_memory_budget(sp: argparse.ArgumentParser, help_note: str = "") -> None:

@@ -137,6 +137,7 @@ def convert_step(
     plan: Plan | None = None,
     renumber: bool = False,
     copy: bool = False,
+    plain_scan: bool = False,
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
 
@@ -159,7 +160,9 @@ def convert_step(
     already has ``items/`` is skipped; one being converted by another live process
     is reported as ``locked``. ``rescan="unroll"``/``"stack"`` writes the other scan
     form (the target is given in that form; see `rescan`), re-slicing each array
-    on its own layer axis, one array at a time. ``plan`` is this step's plan if the
+    on its own layer axis, one array at a time; a stack onto an unscanned target with no
+    scanned form at hand needs ``plain_scan=True`` (the model is a plain scan: see
+    `rescan.check_plain_stack`). ``plan`` is this step's plan if the
     caller already made it (`plan_step` with the same options), so it is not made twice.
 
     ``renumber=True`` gives the converted step MaxText's number (the CLI's default):
@@ -183,7 +186,7 @@ def convert_step(
     step_dir = epath.Path(step_dir)
     asked = dict(in_place=in_place, copy=copy, remove_legacy=remove_legacy, out=out, rescan=rescan)
     check_options(ConvertOptions(**asked), step_dir)  # before anything is read or moved
-    opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan)
+    opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan, plain_scan=plain_scan)
     if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
         [placed] = renumbering.plan_run(
             find_steps(step_dir), lambda d: plan_step(d, target, **opts)
@@ -515,6 +518,7 @@ def merge_lora(
     scan_axis: int | None = None,
     memory_budget: int = DEFAULT_BUDGET,
     dry_run: bool = False,
+    plain_scan: bool = False,
 ) -> MergeReport:
     """Merges a Tunix LoRA adapter step into ``base``; writes ``<out>/0/items``.
 
@@ -525,11 +529,19 @@ def merge_lora(
     bytes (hard links or server-side copies, never decoded). Provenance (base, adapter
     step, alpha, rank, modules, layer axis) goes in the step's custom metadata. The
     step appears under ``out`` only once complete; nothing is written on a refusal.
-    ``scan="unroll"``/``"stack"`` writes the other scan form.
+    ``scan="unroll"``/``"stack"`` writes the other scan form (``target``, built from
+    MaxText's config, names the model in either form); ``plain_scan`` stacks an unscanned
+    base with no scanned form at hand as a plain scan (`rescan.check_plain_stack`).
     """
     adapter_dir, _ = merge.adapter_item(adapter_step)
     plan, adapters, alpha = merge.plan_merge(
-        adapter_step, base, alpha=alpha, target=target, scan=scan, scan_axis=scan_axis
+        adapter_step,
+        base,
+        alpha=alpha,
+        target=target,
+        scan=scan,
+        scan_axis=scan_axis,
+        plain_scan=plain_scan,
     )
     dest = epath.Path(out) / "0"
     axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)

@@ -39,8 +39,8 @@ from .lora import (
 from .moves import Drop, LoraFactor, Move, Op, Plan
 from .plan import narrow, plan_step
 from .provenance import record as provenance_record
+from .rescan import check_plain_stack, unroll_plan, written_form
 from .rescan import stack_plan as _stack_plan
-from .rescan import unroll_plan
 from .scan import stack_target, unroll_target
 from .spec import LeafSpec, read_specs
 from .store import store_for
@@ -117,6 +117,7 @@ def plan_merge(
     scan: Literal["unroll", "stack"] | None = None,
     scan_axis: int | None = None,
     unnamed: Literal["error", "skip"] = "error",
+    plain_scan: bool = False,
 ) -> tuple[Plan, LoraAdapters, float]:
     """The merge as a `Plan`, from metadata alone; returns ``(plan, adapters, alpha)``.
 
@@ -151,10 +152,13 @@ def plan_merge(
         rules=(*plan.rules, "merge_lora"),
     )
     if scan is not None:
-        # MaxText's own other form where the target was built from its config (its params:
-        # a merge writes params only), else the base's, derived (`rescan.forms`).
-        twin = target.twin if target is not None else None
-        other = Target(twin.params, {}, param_scan_axes=twin.param_scan_axes) if twin else None
+        # MaxText's own model in the written form where the target was built from its config
+        # (its params: a merge writes params only), whichever scan_layers the config named:
+        # the config names the model, the flag the form (`rescan.written_form`, as convert).
+        # Else the base's other form, derived.
+        other = written_form(target, scan)
+        if other is not None:
+            other = Target(other.params, {}, param_scan_axes=other.param_scan_axes)
         stacked = _with_axis(base_target, axis)
         if scan == "unroll":
             if axis is None:
@@ -163,6 +167,8 @@ def plan_merge(
         elif scan == "stack":
             if adapters.scanned:
                 raise UsageError(f"{base_dir}: the base is scanned already; drop --stack.")
+            if other is None:
+                check_plain_stack(base_target, plain_scan=plain_scan, where=base_dir)
             out = other or _with_axis(
                 stack_target(base_target), 1 if scan_axis is None else scan_axis
             )
@@ -432,5 +438,6 @@ def replay_merge(
         scan=prov.get("scan"),
         scan_axis=prov.get("scan_axis"),
         unnamed="skip",
+        plain_scan=True,  # a replay re-derives the form that was written
     )
     return plan, merge_sources(prov["adapter_step"], prov["base"])

@@ -445,6 +445,7 @@ def plan_step(
     scan: ScanChange | None = None,
     specs: MutableMapping[str, FlatTree] | None = None,
     scan_axes: Mapping[str, int] | None = None,
+    plain_scan: bool = False,
 ) -> Plan:
     """Plans the conversion of one Tunix-layout step from Orbax metadata alone.
 
@@ -454,7 +455,9 @@ def plan_step(
     unroll); the step is planned against the source's form and the plan is then
     transformed (`rescan`), each leaf re-sliced on the layer axis the model gives it.
     ``scan_axes`` (recorded by a plan, stacked model path -> axis) sets the Params' layer
-    axes, for a replay. ``read_optimizer=False`` never opens
+    axes, for a replay. A stack onto an unscanned target with no scanned form at hand is
+    refused (`rescan.check_plain_stack`) unless ``plain_scan`` says the model is a plain
+    scan. ``read_optimizer=False`` never opens
     ``optimizer_state`` (a params-only restore); ``step`` then comes from the step
     number, or 0 if the directory has none. ``specs`` (item name -> `read_specs` of it)
     is a cache the caller keeps for one operation: items found there are not read again,
@@ -494,13 +497,14 @@ def plan_step(
         # per-layer copies of shared streams): skip it here, refuse anything else.
         return rescan.unroll_plan(plan_against(stacked, unnamed="skip"), stacked, unrolled)
     if scan == "stack":
+        rescan.check_plain_stack(target, plain_scan=plain_scan, where=step_dir)
         stacked, unrolled = rescan.forms(target, (), scan_axes)
         # Unscanned models store a shared RNG stream once; the other layers' copies
         # are initialised fresh, and the plan's notes say which.
         base = plan_against(unrolled, unnamed=unnamed, allow_missing=is_rng)
         plan = rescan.stack_plan(base, unrolled, stacked)
         if target.twin is None and not rescan.is_scanned(target):
-            # Unscanned names cannot tell a block scan (gemma3's layers/layers_<k>): say so.
+            # Stacked as plain scans on the caller's word (`plain_scan`): the report says so.
             plan = dataclasses.replace(plan, notes=(*plan.notes, rescan.GUESSED_SCAN))
         return plan
     raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from . import layermap as LM
 from . import rules as R
 from . import scan
-from .errors import LayoutMismatchError
+from .errors import LayoutMismatchError, UsageError
 from .moves import Drop, Move, Op, Plan
 from .rng import is_rng
 from .spec import LeafSpec
@@ -27,10 +27,27 @@ from .treepaths import Path, keystr
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
 _SHARED_RNG = "the unscanned model shares one RNG stream across its layers"
 GUESSED_SCAN = (
-    "stacked as plain scans (layers_<i> -> layers): the target is unscanned and no scanned "
-    "form was given; a block-scanned model (gemma3, gpt-oss, llama4) needs a scanned target "
-    "or --maxtext-config"
+    "stacked as plain scans (layers_<i> -> layers) on the caller's word (--plain-scan): the "
+    "target is unscanned and no scanned form was given"
 )
+
+
+def check_plain_stack(target: Target, *, plain_scan: bool, where: object) -> None:
+    """Refuses a stack onto ``target`` when it is unscanned and no scanned form of the model
+    is at hand (no `Target.twin`), unless ``plain_scan``: unscanned names cannot tell a plain
+    scan (``layers_<i>`` -> ``layers``) from a block scan (gemma3's ``layers/layers_<k>``),
+    and a block-scanned model stacked as a plain one is a layout MaxText cannot read."""
+    if plain_scan or target.twin is not None or is_scanned(target):
+        return
+    raise UsageError(
+        f"{where}: cannot tell the scanned form from an unscanned target: a plain scan (llama, "
+        "qwen, mistral, mixtral: layers_<i> -> layers) and a block scan (gemma3, gpt-oss, "
+        "llama4: layers/layers_<k>) have the same unscanned names, and a block-scanned model "
+        "stacked as a plain one is a layout MaxText cannot read. Nothing was written. Give the "
+        "model's scanned form: --maxtext-config CONFIG KEY=VALUE ... (either scan_layers), or "
+        "--target-from a scanned MaxText step of the same model; or, if the model is a plain "
+        "scan, say so with --plain-scan (plain_scan=True)."
+    )
 
 
 def is_scanned(target: Target) -> bool:
@@ -59,6 +76,17 @@ def forms(
     layers = LM.from_forms(source, target.model_paths()) if _any_scan(source) else None
     target = with_scan_axes(target, axes or {}, layers)
     return scan.stack_target(target, layers=layers), target
+
+
+def written_form(target: Target | None, scan: str) -> Target | None:
+    """MaxText's own model in the form a scan change writes (``"unroll"``: unscanned,
+    ``"stack"``: scanned), where ``target`` was built from its config with both forms
+    (`maxtext_forms`), whichever form it names; None without that twin (the other form is
+    then derived). `convert` and `merge-lora` both take the written form from here."""
+    if target is None or target.twin is None:
+        return None
+    scanned, unscanned = forms(target)
+    return unscanned if scan == "unroll" else scanned
 
 
 def maxtext_forms(argv: Sequence[str]) -> Target:

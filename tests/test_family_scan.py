@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, copy_fixture, raw, restore_flat
+from conftest import FIXTURES, copy_fixture, raw, restore_flat, tree_digest
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout import rescan
@@ -88,10 +88,15 @@ def test_unroll_against_maxtext_s_unscanned_checkpoint(tmp_path, run, unscanned,
 )
 def test_stack_onto_maxtext_s_scanned_checkpoint(tmp_path, run, scanned, block):
     step = copy_fixture(f"{M}/{run}/checkpoints/2", tmp_path)
-    guessed = oml.convert_step(
-        step, _target(run.replace("sft", "pretrain")), rescan="stack", dry_run=True
-    )
-    assert rescan.GUESSED_SCAN in guessed.notes  # no scanned form at hand: the report says so
+    unscanned = _target(run.replace("sft", "pretrain"))
+    before = tree_digest(step)
+    # No scanned form at hand: a block scan cannot be told from a plain one. Refused (a usage
+    # error naming what to give), nothing written, unless the caller says it is plain.
+    with pytest.raises(oml.UsageError, match="--maxtext-config.*--target-from.*--plain-scan"):
+        oml.convert_step(step, unscanned, rescan="stack")
+    assert tree_digest(step) == before
+    guessed = oml.convert_step(step, unscanned, rescan="stack", plain_scan=True, dry_run=True)
+    assert rescan.GUESSED_SCAN in guessed.notes  # on the caller's word: the report says so
     report = oml.convert_step(step, _target(scanned), rescan="stack")
     assert rescan.GUESSED_SCAN not in report.notes
     got = oml.read_specs(step / "items")
@@ -129,3 +134,25 @@ def test_inspect_prints_each_step_s_layer_map(tmp_path, capsys):
     ]
     assert cli(["inspect", str(tmp_path / M / "mixtral_sft_run" / "checkpoints")]) == 0
     assert "  layers: scanned\n    decoder/layers: 2 scan steps" in capsys.readouterr().out
+
+
+def test_cli_stack_onto_an_unscanned_target_is_a_usage_error_without_plain_scan(tmp_path):
+    # gpt-oss, gemma3, llama4: block scans whose unscanned names are a plain scan's. Stacking
+    # without the model's scanned form wrote a plain stack (exit 0) that MaxText cannot read.
+    import subprocess
+    import sys
+
+    run = copy_fixture(f"{M}/gemma3_sft_unscanned_run", tmp_path)
+    step = run / "checkpoints" / "2"
+    target = FIXTURES / M / "gemma3_pretrain_unscanned_run" / "checkpoints" / "0"
+    before = tree_digest(run)
+    argv = [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(run / "checkpoints")]
+    argv += ["--stack", "--target-from", str(target), "--keep-step-numbers"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--plain-scan" in res.stderr and "--maxtext-config" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert tree_digest(run) == before
+    res = subprocess.run([*argv, "--plain-scan"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (step / "items").is_dir()

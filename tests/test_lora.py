@@ -443,7 +443,11 @@ def test_merge_unroll_and_stack(tmp_path):
     assert oml.verify_step(tmp_path / "flat" / "0").ok
     # Unscanned adapters over an unscanned base, written stacked on axis 1.
     ubase, ufactors, ub, ua = _llama(tmp_path / "u", axis=None)
-    oml.merge_lora(ua, ub, alpha=8, out=tmp_path / "stacked", scan="stack")
+    # No scanned form at hand: refused unless the caller says the model is a plain scan.
+    with pytest.raises(oml.UsageError, match="--plain-scan"):
+        oml.merge_lora(ua, ub, alpha=8, out=tmp_path / "stacked", scan="stack")
+    assert not (tmp_path / "stacked").exists()
+    oml.merge_lora(ua, ub, alpha=8, out=tmp_path / "stacked", scan="stack", plain_scan=True)
     got = _params(tmp_path / "stacked" / "0")
     want = expected_merge(ubase, ufactors, 8.0, 4, None)
     for p, w in got.items():
