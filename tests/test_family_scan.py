@@ -92,7 +92,7 @@ def test_stack_onto_maxtext_s_scanned_checkpoint(tmp_path, run, scanned, block):
     before = tree_digest(step)
     # No scanned form at hand: a block scan cannot be told from a plain one. Refused (a usage
     # error naming what to give), nothing written, unless the caller says it is plain.
-    with pytest.raises(oml.UsageError, match="--maxtext-config.*--target-from.*--plain-scan"):
+    with pytest.raises(oml.UsageError, match=r"--maxtext-config.*--target-from.*--plain-scan"):
         oml.convert_step(step, unscanned, rescan="stack")
     assert tree_digest(step) == before
     guessed = oml.convert_step(step, unscanned, rescan="stack", plain_scan=True, dry_run=True)
