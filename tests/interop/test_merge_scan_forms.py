@@ -99,7 +99,9 @@ def outputs(work) -> dict[str, object]:
             config = ["--maxtext-config", str(L.base_yml()), *keys, f"scan_layers={scan_layers}"]
             out[f"{name}_{scan_layers}"] = (*merge(*common, "--out", dest, f"--{form}", *config),)
             out[f"{name}_{scan_layers}_step"] = dest / "0"
-            if (dest / "0" / "items").is_dir():
+            # MaxText exports the one the library got wrong: the key naming the written form
+            # (the other output must hold the same bytes, `test_..._whatever_...`).
+            if (dest / "0" / "items").is_dir() and (scan_layers == "true") is written_scanned:
                 jobs.append(
                     S.export_job(
                         f"{name}_{scan_layers}",
@@ -130,11 +132,14 @@ def test_the_flag_names_the_written_form_whatever_the_config_s_scan_layers(
     assert layered, sorted(names)
     unrolled = any("/decoder/layers_" in n for n in layered)
     assert unrolled is not stacked, sorted(layered)[:5]
+    other = outputs[f"{case}_{'false' if scan_layers == 'true' else 'true'}_step"]
+    if (other / "items").is_dir():  # the two values of the key write the same step
+        assert L.diff(names, L.read_item(other / "items")) == []
 
 
-@pytest.mark.parametrize("scan_layers", ["true", "false"])
 @pytest.mark.parametrize("case", CASES)
-def test_maxtext_exports_the_rescanned_merge_as_the_merge_itself(case, scan_layers, outputs):
+def test_maxtext_exports_the_rescanned_merge_as_the_merge_itself(case, outputs):
+    scan_layers = "true" if CASES[case][3] == "stack" else "false"
     hf = outputs["hf"]
     got, want = hf[f"{case}_{scan_layers}"], hf[f"{case}_asis"]
     assert want.returncode == 0, want.why()
