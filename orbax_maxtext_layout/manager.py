@@ -41,6 +41,19 @@ the legacy step readable. Migration runs on the primary process only. A moved st
 without ``optimizer_state`` (model only) takes its ``step`` from the recorded
 ``TUNIX_STEP_KEY``, not from its new directory name.
 
+Who gets MaxText's numbering
+----------------------------
+Only a MaxText consumer. A caller that works in Tunix's own layout (Tunix's
+``CheckpointManager``, which registers the items ``model_params`` and ``optimizer_state``)
+gets the stock manager: its steps keep the numbers they were written with, and nothing is
+moved, converted or migrated. This is decided once, when the manager is built, from what
+the caller declares: ``item_names``, ``item_handlers`` (or the old ``checkpointers``) that
+name ``model_params`` or ``optimizer_state`` mean ``numbering="as_written"``; anything else
+(MaxText's ``items``, nothing declared) means ``numbering="maxtext"``, today's behaviour.
+``numbering=`` says it explicitly. A manager numbering as MaxText does that is later asked to
+save or restore ``model_params``/``optimizer_state`` by name logs a warning, once, naming
+``numbering="as_written"``: its caller is a Tunix one and would see its steps one behind.
+
 Other rules: Tunix-layout steps found when the manager was created (or reloaded) are
 never deleted by the preservation policy. ``restore(step)`` without ``args`` on a Tunix
 step cannot produce MaxText items (only the model tells weights from RNG state): it
@@ -63,6 +76,7 @@ Orbax hooks it overrides.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any, Literal
 
@@ -77,9 +91,34 @@ from .orbax_files import absolute
 from .stepmeta import TUNIX_STEP_KEY
 from .store import store_for
 
-__all__ = ["TUNIX_STEP_KEY", "CheckpointManager"]
+__all__ = ["TUNIX_STEP_KEY", "CheckpointManager", "Numbering"]
 
 logger = logging.getLogger(__name__)
+
+Numbering = Literal["maxtext", "as_written"]
+# The items only a Tunix-layout caller names (Tunix's own CheckpointManager registers them).
+TUNIX_ITEMS = frozenset({TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM})
+_STOCK_INIT = inspect.signature(ocp.CheckpointManager.__init__)
+
+
+def declared_numbering(args: tuple, kwargs: dict) -> Numbering:
+    """``"as_written"`` when ``ocp.CheckpointManager(*args, **kwargs)`` declares a Tunix-layout
+    item (``item_names``, ``item_handlers`` or ``checkpointers`` naming ``model_params`` or
+    ``optimizer_state``), else ``"maxtext"``."""
+    try:
+        bound = _STOCK_INIT.bind_partial(None, *args, **kwargs).arguments
+    except TypeError:  # the stock constructor reports it
+        return "maxtext"
+    names: set[str] = set()
+    for key in ("item_names", "item_handlers", "checkpointers"):
+        declared = bound.get(key)
+        if isinstance(declared, (dict, list, tuple, set, frozenset)):
+            names |= {str(n) for n in declared}
+    return "as_written" if names & TUNIX_ITEMS else "maxtext"
+
+
+def _names_tunix_items(args: Any) -> bool:
+    return isinstance(args, ocp.args.Composite) and bool(set(args.keys()) & TUNIX_ITEMS)
 
 
 class CheckpointManager(ocp.CheckpointManager):
@@ -91,6 +130,10 @@ class CheckpointManager(ocp.CheckpointManager):
         the next committed save; "off" never rewrites (moves still happen, see above).
       remove_legacy: delete a migrated step's ``model_params``/``optimizer_state`` once
         its new ``items`` has been verified against them.
+      numbering: "maxtext" presents Tunix directory ``N`` as step ``N - 1`` and reads it as
+        MaxText items (for MaxText's callers); "as_written" is the stock manager (for
+        Tunix's callers: numbers as written, nothing converted or moved). Default: decided
+        from the items the caller declares (see "Who gets MaxText's numbering").
     """
 
     def __init__(
@@ -98,8 +141,13 @@ class CheckpointManager(ocp.CheckpointManager):
         *args: Any,
         migrate: Literal["on_save", "off"] = "on_save",
         remove_legacy: bool = False,
+        numbering: Numbering | None = None,
         **kwargs: Any,
     ) -> None:
+        if numbering not in (None, "maxtext", "as_written"):
+            raise UsageError(f"numbering must be 'maxtext' or 'as_written', not {numbering!r}")
+        self._numbering: Numbering = numbering or declared_numbering(args, kwargs)
+        self._warned_tunix_caller = False
         # Before Orbax's constructor, which lists the steps through _load_checkpoint_infos.
         # The two bound methods work from then on: Orbax sets the directory, step name
         # format and multiprocessing options they read before it lists.
@@ -107,7 +155,30 @@ class CheckpointManager(ocp.CheckpointManager):
             self._home, self._is_primary, migrate=migrate, remove_legacy=remove_legacy
         )
         super().__init__(*args, **kwargs)
-        self._legacy_steps.finish_removals(self.directory)
+        if self._maxtext:
+            self._legacy_steps.finish_removals(self.directory)
+
+    @property
+    def numbering(self) -> Numbering:
+        """How this manager numbers Tunix-layout steps ("maxtext" or "as_written")."""
+        return self._numbering
+
+    @property
+    def _maxtext(self) -> bool:
+        return self._numbering == "maxtext"
+
+    def _tunix_caller_seen(self, args: Any) -> None:
+        """Warns once when a manager numbering as MaxText does is asked for Tunix items."""
+        if self._maxtext and not self._warned_tunix_caller and _names_tunix_items(args):
+            self._warned_tunix_caller = True
+            logger.warning(
+                "%s: this manager presents Tunix directory N as step N - 1 (MaxText's "
+                "numbering), but it is asked for %s by name, as Tunix's own code asks: a Tunix "
+                "caller would see its steps one behind. Build it with numbering='as_written' "
+                "(or declare those items in item_names/item_handlers).",
+                self.directory,
+                sorted(set(args.keys()) & TUNIX_ITEMS),
+            )
 
     @property
     def legacy_steps(self) -> LegacySteps:
@@ -117,6 +188,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
     # -- Orbax's hooks: listing, reading, retention ------------------------------------
     def _load_checkpoint_infos(self, skip_metadata_read: bool = False) -> list[CheckpointInfo]:
+        if not self._maxtext:
+            return super()._load_checkpoint_infos(skip_metadata_read)
         if self._is_primary():  # moves a killed manager left (an object store's)
             for note in store_for(self.directory).finish_relocations(self.directory):
                 logger.info("%s: %s.", self.directory, note)
@@ -124,7 +197,7 @@ class CheckpointManager(ocp.CheckpointManager):
         return self._legacy_steps.list_steps(self.directory, stock)
 
     def _get_read_step_directory(self, step: int, root_dir: epath.Path) -> epath.Path:
-        if epath.Path(root_dir) == self.directory:
+        if self._maxtext and epath.Path(root_dir) == self.directory:
             held = self._legacy_steps.where(step)
             if held is not None:
                 return held
@@ -132,13 +205,13 @@ class CheckpointManager(ocp.CheckpointManager):
 
     def _get_old_steps_to_remove(self) -> list[int]:
         steps = super()._get_old_steps_to_remove()
-        return [s for s in steps if not self._legacy_steps.protects(s)]
+        return [s for s in steps if not (self._maxtext and self._legacy_steps.protects(s))]
 
     # -- Orbax's hooks: saving -----------------------------------------------------------
     def _get_write_step_directory(self, step: int, root_dir: epath.Path) -> epath.Path:
         # `save` calls this right before Orbax writes the directory (deleting one that
         # exists), after deciding to save: the one moment a move is both needed and safe.
-        if epath.Path(root_dir) == self.directory:
+        if self._maxtext and epath.Path(root_dir) == self.directory:
             self._legacy_steps.make_room(step)
         return super()._get_write_step_directory(step, root_dir)
 
@@ -146,7 +219,13 @@ class CheckpointManager(ocp.CheckpointManager):
         # Runs after the save committed: inline for synchronous saves, in Orbax's
         # save-finalize thread for asynchronous ones (so it never blocks training).
         super()._finalize(step, steps_to_remove)
-        self._legacy_steps.after_save(step)
+        if self._maxtext:
+            self._legacy_steps.after_save(step)
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        """`ocp.CheckpointManager.save` (see `_get_write_step_directory`)."""
+        self._tunix_caller_seen(kwargs.get("args"))
+        return super().save(step, *args, **kwargs)
 
     # -- restoring -----------------------------------------------------------------------
     def restore(
@@ -165,6 +244,7 @@ class CheckpointManager(ocp.CheckpointManager):
         ``item`` leaf), and returns the tree in ``item``'s structure. Runs on every
         process, with no barrier. See the module docstring for the other cases.
         """
+        self._tunix_caller_seen(args)
         if step is None and directory is None:
             step = self.latest_step()
         held = self._legacy_dir(step, directory)
@@ -192,7 +272,7 @@ class CheckpointManager(ocp.CheckpointManager):
         """The directory of ``step`` if it is a listed step still in Tunix layout."""
         if step is None or (directory is not None and epath.Path(directory) != self.directory):
             return None
-        return self._legacy_steps.held(step)
+        return self._legacy_steps.held(step) if self._maxtext else None
 
     def _restore_items(self, step: int, held: epath.Path, args: Any) -> Any:
         item = getattr(args, "item", None)
@@ -229,7 +309,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
     # -- other overrides ---------------------------------------------------------------
     def delete(self, step: int) -> None:
-        self._legacy_steps.release(step)
+        if self._maxtext:
+            self._legacy_steps.release(step)
         super().delete(step)
 
     def close(self) -> None:

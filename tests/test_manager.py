@@ -113,6 +113,59 @@ def test_lists_tunix_steps_under_their_maxtext_number(tmp_path):
     assert sorted(os.listdir(root)) == []
 
 
+def _tunix_handlers() -> dict:
+    """The items Tunix's own CheckpointManager registers (google-tunix 0.1.7)."""
+    return {n: ocp.PyTreeCheckpointHandler() for n in ("model_params", "optimizer_state")}
+
+
+def _tunix_run(tmp_path: Path) -> Path:
+    """Tunix directories 1 and 2, as Tunix's own save writes them (model_params, no items)."""
+    root = copy_fixture(RL, tmp_path).parent
+    shutil.copytree(root / "2", root / "1")
+    return root
+
+
+def test_a_tunix_caller_gets_the_stock_manager_numbering_and_all(tmp_path, caplog):
+    # Tunix's CheckpointManager declares model_params/optimizer_state: its steps keep their
+    # numbers, nothing is converted or moved, exactly as with the stock manager.
+    root = _tunix_run(tmp_path)
+    before = tree_digest(root)
+    want_args = ocp.args.Composite(model_params=ocp.args.PyTreeRestore())
+    with ocp.CheckpointManager(root, item_handlers=_tunix_handlers()) as stock:
+        want_steps, want_latest = stock.all_steps(), stock.latest_step()
+        want = stock.restore(2, args=want_args)
+    assert (want_steps, want_latest) == ([1, 2], 2)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        with CheckpointManager(root, item_handlers=_tunix_handlers()) as m:
+            assert m.numbering == "as_written"
+            assert (m.all_steps(), m.latest_step()) == (want_steps, want_latest)
+            got = m.restore(2, args=ocp.args.Composite(model_params=ocp.args.PyTreeRestore()))
+            _assert_bit_identical(got.model_params, want.model_params)
+            m.save(3, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(got.model_params)))
+            assert m.all_steps() == [1, 2, 3]
+    assert sorted(os.listdir(root)) == ["1", "2", "3"]  # no renames, no items/
+    assert tree_digest(root, exclude=("3",)) == before
+    assert not caplog.records  # nothing to warn about
+    # The same directory read by a MaxText consumer (declaring nothing, or `items`).
+    with CheckpointManager(root) as m:
+        assert m.numbering == "maxtext"
+        assert m.all_steps() == [0, 1, 2]
+    with CheckpointManager(root, item_names=("model_params",), numbering="maxtext") as m:
+        assert m.all_steps() == [0, 1, 2]  # said explicitly
+
+
+def test_a_maxtext_numbering_manager_asked_for_tunix_items_says_what_to_pass(tmp_path, caplog):
+    root = _tunix_run(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), CheckpointManager(root) as m:
+        args = ocp.args.Composite(model_params=ocp.args.PyTreeRestore())
+        m.restore(1, args=args)  # Tunix directory 2, one behind for a Tunix caller
+        m.restore(0, args=args)
+    warned = [r.getMessage() for r in caplog.records if "as_written" in r.getMessage()]
+    assert len(warned) == 1 and "one behind" in warned[0], warned
+    with pytest.raises(ValueError, match="numbering"):
+        CheckpointManager(root, numbering="tunix")
+
+
 def test_restore_equals_convert_step_then_stock_restore_bit_for_bit(tmp_path):
     a = copy_fixture(RL, tmp_path / "a")
     b = copy_fixture(RL, tmp_path / "b")
