@@ -8,8 +8,9 @@ import v1 as ocp``): `create_orbax_checkpoint_manager` builds one, and
 ``migrate`` and ``remove_legacy``) with the semantics of the v0 `CheckpointManager` of
 this package, which it reuses: the v1 Checkpointer keeps a v0 ``CheckpointManager``
 inside and lists, saves, deletes and waits through it, and here that inner manager *is*
-`orbax_maxtext_layout.CheckpointManager`, built with the options the stock v1
-constructor builds. So:
+`orbax_maxtext_layout.CheckpointManager` (with MaxText's numbering), built with the options
+the stock v1 constructor derives from its arguments and context (`_v0_options`, derived
+here the same way: no stock manager is built, read or closed). So:
 
 - a Tunix-layout step (``<dir>/<N>/model_params``, no ``items/``) is listed as MaxText
   step ``N - 1`` in ``checkpoints``, ``latest`` and ``should_save`` (Tunix directory
@@ -30,18 +31,19 @@ constructor builds. So:
 - MaxText-layout steps, saves, deletes, ``wait``, ``close`` and ``reload`` are stock.
 
 Orbax private names used (each pinned by tests/test_training.py, which fails when Orbax
-changes it): the v1 Checkpointer's ``_manager`` (the inner v0 manager, replaced by ours;
-every v1 operation goes through it, and ``checkpoints`` reads its ``_checkpoints``), the
-v0 manager's ``_options`` (the exact options the v1 constructor derived from its
-arguments and context), the v1 Checkpointer's ``_context`` with the private module
-function ``context.get_context`` (the context v1 runs its own loads in, for
-``partial_load``), and its ``_step_name_format`` (wrapped, so a legacy step's paths name
-the directory it is in).
+changes it): the attributes the stock v1 constructor sets, which this constructor sets in
+its place, ``_context``, ``_step_name_format`` (wrapped, so a legacy step's paths name the
+directory it is in), ``_manager`` (ours; every v1 operation goes through it, and
+``checkpoints`` reads its ``_checkpoints``) and, where the stock one sets them,
+``_logger`` and ``_pending_delete``; the private modules' ``context.Context``/
+``get_context`` (the context v1 runs its own loads in, for ``partial_load``) and
+``path.step.standard_name_format`` (v1's default step names). The test also pins that the v0
+options derived here equal what the stock constructor derives, for several arguments and
+contexts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from typing import Any, Literal
@@ -53,6 +55,7 @@ from orbax.checkpoint.experimental import v1 as ocp1
 
 # Private: the function v1's own loads use to pick the active context (see above).
 from orbax.checkpoint.experimental.v1._src.context import context as context_lib
+from orbax.checkpoint.experimental.v1._src.path import step as path_step_lib
 
 from .errors import UsageError
 from .legacy_steps import LegacySteps, check_migrate, load_requested
@@ -69,7 +72,45 @@ STATE_CHECKPOINTABLE_KEY = (
 )
 
 
+# orbax-checkpoint >= 0.12.8: the v1 constructor takes a logger (kept as ``_logger``), deletes
+# in the foreground and keeps a pending delete; older ones do neither.
 _TAKES_LOGGER = "logger" in inspect.signature(ocp1.training.Checkpointer.__init__).parameters
+
+
+def _v0_options(
+    context: ocp1.Context,
+    save_decision_policy: Any,
+    preservation_policy: Any,
+    step_name_format: Any,
+    **flags: bool,
+) -> ocp.CheckpointManagerOptions:
+    """The v0 manager's options, as the stock v1 constructor derives them from its
+    arguments and ``context``; ``flags``: ``cleanup_tmp_directories``,
+    ``lightweight_initialize``."""
+    policies = ocp1.training.save_decision_policies
+    save_decision_policy = save_decision_policy or policies.AnySavePolicy(
+        [
+            policies.InitialSavePolicy(),
+            policies.ContinuousCheckpointingPolicy(),
+            policies.PreemptionCheckpointingPolicy(),
+        ]
+    )
+    preservation = preservation_policy or ocp1.training.preservation_policies.PreserveAll()
+    extra = {"enable_background_delete": False} if _TAKES_LOGGER else {}
+    return ocp.CheckpointManagerOptions(
+        save_decision_policy=save_decision_policy,
+        preservation_policy=preservation,
+        step_name_format=step_name_format,
+        max_to_keep=None,  # unlimited: the preservation policy decides
+        todelete_full_path=context.deletion_options.gcs_deletion_options.todelete_full_path,
+        async_options=context.async_options.v0(),
+        file_options=context.file_options.v0(),
+        multiprocessing_options=context.multiprocessing_options.v0(),
+        atomicity_options=context.atomicity.v0(),
+        prevent_write_metrics=True,  # the v1 Checkpointer writes the metrics
+        **extra,
+        **flags,
+    )
 
 
 class Checkpointer(ocp1.training.Checkpointer):
@@ -102,31 +143,23 @@ class Checkpointer(ocp1.training.Checkpointer):
         remove_legacy: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_migrate(migrate)  # before building the stock manager
+        check_migrate(migrate)
+        if kwargs:  # as the stock constructor refuses them
+            raise TypeError(f"Checkpointer() got unexpected keyword arguments {sorted(kwargs)}")
+        # The stock constructor is not called: it would build (and list the directory with) a
+        # stock v0 manager. This sets what it sets, with our manager as the inner one.
+        self._context = context_lib.Context(context or context_lib.get_context())
         logger = logger or ocp.logging.StandardLogger()  # one logger for v1 and v0, as stock
-        if _TAKES_LOGGER:  # orbax-checkpoint >= 0.12.8; older v1 Checkpointers build their own
-            kwargs["logger"] = logger
-        # The stock constructor derives the v0 manager's options from its arguments and
-        # context; let it, with everything that touches the directory beyond creating it
-        # (tmp cleanup, step metadata reads, root metadata) left to our manager below.
-        super().__init__(
-            directory,
-            context=context,
-            save_decision_policy=save_decision_policy,
-            preservation_policy=preservation_policy,
-            step_name_format=step_name_format,
-            custom_metadata=None,
-            cleanup_tmp_directories=False,
-            lightweight_initialize=True,
-            **kwargs,
-        )
-        stock = self._manager
-        options = dataclasses.replace(
-            stock._options,
+        if _TAKES_LOGGER:
+            self._logger = logger
+        options = _v0_options(
+            self._context,
+            save_decision_policy,
+            preservation_policy,
+            step_name_format,
             cleanup_tmp_directories=cleanup_tmp_directories,
             lightweight_initialize=lightweight_initialize,
         )
-        stock.close()
         self._manager = CheckpointManager(
             directory,
             options=options,
@@ -134,8 +167,12 @@ class Checkpointer(ocp1.training.Checkpointer):
             logger=logger,
             migrate=migrate,
             remove_legacy=remove_legacy,
+            numbering="maxtext",  # the v1 Checkpointer's callers are MaxText's
         )
-        self._step_name_format = _WhereTheStepIs(self._step_name_format, self._manager.legacy_steps)
+        if _TAKES_LOGGER:
+            self._pending_delete = None
+        names = step_name_format or path_step_lib.standard_name_format()
+        self._step_name_format = _WhereTheStepIs(names, self._manager.legacy_steps)
 
     # -- loading -----------------------------------------------------------------------
     def load_checkpointables(

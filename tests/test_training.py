@@ -405,3 +405,74 @@ def test_orbax_private_names_it_relies_on(tmp_path):
         assert [c.step for c in ours.checkpoints] == list(ours._manager.all_steps()) == [1]
         assert ours._step_name_format.build_name(1) == "2"
         assert ours._step_name_format.build_name(5) == "5"
+        # It sets the attributes the stock constructor sets, and no other.
+        assert set(vars(ours)) == set(vars(stock))
+
+
+def _v0_managers_built(build) -> int:
+    """How many v0 managers ``build()`` constructs: calls of the stock v0 constructor's code
+    (every v0 manager, ours included, runs it once), seen by the interpreter's profiler."""
+    code = ocp0.CheckpointManager.__init__.__code__
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls.append(1)
+
+    sys.setprofile(profile)
+    try:
+        built = build()
+    finally:
+        sys.setprofile(None)
+    built.close()
+    return len(calls)
+
+
+def test_a_v1_construction_builds_one_v0_manager_ours(tmp_path):
+    # Before: the stock v1 constructor built a stock v0 manager (listing the directory), ours
+    # read its private options, closed it and built a second one.
+    root = copy_fixture(SFT, tmp_path).parent
+    kwargs = _maxtext_kwargs()
+    assert _v0_managers_built(lambda: ocp.training.Checkpointer(root, **kwargs)) == 1
+    assert _v0_managers_built(lambda: Checkpointer(root, **kwargs)) == 1
+    with Checkpointer(root, **kwargs) as ours:
+        assert type(ours._manager) is CheckpointManager
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["defaults", "maxtext", "policies", "lightweight", "synchronous"],
+)
+def test_the_v0_options_are_derived_as_the_stock_constructor_derives_them(tmp_path, case):
+    policies = ocp.training.save_decision_policies
+    kwargs = {
+        "defaults": {},
+        "maxtext": _maxtext_kwargs(cleanup_tmp_directories=True),
+        "policies": {
+            "save_decision_policy": policies.FixedIntervalPolicy(3),
+            "preservation_policy": ocp.training.preservation_policies.LatestN(2),
+            "step_name_format": ocp0.path.step.standard_name_format(step_prefix="s"),
+        },
+        "lightweight": {"lightweight_initialize": True},
+        "synchronous": {
+            "context": ocp.Context(async_options=ocp.options.AsyncOptions(timeout_secs=7))
+        },
+    }[case]
+    root = tmp_path / "run"
+    root.mkdir()
+    with ocp.training.Checkpointer(root, **kwargs) as stock:
+        want = _comparable(dataclasses.asdict(stock._manager._options))
+    with Checkpointer(root, **kwargs) as ours:
+        assert _comparable(dataclasses.asdict(ours._manager._options)) == want
+
+
+def _comparable(x: Any) -> Any:
+    """``x`` with each object that has no equality of its own (a save-decision policy built
+    fresh by each constructor) as its class and attributes."""
+    if isinstance(x, dict):
+        return {k: _comparable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_comparable(v) for v in x]
+    if hasattr(x, "__dict__") and type(x).__eq__ is object.__eq__:
+        return (type(x).__qualname__, _comparable(vars(x)))
+    return x
