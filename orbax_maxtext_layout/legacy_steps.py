@@ -22,6 +22,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo, StepAlreadyExistsError
 
@@ -167,6 +170,26 @@ class LegacySteps:
         """The directory of ``step`` if it is a listed step still in Tunix layout."""
         held = self.where(step)
         return held if held is not None and detect_layout(held) is Layout.TUNIX else None
+
+    def held_everywhere(self, step: int, wait: Callable[[], None]) -> epath.Path | None:
+        """`held`, one decision for every process: whether ``step`` is read as legacy items
+        or the stock way (whose restore enters Orbax's barriers) must not differ between
+        processes. Only the primary migrates, right after a save commits, so a process
+        that looked for itself could still see the legacy items the primary has just
+        migrated (the primary then waits at the stock restore's barrier, the others do not,
+        and the job hangs). With several processes and legacy steps listed (the same on
+        every process), each waits for its saves to finish (``wait``: the manager's
+        ``wait_until_finished``; the primary's include its migrations), then takes the
+        primary's decision."""
+        if jax.process_count() == 1 or not self._legacy:
+            return self.held(step)
+        wait()
+        mine = self.held(step)
+        flag = np.int32(mine is not None)
+        legacy = bool(ocp.multihost.broadcast_one_to_all(flag, is_source=self._is_primary()))
+        if not legacy:
+            return None
+        return mine if mine is not None else self.where(step)
 
     def protects(self, step: int) -> bool:
         """Whether retention must keep ``step``: a legacy step found by the last listing."""

@@ -272,7 +272,9 @@ class CheckpointManager(ocp.CheckpointManager):
         """The directory of ``step`` if it is a listed step still in Tunix layout."""
         if step is None or (directory is not None and epath.Path(directory) != self.directory):
             return None
-        return self._legacy_steps.held(step) if self._maxtext else None
+        if not self._maxtext:
+            return None
+        return self._legacy_steps.held_everywhere(step, self.wait_until_finished)
 
     def _restore_items(self, step: int, held: epath.Path, args: Any) -> Any:
         item = getattr(args, "item", None)

@@ -183,7 +183,7 @@ class Checkpointer(ocp1.training.Checkpointer):
         """Stock v1 ``load_checkpointables``; a Tunix-layout step's ``items`` come back as
         MaxText items, converted against (and placed like) the abstract tree given."""
         number = self._number(step)
-        held = None if number is None else self._manager.legacy_steps.held(number)
+        held = None if number is None else self._held(number)
         if held is None:
             return super().load_checkpointables(step, abstract_checkpointables)
         assert number is not None
@@ -219,7 +219,7 @@ class Checkpointer(ocp1.training.Checkpointer):
         """Stock v1 ``load``; MaxText's items of any step load with
         ``checkpointable_name="items"``."""
         number = self._number(step)
-        held = None if number is None else self._manager.legacy_steps.held(number)
+        held = None if number is None else self._held(number)
         if (
             held is not None
             and checkpointable_name != MAXTEXT_ITEM
@@ -241,6 +241,10 @@ class Checkpointer(ocp1.training.Checkpointer):
             )
         partial = bool(context.pytree_options.loading.partial_load)
         return self._manager.legacy_steps.restore_items(step, held, abstract, partial=partial)
+
+    def _held(self, number: int) -> epath.Path | None:
+        """Where legacy step ``number`` is, decided alike on every process (`LegacySteps.held_everywhere`)."""
+        return self._manager.legacy_steps.held_everywhere(number, self._manager.wait_until_finished)
 
     def _number(self, step: int | ocp1.training.CheckpointMetadata | None) -> int | None:
         if step is None:

@@ -336,52 +336,68 @@ def _free_port() -> int:
 
 def _sharding_for(mesh: Any) -> Any:
     spec = jax.sharding.PartitionSpec
+    n = mesh.devices.size
 
     def pick(s: Any) -> Any:
-        even = len(s.shape) > 0 and s.shape[0] % 2 == 0
+        even = len(s.shape) > 0 and s.shape[0] % n == 0
         return jax.sharding.NamedSharding(mesh, spec("x") if even else spec())
 
     return pick
 
 
-def _worker(process_id: int, port: int, root: str, out: str) -> None:
-    """One of two processes: restore through the manager on a 2-process mesh, then save."""
+def _worker(process_id: int, port: int, root: str, out: str, n: int = 2) -> None:
+    """One of ``n`` processes: restore through the manager on an n-process mesh, save (the
+    primary migrates the restored step), then every process restores that step again at
+    once (it must find it in the same layout everywhere, or the job hangs at a barrier)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=process_id)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
     abstract = _abstract(_sharding_for(mesh))
     with _manager(Path(root)) as m:
-        items = m.restore(m.latest_step(), args=_items_args(abstract))["items"]
-        shards = {}
-        for p, x in _flat(items).items():
-            data = (
-                jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            )
-            assert x.sharding.is_equivalent_to(_flat(abstract)[p].sharding, x.ndim), p
-            shards[keystr(p)] = [
-                [[[s.start, s.stop] for s in sh.index], np.asarray(sh.data).tolist()]
-                for sh in data.addressable_shards
-            ]
+        restored = m.latest_step()
+        items = m.restore(restored, args=_items_args(abstract))["items"]
+        shards = _local_shards(items, abstract)
         m.save(int(items["step"]), args=ocp.args.Composite(items=ocp.args.PyTreeSave(items)))
+        again = m.restore(restored, args=_items_args(abstract))["items"]  # just migrated
+        assert _local_shards(again, abstract) == shards
     Path(out).write_text(json.dumps(shards))
 
 
-def test_two_processes_restore_sharded_and_migrate(tmp_path):
+def _local_shards(items: Any, abstract: Any) -> dict:
+    """``{leaf: [[index, values], ...]}`` of this process's shards of each leaf, each leaf
+    checked to have the sharding ``abstract`` asked for."""
+    shards = {}
+    for p, x in _flat(items).items():
+        key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        data = jax.random.key_data(x) if key else x
+        assert x.sharding.is_equivalent_to(_flat(abstract)[p].sharding, x.ndim), p
+        shards[keystr(p)] = [
+            [[[s.start, s.stop] for s in sh.index], np.asarray(sh.data).tolist()]
+            for sh in data.addressable_shards
+        ]
+    return shards
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_processes_restore_sharded_migrate_and_restore_the_migrated_step(tmp_path, n):
+    # At 4 processes the primary migrated after the save while the others still saw the
+    # legacy items: its restore waited at Orbax's barrier, theirs did not, and the job hung.
     step = copy_fixture(RL, tmp_path)
-    port, outs = _free_port(), [tmp_path / f"p{i}.json" for i in range(2)]
+    port, outs = _free_port(), [tmp_path / f"p{i}.json" for i in range(n)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    argv = [sys.executable, __file__]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(i), str(port), str(step.parent), str(outs[i])],
+            [*argv, str(i), str(port), str(step.parent), str(outs[i]), str(n)],
             env=env,
             cwd=Path(__file__).parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for i in range(2)
+        for i in range(n)
     ]
     try:
-        logs = [p.communicate(timeout=120)[0].decode() for p in procs]
+        logs = [p.communicate(timeout=180)[0].decode() for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -398,8 +414,8 @@ def test_two_processes_restore_sharded_and_migrate(tmp_path):
                 sl = tuple(slice(a, b) for a, b in index)
                 assert np.array_equal(np.asarray(data, full.dtype), full[sl]), (p, index)
                 seen.add(str(index))
-        sharded = len(v.shape) > 0 and v.shape[0] % 2 == 0
-        assert len(seen) == (2 if sharded else 1), p  # each process read only its half
+        sharded = len(v.shape) > 0 and v.shape[0] % n == 0
+        assert len(seen) == (n if sharded else 1), p  # each process read only its part
 
     # The primary migrated the legacy step after the 2-process save committed.
     assert detect_layout(step.parent / "1") is Layout.MAXTEXT
@@ -412,7 +428,7 @@ def test_two_processes_restore_sharded_and_migrate(tmp_path):
 
 
 if __name__ == "__main__":  # a worker of test_two_processes_restore_sharded_and_migrate
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
 
 
 def test_remove_legacy_manager_breaks_the_lock_a_killed_removal_left(tmp_path, caplog):
