@@ -329,15 +329,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_load_sharded_save_and_migrate(tmp_path):
+@pytest.mark.parametrize("n", [2, 4])
+def test_processes_load_sharded_save_migrate_and_load_the_migrated_step(tmp_path, n):
     step = copy_fixture(RL, tmp_path)
     child = Path(__file__).parent / "training_child.py"
-    port, outs = _free_port(), [tmp_path / f"p{i}.json" for i in range(2)]
+    port, outs = _free_port(), [tmp_path / f"p{i}.json" for i in range(n)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     pretrain = str(FIXTURES / PRETRAIN / "1")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(child), str(i), str(port), str(step.parent), pretrain, str(o)],
+            [sys.executable, str(child), str(i), str(port), str(step.parent), pretrain, str(o)]
+            + [str(n)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -345,7 +347,7 @@ def test_two_processes_load_sharded_save_and_migrate(tmp_path):
         for i, o in enumerate(outs)
     ]
     try:
-        logs = [p.communicate(timeout=120)[0].decode() for p in procs]
+        logs = [p.communicate(timeout=180)[0].decode() for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -362,9 +364,9 @@ def test_two_processes_load_sharded_save_and_migrate(tmp_path):
                 sl = tuple(slice(a, b) for a, b in index)
                 assert np.array_equal(np.asarray(data, full.dtype), full[sl]), (name, index)
                 seen.add(str(index))
-        sharded = len(v.shape) > 0 and v.shape[0] % 2 == 0
-        assert len(seen) == (2 if sharded else 1), name  # each process read only its half
-    assert sum(len(p) for p in got) == 2 * len(jax.tree.leaves(want))
+        sharded = len(v.shape) > 0 and v.shape[0] % n == 0
+        assert len(seen) == (n if sharded else 1), name  # each process read only its part
+    assert sum(len(p) for p in got) == n * len(jax.tree.leaves(want))
 
     # The legacy step moved out of the save's way and the primary migrated it.
     assert oml.detect_layout(step.parent / "1") is oml.Layout.MAXTEXT
