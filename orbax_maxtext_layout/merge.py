@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from etils import epath
 
-from . import stepmeta
+from . import stepmeta, tskv
 from .errors import CheckpointReadError, LayoutMismatchError, UsageError
 from .layout import (
     MAXTEXT_ITEM,
@@ -132,6 +132,7 @@ def plan_merge(
         both shapes), or the step holds no LoRA adapters.
     """
     adapter_dir, params_dir = adapter_item(adapter_step)
+    tskv.check_contained(params_dir)  # both sources, before anything is written
     adapters = read_adapters(adapter_dir, params_dir)
     alpha = alpha if alpha is not None else adapters.alpha
     if alpha is None:
@@ -142,6 +143,7 @@ def plan_merge(
     if adapters.rank <= 0:
         raise LayoutMismatchError(f"{adapter_dir}: the LoRA factors have different ranks.")
     base_dir, item, item_dir = base_source(base)
+    tskv.check_contained(item_dir)
     plan, base_target = params_plan(base_dir, item, item_dir, target, unnamed)
     merged, axis = _merge_moves(
         plan, adapters, alpha=alpha, target=base_target, scan_axis=scan_axis, base_dir=base_dir

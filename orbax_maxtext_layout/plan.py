@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from etils import epath
 
-from . import lora, rescan
+from . import lora, rescan, tskv
 from . import rules as R
 from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
@@ -167,7 +167,8 @@ def _plan_model(
         problems.append(f"{keystr(path)}: expected by the target ({want}), missing in checkpoint")
     if problems:
         raise LayoutMismatchError(
-            f"model_params does not match the target model ({len(problems)} offending paths):",
+            f"model_params does not match the target model{_of(target)} "
+            f"({len(problems)} offending paths):",
             problems,
             hint=_model_hint(cur, target),
         )
@@ -248,6 +249,11 @@ def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
     return stripped > kept
 
 
+def _of(target: Target) -> str:
+    """`` (<what the target was built from>)`` for an error, where it is known."""
+    return f" ({target.origin})" if target.origin else ""
+
+
 def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
     if not target.model_paths():
         return (
@@ -258,8 +264,10 @@ def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
     src, tgt = _scan_form(cur), _scan_form(target.model_paths())
     if src and tgt and src != tgt:
         return (
-            f"The scan form differs (the checkpoint's layers are {src}, the target's {tgt}); "
-            "build the target with the same scan_layers setting as the checkpoint."
+            f"The scan form differs (the checkpoint's layers are {src}, the target's {tgt}): "
+            f"to write the target's form, convert with {'--stack' if src != 'stacked' else '--unroll'}"
+            " (rescan=...; the target may name the model in either form); else build the "
+            "target with the same scan_layers setting as the checkpoint."
         )
     return (
         "Build the target from the same model config the checkpoint was trained with "
@@ -465,6 +473,8 @@ def plan_step(
     """
     step_dir = epath.Path(step_dir)
     items = tunix_items(step_dir)
+    for item_dir in items.values():  # before a plan lets anything move (B-tree nodes only)
+        tskv.check_contained(item_dir)
     specs = {} if specs is None else specs
     for name in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM):
         if name not in specs and name in items and (read_optimizer or name == TUNIX_PARAMS_ITEM):

@@ -139,6 +139,13 @@ class SourceItem:
         return os.fspath(self.dir / rel), offset, length
 
 
+def check_contained(item_dir: epath.PathLike) -> None:
+    """Refuses an OCDBT item whose B-tree names a data file outside it (`containment`):
+    a `CheckpointReadError` naming the item, the key and the path. Reads B-tree nodes only;
+    plans call it before anything is moved or written (`SourceItem.open` checks the same)."""
+    _value_locations(epath.Path(item_dir))
+
+
 def _value_locations(item_dir: epath.Path) -> dict[bytes, tuple[str, int, int]]:
     """``key -> (data file relative to the item, offset, length)`` of every indirect value
     of the item's latest version, each path checked to stay inside the item (raises
@@ -250,14 +257,19 @@ def damaged_value_files(item_dir: epath.Path) -> dict[str, str]:
 
 def _btree_entries(item_dir: epath.Path, unreadable=None) -> Iterator[tuple[dict, str]]:
     """Every entry of the B-tree of an OCDBT item's latest version, with its node's location
-    (`tensorstore.ocdbt.dump`: nodes only). A node that cannot be read goes to
-    ``unreadable(location, error)``, or raises; so does an unreadable manifest."""
+    (`tensorstore.ocdbt.dump`: nodes only), each leaf entry's ``key`` whole. A node that
+    cannot be read goes to ``unreadable(location, error)``, or raises; so does an unreadable
+    manifest.
+
+    A child node, dumped alone, gives its keys without the ``subtree_common_prefix`` its
+    parent's entry records for it: that prefix is put back (a tree of height 0, what Orbax
+    writes, has none)."""
     base = open_kvstore(epath.Path(item_dir), ts.Context(), use_ocdbt=False)  # the directory
     manifest = ts.ocdbt.dump(base).result()
     versions = manifest.get("versions") or []
-    todo = [versions[-1]["root"]["location"]] if versions else []
+    todo = [(versions[-1]["root"]["location"], b"")] if versions else []
     while todo:
-        location = todo.pop()
+        location, prefix = todo.pop()
         try:  # a node outside the item is never read, not even by tensorstore
             _value_ref(location, item_dir, "a B-tree node")
             node = ts.ocdbt.dump(base, location).result()
@@ -267,8 +279,12 @@ def _btree_entries(item_dir: epath.Path, unreadable=None) -> Iterator[tuple[dict
             unreadable(location, e)
             continue
         for entry in node.get("entries", []):
+            entry = {**entry, "key": prefix + bytes(entry.get("key", b""))}
             yield entry, location
-            todo += [v for v in entry.values() if isinstance(v, str) and v.startswith("btreenode:")]
+            child = entry.get("location")
+            if isinstance(child, str) and child.startswith("btreenode:"):
+                common = prefix + bytes(entry.get("subtree_common_prefix", b""))
+                todo.append((child, common))
 
 
 def _split_ref(location: str) -> tuple[str, int, int]:
@@ -354,7 +370,10 @@ def _stored_value(
         except OSError:  # gone or unreadable: the kvstore's read reports it
             pass
     value = _KvValue(src.kv, key)
-    return value if value.exists() else None
+    try:
+        return value if value.exists() else None
+    except ValueError as e:  # e.g. a data file the kvstore cannot open (a name too long)
+        raise CheckpointReadError(f"{src.dir}: cannot read {key}: {e}") from e
 
 
 def same_stored(a: SourceItem, a_key: str, b: SourceItem, b_key: str) -> bool | None:
@@ -508,16 +527,23 @@ def _shard_index_bytes(conf: dict) -> int | None:
 
 
 def _np_dtype(name: object) -> np.dtype | None:
+    """The numpy dtype of a zarr dtype name: numpy's (``<f4``, ``float32``, ``|b1``...) or
+    ml_dtypes' (``bfloat16``, ``float8_e4m3fn``, ``int4``...), of booleans or numbers.
+    None for any other (a structured, object, string or time dtype, or not a name): nothing
+    Orbax stores, and nothing `chunks` may decode into (issue 46: an object dtype's buffer
+    holds pointers)."""
     if not isinstance(name, str):
         return None
-    if name in ("bfloat16", "<bfloat16"):
-        import ml_dtypes
+    import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+    extra = getattr(ml_dtypes, name.lstrip("<>|="), None)
+    if isinstance(extra, type) and issubclass(extra, np.generic):
+        return np.dtype(extra)
     try:
-        return np.dtype(name)
-    except TypeError:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return dtype if dtype.kind in "biufc" else None
 
 
 def release_large_buffers() -> None:
