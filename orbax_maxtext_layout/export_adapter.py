@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -182,7 +183,9 @@ def _module_row(m: _Module) -> dict[str, Any]:
     """A module's line of the report (its ``check`` is filled in by the export)."""
     return {
         "module": keystr(m.move.dst[2:-1]),
-        "hf_module": _hf_module(m.units[0]).replace(".0.", ".{i}."),
+        # The layer index of the first unit (layers.0, or layers.1 for a block's second
+        # sub-layer) as {i}: every module of the report is named alike.
+        "hf_module": re.sub(r"\.\d+\.", ".{i}.", _hf_module(m.units[0]), count=1),
         "layers": len(m.units),
         "check": None,
     }

@@ -85,9 +85,9 @@ class LoraAdapters:
         axis = (
             "unscanned"
             if not self.scanned
-            else f"layer axis {self.layer_axis}, {self.num_layers} layers"
+            else f"layer axis {self.layer_axis}, {_steps(self.num_layers)}"
             if self.layer_axis is not None
-            else f"scanned, {self.num_layers} layers"
+            else f"scanned, {_steps(self.num_layers)}"
         )
         alpha = f", alpha {self.alpha:g}" if self.alpha is not None else ""
         return (
@@ -323,3 +323,9 @@ def fits_kernel(kernel: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...])
         math.prod(kernel[:k]) == a[0] and math.prod(kernel[k:]) == b[1]
         for k in range(1, len(kernel))
     )
+
+
+def _steps(n: int) -> str:
+    """``n`` scan steps, as words: a scanned factor's layer axis holds scan steps, which are
+    layers only for a plain scan (a block scan's step holds several layers)."""
+    return f"{n} scan step{'s' if n != 1 else ''}"

@@ -142,17 +142,21 @@ class Move:
     def describe(self) -> str:
         """One line for reports: ``dst <- op(sources)``."""
         src = ", ".join(f"{self.item}/{keystr(p)}" for p in self.sources[:2])
-        more = f", ... ({len(self.sources)} layers)" if len(self.sources) > 2 else ""
+        more = f", ... ({len(self.sources)} scan steps)" if len(self.sources) > 2 else ""
         extra = {
             Op.CAST: f" to {np.dtype(self.cast).name if self.cast is not None else ''}",
             Op.CONSTANT: f" {self.value}",
-            Op.SLICE: f" layer {self.index} on axis {self.axis}",
+            Op.SLICE: f" scan step {self.index} on axis {self.axis}",
             Op.STACK: f" on axis {self.axis}",
             Op.MERGE_LORA: (
                 f" + {self.lora[0].scale:g} * {self.lora[0].item}/"
                 f"{keystr(self.lora[0].a).removesuffix('_a')}_{{a@b}}"
-                + (f" layer {self.index} on axis {self.axis}" if self.index is not None else "")
-                + (f", {self.layer_count} layers on axis {self.axis}" if self.layer_count else "")
+                + (f" scan step {self.index} on axis {self.axis}" if self.index is not None else "")
+                + (
+                    f", {self.layer_count} scan steps on axis {self.axis}"
+                    if self.layer_count
+                    else ""
+                )
                 if self.lora
                 else ""
             ),

@@ -50,6 +50,11 @@ def check_plain_stack(target: Target, *, plain_scan: bool, where: object) -> Non
     )
 
 
+def _of(target: Target) -> str:
+    """`` (<what the target was built from>)`` for an error, where it is known."""
+    return f" ({target.origin})" if target.origin else ""
+
+
 def is_scanned(target: Target) -> bool:
     """Whether ``target`` holds scanned layers (`scan.layer_map`)."""
     return bool(scan.layer_map(target, lengths=False).scans)
@@ -208,7 +213,7 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
     ]
     if bad:
         raise LayoutMismatchError(
-            "model_params does not match the target model:",
+            f"model_params does not match the target model{_of(out)}:",
             [f"{keystr(d.src)}: not in the target model ({d.spec})" for d in bad],
         )
     drops = [
@@ -230,7 +235,9 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
         f"{keystr(p)}: expected by the target, not produced" for p in sorted(missing, key=keystr)
     ]
     if problems:
-        raise LayoutMismatchError("The unrolled step does not match the target:", problems)
+        raise LayoutMismatchError(
+            f"The unrolled step does not match the target{_of(out)}:", problems
+        )
     return dataclasses.replace(
         plan,
         moves=tuple(moves),
@@ -283,7 +290,10 @@ class _Unroll:
             shared = any(_splice(m.dst, pos, prefix, o.unrolled) in self.want for o in family)
             layer = dataclasses.replace(m.spec, shape=m.spec.shape[:a] + m.spec.shape[a + 1 :])
             why = _SHARED_RNG if shared else _UNSCANNED_RNG
-            self.drops.append(Drop(m.item, (*m.src, f"[layer {la.index}]"), layer, why))
+            # Named by its scan step and by the layer it is unscanned (a block's step i holds
+            # several layers: gemma3's step 1 of sub-layer 0 is layers_6).
+            step = f"[scan step {la.index}: {la.unrolled[-1]}]"
+            self.drops.append(Drop(m.item, (*m.src, step), layer, why))
 
     def one(self, m: Move, dst: Path, written: Move) -> None:
         if self.wanted(dst):
@@ -374,7 +384,7 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
             dataclasses.replace(first, dst=dst, op=Op.STACK, axis=a, layers=srcs, note=note)
         )
     if problems:
-        raise LayoutMismatchError("The step does not stack onto the target:", problems)
+        raise LayoutMismatchError(f"The step does not stack onto the target{_of(out)}:", problems)
     notes = (*plan.notes, *dict.fromkeys(n for n in fresh_notes if n not in plan.notes))
     return dataclasses.replace(
         plan,

@@ -531,6 +531,7 @@ def _build(
         frozenset(intermediates),
         dict(axes),
         rest | dict(abstract),
+        origin=target.origin,  # the other form of the same target, for errors
     )
 
 

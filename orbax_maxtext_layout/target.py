@@ -45,6 +45,9 @@ class Target:
       abstract: full items path -> the abstract leaf given (keeps shardings for restores).
       twin: the same model in the other scan form, where MaxText built both from its config
         (`from_maxtext_config` with ``both_forms``); `rescan.forms` uses it.
+      origin: what the target was built from, for errors ("the target <origin>"): the
+        checkpoint's path (`from_checkpoint`), the MaxText config's ``model_name``
+        (`from_maxtext_config`); empty where unknown.
     """
 
     params: Mapping[Path, LeafSpec]
@@ -54,6 +57,7 @@ class Target:
     param_scan_axes: Mapping[Path, int] = dataclasses.field(default_factory=dict)
     abstract: FlatTree = dataclasses.field(default_factory=dict, repr=False)
     twin: Target | None = dataclasses.field(default=None, repr=False, compare=False)
+    origin: str = dataclasses.field(default="", repr=False, compare=False)
 
     # -- constructors -----------------------------------------------------------------
     @classmethod
@@ -121,7 +125,8 @@ class Target:
                 f"{path}: not a MaxText-layout checkpoint (no items/_METADATA).",
                 hint="Pass a MaxText step directory (holding items/) or its items/ directory.",
             )
-        return cls.from_specs(read_specs(items))
+        target = cls.from_specs(read_specs(items))
+        return dataclasses.replace(target, origin=f"--target-from {path}")
 
     @classmethod
     def from_specs(cls, specs: Mapping[Path, LeafSpec]) -> Target:
@@ -145,7 +150,9 @@ class Target:
 
         items, axes = abstract_model(argv)
         target = cls.from_items(items)
-        return dataclasses.replace(target, param_scan_axes=axes)
+        names = [a.split("=", 1)[1] for a in argv if a.startswith("model_name=")]
+        origin = f"MaxText's {names[-1]}" if names else f"MaxText's config {argv[0]}"
+        return dataclasses.replace(target, param_scan_axes=axes, origin=origin)
 
     @classmethod
     def _from_flat(cls, specs: Mapping[Path, LeafSpec], abstract: FlatTree) -> Target:

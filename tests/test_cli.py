@@ -110,6 +110,22 @@ def test_every_command_runs_on_the_cpu_unless_jax_platforms_is_set(tmp_path):
     assert out.stdout.split()[-2:] == ["0", "cpu,tpu"], out.stdout + out.stderr
 
 
+def test_a_wrong_target_is_named_and_a_scan_form_mismatch_names_the_flag(tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(RL, root / "actor" / "2")
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    before = tree_digest(root)
+    wrong = FIXTURES / "maxtext025/gemma3_pretrain_run/checkpoints/0"  # another model
+    res = cli("convert", str(root), "--target-from", str(wrong), check_rc=1)
+    assert f"does not match the target model (--target-from {wrong})" in res.stdout
+    unscanned = FIXTURES / "maxtext025/pretrain_unscanned_run/checkpoints/0"  # other form
+    res = cli("convert", str(root), "--target-from", str(unscanned), check_rc=1)
+    assert f"(--target-from {unscanned})" in res.stdout
+    assert "The scan form differs" in res.stdout and "convert with --unroll" in res.stdout
+    assert tree_digest(root) == before
+
+
 def test_dry_run_writes_nothing_and_reads_no_array_bytes(tmp_path):
     # Pathways-style items keep each array's chunks in their own files: delete every
     # chunk, keep the zarr metadata. A dry run must still plan; a real run must not.

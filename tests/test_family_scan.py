@@ -56,6 +56,10 @@ def test_unroll_against_maxtext_s_unscanned_checkpoint(tmp_path, run, unscanned,
     target = _target(unscanned)
     report = oml.convert_step(step, target, rescan="unroll")
     assert "unroll" in report.rules
+    # A dropped RNG slice is named by its scan step and the layer it is unscanned: gemma3's
+    # step 1 of sub-layer 0 is layers_6 (it read "[layer 1]").
+    steps = {d["path"].rsplit("/", 1)[1] for d in report.dropped if d["path"].endswith("]")}
+    assert steps == {f"[scan step 1: layers_{block or 1}]"}, steps
     # MaxText's unscanned layout, every weight and Adam moment; only RNG state its model has.
     got = oml.read_specs(step / "items")
     want = oml.read_specs(FIXTURES / M / unscanned / "checkpoints" / "0" / "items")

@@ -281,7 +281,10 @@ def test_unroll_of_maxtexts_sft_state_against_its_unscanned_model(tmp_path):
     assert {p[2:] for p in got if p[:2] == ("nnx_aux", "model")} == set(target.nnx_aux)
     assert {p[2:] for p in got if p[:2] == ("params", "params")} == set(target.params)
     shared = [d for d in report.dropped if "shares one RNG stream" in d["reason"]]
-    assert sorted({d["path"].rsplit("/", 1)[1] for d in shared}) == ["[layer 1]", "[layer 2]"]
+    assert sorted({d["path"].rsplit("/", 1)[1] for d in shared}) == [
+        "[scan step 1: layers_1]",
+        "[scan step 2: layers_2]",
+    ]
     assert len(shared) == 2 * 6  # layers 1 and 2 of the six attention RNG leaves
     # each dropped layer counts its own bytes: a count is 4, a (4,) unsafe_rbg key 16
     assert sorted({d["bytes"] for d in shared}) == [4, 16]

@@ -228,7 +228,10 @@ def test_a_config_of_another_size_names_every_mismatch_and_writes_nothing(built,
     for _, rel in STEPS.values():
         assert f"{root / rel}: failed" in res.stdout
     out = res.stdout
-    assert out.count("does not match the target model (12 offending paths)") == 2
+    # The error names the target: the config's model_name (issue 41).
+    model = next(a.split("=", 1)[1] for a in config_args("scanned") if a.startswith("model_name="))
+    wanted = f"does not match the target model (MaxText's {model}) (12 offending paths)"
+    assert out.count(wanted) == 2, out
     for p in differ:  # the SFT step's paths; the RL step's have the adapter's "base/" in front
         line = f"{keystr(p)}/value: checkpoint has {right.params[p]}, target expects "
         assert f"- {line}{wrong.params[p]}" in out, (line, out)

@@ -185,7 +185,7 @@ def test_unroll_keeps_layer_0_rng_for_the_shared_stream(converted):
     shared = "the unscanned model shares one RNG stream across its layers"
     streams = [f"{s}/{leaf}" for s in ("aqt", "dropout", "params") for leaf in ("count", "key")]
     want = {
-        f"decoder/layers/self_attention/rngs/{s}/value/[layer {i}]": shared
+        f"decoder/layers/self_attention/rngs/{s}/value/[scan step {i}: layers_{i}]": shared
         for s in streams
         for i in (1, 2)
     }
