@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,10 @@ class AdapterReport:
     alpha: float
     dtype: str
     base_model_name_or_path: str
-    target_modules: list[str]
+    target_modules: list[str]  # the adapted modules' last names (q_proj, ...), for people
+    # What adapter_config.json's target_modules holds: a regular expression PEFT fullmatches
+    # against module names, selecting exactly the adapted modules (`target_pattern`).
+    target_pattern: str
     modules: list[dict[str, Any]]  # MaxText module -> HF module, layers, the check
     tensors: int
     bytes: int
@@ -156,7 +159,8 @@ def plan_adapter(
     shard = safetensors_out.layout_shards(tensors, 1 << 62)[0]
     shard = dataclasses.replace(shard, name=ADAPTER_FILE)
     hf_id = base_model_name_or_path or hf_mapping.hf_id(model.model_name)
-    targets = sorted({_hf_module(u).rsplit(".", 1)[-1] for m in modules for u in m.units})
+    names = {_hf_module(u) for m in modules for u in m.units}
+    targets = sorted({n.rsplit(".", 1)[-1] for n in names})
     report = AdapterReport(
         step=str(step),
         out=str(out),
@@ -168,6 +172,7 @@ def plan_adapter(
         dtype=np.dtype(tensors[0].dtype).name if tensors else adapters.dtype,
         base_model_name_or_path=hf_id,
         target_modules=targets,
+        target_pattern=target_pattern(names),
         modules=[_module_row(m) for m in modules],
         tensors=len(tensors),
         bytes=sum(t.nbytes for t in tensors),
@@ -191,6 +196,29 @@ def _module_row(m: _Module) -> dict[str, Any]:
     }
 
 
+def target_pattern(names: Iterable[str]) -> str:
+    """A regular expression that PEFT fullmatches (``target_modules`` given as a string)
+    against exactly the module names ``names`` (``model.layers.3.self_attn.q_proj``, ...).
+
+    Bare suffixes (``q_proj``) select every module of that name in the model PEFT loads:
+    gemma3's Hugging Face class holds a vision tower whose q/k/v projections would get LoRA
+    layers too (81 of them, and PEFT's "Found missing adapter keys" warning). The names are
+    grouped by their first index (the layer), written as an alternation of the indices."""
+    groups: dict[tuple[str, str], set[int]] = {}
+    for name in names:
+        m = re.search(r"\.(\d+)\.", name)
+        key = (name, "") if m is None else (name[: m.start()], name[m.end() :])
+        groups.setdefault(key, set()).update([] if m is None else [int(m.group(1))])
+    alts = []
+    for (head, tail), layers in sorted(groups.items()):
+        if not layers:
+            alts.append(re.escape(head))
+            continue
+        index = "|".join(str(i) for i in sorted(layers))
+        alts.append(rf"{re.escape(head)}\.(?:{index})\.{re.escape(tail)}")
+    return "^(?:" + "|".join(alts) + ")$"
+
+
 def _peft_config(r: AdapterReport) -> dict[str, Any]:
     """``adapter_config.json``: what PEFT's ``save_pretrained`` writes for a LoRA adapter
     of a causal LM, without dropout or biases (MaxText trains none)."""
@@ -200,7 +228,7 @@ def _peft_config(r: AdapterReport) -> dict[str, Any]:
         "base_model_name_or_path": r.base_model_name_or_path,
         "r": r.rank,
         "lora_alpha": r.alpha,
-        "target_modules": r.target_modules,
+        "target_modules": r.target_pattern,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,

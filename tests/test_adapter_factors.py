@@ -110,3 +110,24 @@ def test_check_catches_a_map_that_does_not_hold():
     assert not isinstance(fmap, str)
     a, b = _factors((EMB, 20), 0)
     assert check(sneaky, _delta(kernel), fmap, a, b) > TOLERANCE
+
+
+def test_the_peft_target_pattern_selects_exactly_the_adapted_modules():
+    import re
+
+    from orbax_maxtext_layout.export_adapter import target_pattern
+
+    lm = "model.language_model.layers"
+    names = {f"{lm}.{i}.self_attn.{p}" for i in range(12) for p in ("q_proj", "k_proj")}
+    names |= {f"{lm}.{i}.mlp.down_proj" for i in (0, 6)} | {"lm_head"}
+    pattern = target_pattern(names)
+    assert all(re.fullmatch(pattern, n) for n in names)
+    # what bare suffixes would also select: gemma3's vision tower, layers not adapted
+    for other in (
+        "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+        f"{lm}.1.mlp.down_proj",
+        f"{lm}.12.self_attn.q_proj",
+        f"{lm}.0.self_attn.q_proj.base_layer",
+        "xlm_head",
+    ):
+        assert not re.fullmatch(pattern, other), other

@@ -12,14 +12,18 @@ For each job, in float32, without a cache, under ``torch.no_grad()``:
 - ``<name>::peft``: the logits of ``PeftModel.from_pretrained(<base model>, adapter)``;
 - ``<name>::info`` (JSON): the adapter's tensors that PEFT did not load as they are in the
   file (``not_loaded``: none is expected), the modules that hold a LoRA layer
-  (``adapted``), the config's ``target_modules``, and per weight the largest difference
-  between ``merge_and_unload()``'s weight and the merged model's (``merge_diff``).
+  (``adapted``), the modules the file holds factors for (``file_modules``), PEFT's warnings
+  while loading (``warnings``), the config's ``target_modules``, and per weight the largest
+  difference between ``merge_and_unload()``'s weight and the merged model's
+  (``merge_diff``).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -39,7 +43,9 @@ def run(job: dict, tokens: torch.Tensor) -> dict[str, object]:
         out["base"] = _model(job["base"])(tokens, use_cache=False).logits.numpy()
         merged = _model(job["merged"])
         out["merged"] = merged(tokens, use_cache=False).logits.numpy()
-        peft = PeftModel.from_pretrained(_model(job["base"]), job["adapter"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            peft = PeftModel.from_pretrained(_model(job["base"]), job["adapter"])
         peft.eval()
         out["peft"] = peft(tokens, use_cache=False).logits.numpy()
     state = peft.state_dict()
@@ -54,14 +60,27 @@ def run(job: dict, tokens: torch.Tensor) -> dict[str, object]:
     config = json.loads(open(f"{job['adapter']}/adapter_config.json").read())
     unloaded = peft.merge_and_unload()
     want = merged.state_dict()
+    # The exported weights only: a class with more than the export holds (gemma3's vision
+    # tower) initialises the rest at random, differently in each of the two models.
+    exported = set()
+    for f in glob.glob(f"{job['merged']}/*.safetensors"):
+        exported |= set(load_file(f))
     merge_diff = {
         n: float((p.detach() - want[n]).abs().max())
         for n, p in unloaded.state_dict().items()
-        if n in want
+        if n in want and n in exported
     }
     info = {
         "not_loaded": not_loaded,
         "adapted": adapted,
+        # the modules the adapter file holds factors for, and PEFT's warnings on loading it
+        "file_modules": sorted(
+            {
+                n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+                for n in load_file(f"{job['adapter']}/adapter_model.safetensors")
+            }
+        ),
+        "warnings": [str(w.message) for w in caught],
         "target_modules": config["target_modules"],
         "merge_diff": merge_diff,
     }
