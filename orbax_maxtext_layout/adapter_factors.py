@@ -114,6 +114,13 @@ def check(hook: Hook, delta: Delta, fmap: FactorMap, a: np.ndarray, b: np.ndarra
     """How far the carried product of one layer's factors is from the hooked delta, relative
     to the delta's largest entry (0 when both are zero). At most `TOLERANCE` to be used."""
     want = np.asarray(hook(delta(np.asarray(a, np.float32), np.asarray(b, np.float32))))
+    return check_hooked(want, fmap, a, b)
+
+
+def check_hooked(want: np.ndarray, fmap: FactorMap, a: np.ndarray, b: np.ndarray) -> float:
+    """`check` against ``want``, the hooked delta computed by the caller (an expert's: its
+    slice of the delta the merge adds to the whole layer)."""
+    want = np.asarray(want)
     lora_a, lora_b = fmap.peft(a, b)
     la, lb = np.asarray(lora_a, np.float64), np.asarray(lora_b, np.float64)
     if want.ndim != 2 or want.shape != (lb.shape[0], la.shape[1]):

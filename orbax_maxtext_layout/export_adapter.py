@@ -7,10 +7,16 @@ module's factors are carried through MaxText's Hugging Face hooks of its weight
 ``adapter_model.safetensors``, beside ``adapter_config.json``. Only the factors are read,
 each decoded once (`chunks.read_whole`: adapters are small).
 
-Each module is checked on its first layer before its tensors count: the carried
-``lora_B @ lora_A`` against MaxText's hooks applied to ``reshape(a @ b)``, the delta a
-merge adds, to float32 rounding. A module whose hooks cannot be carried is refused, with
-every such module named, and nothing is published.
+A MoE layer's experts are written one PEFT module per expert, as MaxText's mapping writes
+each expert's tensor: qwix's einsum factors hold one factor per expert and one shared by all
+experts of the layer (`factor_cut` takes each expert's), so each expert's delta is a rank-r
+LoRA of its own, the shared factor repeated. PEFT (0.21, with transformers 5) turns them into
+LoRA on the fused 3-D expert parameters itself (docs/export-hf.md, "MoE experts").
+
+Each module is checked on its first and last tensor before its tensors count: the carried
+``lora_B @ lora_A`` against MaxText's hooks applied to the delta the merge adds (its own op
+on the whole layer, then the tensor's slice), to float32 rounding. A module whose hooks
+cannot be carried is refused, with every such module named, and nothing is published.
 """
 
 from __future__ import annotations
@@ -84,16 +90,21 @@ class AdapterReport:
         ]
         for m in self.modules:
             check = "" if m.get("check") is None else f", checked to {m['check']:.2g}"
-            lines.append(f"  {m['module']} -> {m['hf_module']} ({m['layers']} layers{check})")
+            experts = f" x {m['experts']} experts" if m.get("experts") else ""
+            lines.append(
+                f"  {m['module']} -> {m['hf_module']} ({m['layers']} layers{experts}{check})"
+            )
         return "\n".join(lines)
 
 
 @dataclasses.dataclass
 class _Module:
-    """One adapted weight: its merge move, its units (one per layer) and the factor map."""
+    """One adapted weight: its merge move, its units (one per HF tensor: a layer, or an
+    expert of a layer), where each unit's factors lie (``cuts``) and the factor map."""
 
     move: Move
     units: list[Unit]
+    cuts: list[FactorCut]
     fmap: adapter_factors.FactorMap
     hook: Any
     delta: Any
@@ -101,6 +112,28 @@ class _Module:
     @property
     def factor(self) -> LoraFactor:
         return self.move.lora[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorCut:
+    """Where one unit's factors lie in its weight's stored ones: ``layer`` on the factors'
+    layer axis, then ``(axis, index)`` takes of the layer's ``a`` and ``b`` (an expert's, in
+    the factor that holds the experts' axis), highest axis first; what is left of each is
+    flattened to ``a (in, r)`` and ``b (r, out)``. ``kernel``: the same unit's takes of the
+    layer's kernel (for the check against the merge's delta)."""
+
+    layer: int | None
+    a: tuple[tuple[int, int], ...] = ()
+    b: tuple[tuple[int, int], ...] = ()
+    kernel: tuple[tuple[int, int], ...] = ()
+
+    def take(self, a: np.ndarray, b: np.ndarray, axis: int | None):
+        a, b = _layer(a, axis, self.layer), _layer(b, axis, self.layer)
+        for ax, i in self.a:
+            a = np.take(a, i, axis=ax)
+        for ax, i in self.b:
+            b = np.take(b, i, axis=ax)
+        return a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1)
 
 
 @dataclasses.dataclass
@@ -172,7 +205,7 @@ def plan_adapter(
         dtype=np.dtype(tensors[0].dtype).name if tensors else adapters.dtype,
         base_model_name_or_path=hf_id,
         target_modules=targets,
-        target_pattern=target_pattern(names),
+        target_pattern=target_pattern(names | transformers5_names(names)),
         modules=[_module_row(m) for m in modules],
         tensors=len(tensors),
         bytes=sum(t.nbytes for t in tensors),
@@ -186,14 +219,19 @@ def plan_adapter(
 
 def _module_row(m: _Module) -> dict[str, Any]:
     """A module's line of the report (its ``check`` is filled in by the export)."""
-    return {
-        "module": keystr(m.move.dst[2:-1]),
-        # The layer index of the first unit (layers.0, or layers.1 for a block's second
-        # sub-layer) as {i}: every module of the report is named alike.
-        "hf_module": re.sub(r"\.\d+\.", ".{i}.", _hf_module(m.units[0]), count=1),
-        "layers": len(m.units),
-        "check": None,
-    }
+    path = m.move.dst[2:]
+    if path and str(path[-1]) == "kernel":
+        path = path[:-1]
+    # The layer index of the first unit (layers.0, or layers.1 for a block's second
+    # sub-layer) as {i}, an expert's as {e}: every module of the report is named alike.
+    name = re.sub(r"\.\d+\.", ".{i}.", _hf_module(m.units[0]), count=1)
+    name = re.sub(r"\.experts\.\d+\.", ".experts.{e}.", name)
+    experts = {tuple(re.findall(r"\.experts\.(\d+)\.", _hf_module(u))) for u in m.units}
+    row = {"module": keystr(path), "hf_module": name, "layers": len(m.units), "check": None}
+    if experts != {()}:
+        row["experts"] = len(experts)
+        row["layers"] = len(m.units) // len(experts)
+    return row
 
 
 def target_pattern(names: Iterable[str]) -> str:
@@ -217,6 +255,31 @@ def target_pattern(names: Iterable[str]) -> str:
         index = "|".join(str(i) for i in sorted(layers))
         alts.append(rf"{re.escape(head)}\.(?:{index})\.{re.escape(tail)}")
     return "^(?:" + "|".join(alts) + ")$"
+
+
+# transformers 5 renames some of the modules MaxText's Hugging Face names use (its
+# conversion_mapping.py: mixtral's ``block_sparse_moe`` is ``mlp``).
+TRANSFORMERS5_RENAMES = ((".block_sparse_moe.", ".mlp."),)
+
+
+def transformers5_names(names: Iterable[str]) -> set[str]:
+    """What PEFT (0.21, with transformers 5) matches a string ``target_modules`` against in
+    place of the MoE modules among ``names``, which transformers 5 no longer has: it fuses a
+    layer's experts into one module (``model.layers.3.mlp.experts``, the 3-D parameters
+    ``gate_up_proj`` and ``down_proj``) and renames mixtral's ``block_sparse_moe``. PEFT turns
+    the adapter's per-expert factors into LoRA on those parameters, and finds which experts'
+    projections the expression targets by matching the layer's name without the expert
+    index (``model.layers.3.mlp.experts.w1``). Without these names the expression selects
+    no expert in transformers 5, and PEFT leaves the experts' factors out without a warning.
+    None of them is a module in transformers 4, where the expression selects as before."""
+    out = set()
+    for n in names:
+        new = re.sub(r"\.experts\.\d+\.", ".experts.", n)
+        for old, renamed in TRANSFORMERS5_RENAMES:
+            new = new.replace(old, renamed)
+        if new != n:
+            out.add(new)
+    return out
 
 
 def _peft_config(r: AdapterReport) -> dict[str, Any]:
@@ -256,31 +319,71 @@ def _modules(
         if not us or any(len(u.keys) != 1 or not isinstance(u.hf_path, str) for u in us):
             problems.append(f"{name}: MaxText's mapping writes it fused with other weights")
             continue
-        if f.layout or any(u.more for u in us):
-            problems.append(
-                f"{name}: qwix's einsum factors of a MoE layer's experts (one factor "
-                "shared by all experts); a PEFT module per expert is not written"
-            )
+        cuts = [factor_cut(f, tuple(m.out_spec.shape), u) for u in us]
+        why = next((c for c in cuts if isinstance(c, str)), None)
+        if why is not None:
+            problems.append(f"{name}: {why}")
             continue
-        a = per_layer_shape(f.a_spec.shape, f.axis)
-        b = per_layer_shape(f.b_spec.shape, f.axis)
+        a, b = cuts[0].take(_shape_only(f.a_spec.shape), _shape_only(f.b_spec.shape), f.axis)
         delta = _delta(us[0].slice_shape(m.out_spec.shape))
-        for group in _by_hooks(us).values():  # one map per hook: layers may differ
-            hook = _hook(model, group[0])
-            fmap = adapter_factors.carry(hook, delta, a[0], b[1])
+        for group in _by_hooks(list(zip(us, cuts, strict=True))).values():  # layers may differ
+            hook = _hook(model, group[0][0])
+            fmap = adapter_factors.carry(hook, delta, a.shape[0], b.shape[1])
             if isinstance(fmap, str):
-                problems.append(f"{name} -> {_hf_module(group[0])}: {fmap}")
+                problems.append(f"{name} -> {_hf_module(group[0][0])}: {fmap}")
                 continue
-            modules.append(_Module(m, group, fmap, hook, delta))
+            gu, gc = [u for u, _ in group], [c for _, c in group]
+            modules.append(_Module(m, gu, gc, fmap, hook, delta))
     return modules, problems
 
 
-def _by_hooks(units: list[Unit]) -> dict[Any, list[Unit]]:
+def _shape_only(shape: Sequence[int]) -> np.ndarray:
+    return np.broadcast_to(np.zeros((), np.int8), tuple(shape))
+
+
+def factor_cut(f: LoraFactor, kernel: tuple[int, ...], unit: Unit) -> FactorCut | str:
+    """Where ``unit``'s factors lie in the weight's (of shape ``kernel``), or why they lie
+    in none. A dense weight's unit is a layer: its factors are the layer's. An expert
+    weight's unit is an expert of a layer (MaxText writes each expert as its own HF tensor):
+    qwix's einsum factors put each kernel dim in ``a`` or ``b`` (``f.layout``), so the
+    expert is taken in the factor holding the experts' dim and the other factor, shared by
+    all experts, is the same for each (PEFT holds one rank-r LoRA per expert)."""
+    left = list(range(len(kernel)))
+    cuts = {left.pop(ax): i for ax, i in unit.levels}  # a kernel axis -> the index taken
+    layer = None
+    if f.axis is not None:
+        if f.axis not in cuts:
+            return "one Hugging Face tensor holds several of its scanned layers"
+        layer = cuts.pop(f.axis)
+    per = [k for k in range(len(kernel)) if k != f.axis]  # the layer's kernel axes
+    a_sh, b_sh = per_layer_shape(f.a_spec.shape, f.axis), per_layer_shape(f.b_spec.shape, f.axis)
+    if not cuts:
+        if len(a_sh) != 2 or len(b_sh) != 2:
+            return "one Hugging Face tensor holds all its experts (qwix's einsum factors)"
+        return FactorCut(layer)
+    lay, n_a = f.layout or tuple(range(len(per))), len(a_sh) - 1
+    if len(lay) != len(per) or n_a + len(b_sh) - 1 != len(per):
+        return "its factors do not lay out on the weight dim by dim"
+    take_a, take_b, kept, take_k = [], [], [], []
+    for k, axis in enumerate(per):
+        d = lay[k]  # the delta's dim of the layer's kernel axis k: a's dims, then b's
+        if axis not in cuts:
+            kept.append(d)
+            continue
+        take_k.append((k, cuts[axis]))
+        (take_a if d < n_a else take_b).append((d if d < n_a else d - n_a + 1, cuts[axis]))
+    if kept != sorted(kept):
+        return "an expert's factors do not reshape onto its Hugging Face tensor"
+    down = lambda t: tuple(sorted(t, reverse=True))  # noqa: E731
+    return FactorCut(layer, down(take_a), down(take_b), down(take_k))
+
+
+def _by_hooks(units: list[tuple[Unit, FactorCut]]) -> dict[Any, list[tuple[Unit, FactorCut]]]:
     """A weight's units grouped by their hooks (a layer of another type may have others)."""
-    out: dict[Any, list[Unit]] = {}
-    for u in units:
+    out: dict[Any, list[tuple[Unit, FactorCut]]] = {}
+    for u, c in units:
         key = u.hooks if callable(u.hooks) else tuple(u.hooks or ())
-        out.setdefault(key, []).append(u)
+        out.setdefault(key, []).append((u, c))
     return out
 
 
@@ -385,8 +488,9 @@ def export_adapter(
 
 
 def _write(plan: AdapterPlan, path: epath.Path) -> None:
-    """Every module's PEFT factors, layer by layer, each module checked on its first layer
-    first; a module that fails its check stops the export, naming every such module."""
+    """Every module's PEFT factors, tensor by tensor, each module checked on its first and
+    last tensor (first and last layer; an expert weight's first expert of the first layer and
+    last of the last); a module that fails a check stops the export, naming every such one."""
     ctx = tskv.ts_context()
     src = tskv.SourceItem.open(plan.params_dir, ctx)
     f = safetensors_out.ShardFile(str(path), plan.shard)
@@ -396,14 +500,16 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
             fac = mod.factor
             a = chunks.read_whole(src, param_name(fac.a), ctx)
             b = chunks.read_whole(src, param_name(fac.b), ctx)
-            for k, u in enumerate(mod.units):
-                la, lb = _layer(a, fac.axis, u.index), _layer(b, fac.axis, u.index)
-                if k == 0:
-                    err = adapter_factors.check(mod.hook, mod.delta, mod.fmap, la, lb)
-                    row["check"] = err
+            last = len(mod.units) - 1
+            for k, (u, cut) in enumerate(zip(mod.units, mod.cuts, strict=True)):
+                la, lb = cut.take(a, b, fac.axis)
+                if k in (0, last):
+                    want = mod.hook(_merge_delta(mod, cut, a, b))
+                    err = adapter_factors.check_hooked(want, mod.fmap, la, lb)
+                    row["check"] = max(err, row["check"] or 0.0)
                     if not err <= adapter_factors.TOLERANCE:
                         bad.append(
-                            f"{row['module']} -> {row['hf_module']}: the carried factors "
+                            f"{row['module']} -> {_hf_module(u)}: the carried factors "
                             f"miss MaxText's hooked delta by {err:.3g} (relative)"
                         )
                         break
@@ -422,6 +528,20 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
     except BaseException:
         f.abandon()
         raise
+
+
+def _merge_delta(mod: _Module, cut: FactorCut, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The delta the merge adds to one unit's kernel: the merge's own op on the whole layer
+    (an expert weight's: every expert, laid out by the factors' layout), then the unit's
+    slice of it, taken on the kernel as MaxText's mapping takes it."""
+    fac = mod.factor
+    kernel = per_layer_shape(tuple(mod.move.out_spec.shape), fac.axis)
+    a_l, b_l = _layer(a, fac.axis, cut.layer), _layer(b, fac.axis, cut.layer)
+    d = np.zeros(kernel, np.float32)
+    d = lora_delta_added(d, a_l, b_l, 1.0, inplace=True, layout=fac.layout)
+    for ax, i in cut.kernel:
+        d = np.take(d, i, axis=ax)
+    return d
 
 
 def _layer(x: np.ndarray, axis: int | None, index: int | None) -> np.ndarray:

@@ -131,3 +131,79 @@ def test_the_peft_target_pattern_selects_exactly_the_adapted_modules():
         "xlm_head",
     ):
         assert not re.fullmatch(pattern, other), other
+
+
+# -- MoE experts: qwix's einsum factors cut per expert (export_adapter.factor_cut) ---------
+E, L, MLP = 3, 2, 10
+
+
+def _expert_factor(kernel, a_shape, b_shape, axis):
+    from orbax_maxtext_layout.lora import delta_layouts, per_layer_shape
+    from orbax_maxtext_layout.moves import LoraFactor
+    from orbax_maxtext_layout.spec import LeafSpec
+
+    layouts = delta_layouts(
+        per_layer_shape(kernel, axis),
+        per_layer_shape(a_shape, axis),
+        per_layer_shape(b_shape, axis),
+    )
+    assert len(layouts) == 1, layouts
+    f32 = np.dtype(np.float32)
+    return LoraFactor(
+        "model_params", ("a",), ("b",), LeafSpec(a_shape, f32), LeafSpec(b_shape, f32),
+        axis, 1.0, layouts[0],
+    )  # fmt: skip
+
+
+def _unit(levels):
+    from orbax_maxtext_layout.hf_mapping import Unit
+
+    if not levels:
+        return Unit(("w",), None, None, "x.weight", None)
+    (axis, index), *more = levels
+    return Unit(("w",), index, axis, "x.weight", None, tuple(more))
+
+
+EXPERT_CASES = {  # kernel, a, b, the factors' layer axis, each unit's levels (as MaxText cuts)
+    # wi_0 (experts, layers, emb, mlp): a (emb, layers, r) shared, b (r, layers, experts, mlp)
+    "wi_0": ((E, L, EMB, MLP), (EMB, L, R), (R, L, E, MLP), 1),
+    # wo (experts, layers, mlp, emb): a (experts, layers, mlp, r), b (r, layers, emb) shared
+    "wo": ((E, L, MLP, EMB), (E, L, MLP, R), (R, L, EMB), 1),
+    "wi_0 unscanned": ((E, EMB, MLP), (EMB, R), (R, E, MLP), None),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPERT_CASES))
+def test_each_experts_factors_give_its_slice_of_the_merge(name):
+    from orbax_maxtext_layout.export_adapter import factor_cut
+
+    kernel, a_shape, b_shape, axis = EXPERT_CASES[name]
+    f = _expert_factor(kernel, a_shape, b_shape, axis)
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+    for layer in range(L) if axis is not None else [None]:
+        a_l = a if axis is None else np.take(a, layer, axis=axis)
+        b_l = b if axis is None else np.take(b, layer, axis=axis)
+        per_layer = tuple(d for k, d in enumerate(kernel) if k != axis)
+        merged = lora_delta_added(np.zeros(per_layer), a_l, b_l, 1.0, layout=f.layout)
+        for e in range(E):
+            levels = [(0, e)] if axis is None else [(0, e), (0, layer)]
+            cut = factor_cut(f, kernel, _unit(levels))
+            assert not isinstance(cut, str), cut
+            a_u, b_u = cut.take(a, b, axis)
+            assert a_u.shape[1] == R and b_u.shape[0] == R  # rank r: nothing stacked
+            np.testing.assert_allclose((a_u @ b_u).reshape(merged[e].shape), merged[e])
+
+
+def test_expert_factors_that_do_not_cut_per_expert_are_refused():
+    from orbax_maxtext_layout.export_adapter import factor_cut
+
+    # one Hugging Face tensor holding every expert of a layer (a fused 3-D export)
+    f = _expert_factor(*EXPERT_CASES["wi_0"])
+    got = factor_cut(f, EXPERT_CASES["wi_0"][0], _unit([(1, 0)]))
+    assert isinstance(got, str) and "holds all its experts" in got, got
+    # an expert kernel stored (experts, mlp, emb) with a (emb, r), b (r, experts, mlp): an
+    # expert's slice is the transpose of a @ b[:, e], not its reshape
+    f = _expert_factor((E, MLP, EMB), (EMB, R), (R, E, MLP), None)
+    got = factor_cut(f, (E, MLP, EMB), _unit([(0, 1)]))
+    assert isinstance(got, str) and "do not reshape" in got, got

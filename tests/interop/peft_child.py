@@ -16,11 +16,18 @@ For each job, in float32, without a cache, under ``torch.no_grad()``:
   while loading (``warnings``), the config's ``target_modules``, and per weight the largest
   difference between ``merge_and_unload()``'s weight and the merged model's
   (``merge_diff``).
+
+"As they are in the file" is after PEFT's own conversion for transformers 5
+(``convert_peft_adapter_state_dict_for_transformers``, what ``PeftModel.from_pretrained``
+applies): the identity for llama and gemma3; for mixtral, whose experts transformers 5 fuses
+into 3-D parameters, it stacks the file's per-expert factors into the LoRA of those
+parameters (PEFT's ``ParamWrapper``: ``experts.base_layer`` for ``gate_up_proj``, rank 2r,
+``experts`` for ``down_proj``) and renames ``block_sparse_moe`` to ``mlp``. ``file_modules``
+are the converted tensors' modules: those PEFT must adapt.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import sys
 import warnings
@@ -32,16 +39,33 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 
-def _model(path: str) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def _model(path: str, info: dict | None = None) -> torch.nn.Module:
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    if info is not None:
+        info.update(loading)
     return model.eval()
+
+
+def _converted(peft: PeftModel, path: str) -> dict[str, torch.Tensor]:
+    """The adapter file's tensors as PEFT loads them (see the module's docstring)."""
+    from peft.utils.transformers_weight_conversion import (
+        convert_peft_adapter_state_dict_for_transformers,
+    )
+
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    return convert_peft_adapter_state_dict_for_transformers(
+        peft, peft.peft_config["default"], tensors, adapter_name="default"
+    )
 
 
 def run(job: dict, tokens: torch.Tensor) -> dict[str, object]:
     out: dict[str, object] = {}
     with torch.no_grad():
         out["base"] = _model(job["base"])(tokens, use_cache=False).logits.numpy()
-        merged = _model(job["merged"])
+        loading: dict = {}
+        merged = _model(job["merged"], loading)
         out["merged"] = merged(tokens, use_cache=False).logits.numpy()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -49,8 +73,9 @@ def run(job: dict, tokens: torch.Tensor) -> dict[str, object]:
         peft.eval()
         out["peft"] = peft(tokens, use_cache=False).logits.numpy()
     state = peft.state_dict()
+    converted = _converted(peft, job["adapter"])
     not_loaded = []
-    for name, value in load_file(f"{job['adapter']}/adapter_model.safetensors").items():
+    for name, value in converted.items():
         key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
             ".lora_B.weight", ".lora_B.default.weight"
         )
@@ -60,25 +85,21 @@ def run(job: dict, tokens: torch.Tensor) -> dict[str, object]:
     config = json.loads(open(f"{job['adapter']}/adapter_config.json").read())
     unloaded = peft.merge_and_unload()
     want = merged.state_dict()
-    # The exported weights only: a class with more than the export holds (gemma3's vision
-    # tower) initialises the rest at random, differently in each of the two models.
-    exported = set()
-    for f in glob.glob(f"{job['merged']}/*.safetensors"):
-        exported |= set(load_file(f))
+    # The exported weights only (as transformers names them once loaded: mixtral's experts
+    # fused): a class with more than the export holds (gemma3's vision tower) initialises the
+    # rest at random, differently in each of the two models.
+    missing = set(loading["missing_keys"])
     merge_diff = {
         n: float((p.detach() - want[n]).abs().max())
         for n, p in unloaded.state_dict().items()
-        if n in want and n in exported
+        if n in want and n not in missing
     }
     info = {
         "not_loaded": not_loaded,
         "adapted": adapted,
         # the modules the adapter file holds factors for, and PEFT's warnings on loading it
         "file_modules": sorted(
-            {
-                n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
-                for n in load_file(f"{job['adapter']}/adapter_model.safetensors")
-            }
+            {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in converted}
         ),
         "warnings": [str(w.message) for w in caught],
         "target_modules": config["target_modules"],

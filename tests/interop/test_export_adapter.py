@@ -10,7 +10,10 @@ writes):
   from ``pretrain_run/checkpoints/1``;
 - ``unscanned``: ``lora_unscanned_run/checkpoints/2``, from ``pretrain_unscanned_run/checkpoints/0``;
 - ``gemma3``: ``gemma3_lora_run/checkpoints/2`` (block scans ``layers_<k>``), from
-  ``gemma3_pretrain_run/checkpoints/0``.
+  ``gemma3_pretrain_run/checkpoints/0``;
+- ``mixtral``: ``mixtral_lora_run/checkpoints/2`` (attention, the router and the experts, whose
+  factors are qwix's einsum factors, one of each pair shared by all experts), from
+  ``mixtral_pretrain_run/checkpoints/0``.
 
 What proves what:
 
@@ -20,13 +23,15 @@ What proves what:
   writes ``B @ A`` without the hooks: that misses the merge for ``q_proj``/``k_proj`` (the depth
   scaling and RoPE's row order), which this test also shows, so it cannot pass by accident;
 - *PEFT* (the hf venv, ``OMTL_HF_PYTHON``; skipped without it): ``PeftModel.from_pretrained``
-  on the base's export loads every tensor of the adapter as written, puts a LoRA layer on
+  on the base's export loads every tensor of the adapter as written (mixtral's per-expert
+  factors as PEFT itself converts them for transformers 5's fused experts: LoRA on the 3-D
+  parameters ``gate_up_proj`` and ``down_proj``), puts a LoRA layer on
   every ``target_modules`` entry of every layer, and gives transformers' logits of the
   merged export within 1e-5; ``merge_and_unload()`` gives the merged export's weights;
 - *the contract*: ``--dry-run --json`` lists what the export writes and writes nothing; the
   step's ``model_params`` form writes the same files; every refusal exits as the issue says,
-  writes nothing and leaves the step as it was (mixtral's expert adapters, which PEFT cannot
-  carry here, are named one by one).
+  writes nothing and leaves the step as it was. Expert factors that cannot be written per
+  expert are refused too (tests/test_adapter_factors.py: no fixture holds them).
 """
 
 from __future__ import annotations
@@ -67,14 +72,21 @@ FORMS = {  # form -> (LoRA step, its base, the model's keys (scan_layers read fr
         "gemma3_pretrain_run/checkpoints/0",
         [k for k in GEN.GEMMA3_MODEL_KEYS if not k.startswith("scan_layers=")],
     ),
+    "mixtral": (
+        "mixtral_lora_run/checkpoints/2",
+        "mixtral_pretrain_run/checkpoints/0",
+        [k for k in GEN.MIXTRAL_MODEL_KEYS if not k.startswith("scan_layers=")],
+    ),
 }
 # ``axis0``: the ``scanned`` form's base params and random factors with the layer axis moved
 # from 1 to 0 (MaxText's ``param_scan_axis=0``), written by stock Orbax (`_axis0`).
 AXIS0_KEYS = [k if k != "param_scan_axis=1" else "param_scan_axis=0" for k in S.model_keys()]
 LLAMA_FORMS = ("scanned", "unscanned", "axis0")
-PEFT_FORMS = (*LLAMA_FORMS, "gemma3")
-# modules PEFT adapts: llama 3 layers x 7 projections; gemma3 12 layers x 7
-ADAPTED = {"scanned": 21, "unscanned": 21, "axis0": 21, "gemma3": 84}
+PEFT_FORMS = (*LLAMA_FORMS, "gemma3", "mixtral")
+# modules PEFT adapts: llama 3 layers x 7 projections; gemma3 12 layers x 7; mixtral 2 layers x
+# (4 attention projections, the router's weight, the experts' gate_up_proj and down_proj)
+ADAPTED = {"scanned": 21, "unscanned": 21, "axis0": 21, "gemma3": 84, "mixtral": 14}
+EXPERTS = 4  # mixtral's
 KEYS = {**{f: v[2] for f, v in FORMS.items()}, "axis0": AXIS0_KEYS}
 
 
@@ -393,18 +405,27 @@ def test_refusals_write_nothing(work, steps):
     assert rc == 2 and "--alpha" in text, text
 
 
-def test_expert_adapters_are_refused_each_named(work):
-    """mixtral's LoRA run adapts the experts with qwix's einsum factors: refused, exit 1, each
-    expert weight named; nothing written."""
-    step = L.copy_tree(
-        FIX / "mixtral_lora_run/checkpoints/2", work / "mixtral" / "checkpoints" / "2"
-    )
-    keys = [k for k in GEN.MIXTRAL_MODEL_KEYS if not k.startswith("scan_layers=")]
-    rc, text = _refused(work, "mixtral", step, "--adapter", "--alpha", ALPHA, keys=keys)
-    assert rc == 1, text
-    for w in ("wi_0", "wi_1", "wo"):
-        assert f"MoeBlock_0/{w}" in text, (w, text)
-    assert "self_attention/query" not in text, text  # the rest could be carried
+def test_expert_adapters_are_written_per_expert(exports):
+    """mixtral's experts carry qwix's einsum factors: ``wi_0``/``wi_1`` hold ``a (emb, r)``
+    shared by all experts and ``b`` per expert, ``wo`` ``a`` per expert and ``b (r, emb)``
+    shared. Each expert of each layer is written as its own PEFT module under the name of the
+    base's export (``block_sparse_moe.experts.{e}.w1``), the shared factor repeated for each:
+    the same rank r, exactly (`test_the_adapter_adds_what_the_merge_adds` for the values)."""
+    written = S.read_hf(exports["mixtral"]["adapter"])
+
+    def factor(layer: int, e: int, w: str, side: str) -> np.ndarray:
+        base = f"base_model.model.model.layers.{layer}.block_sparse_moe.experts.{e}.{w}"
+        return written[f"{base}.lora_{side}.weight"]
+
+    for layer in range(2):
+        for w, shared, own in (("w1", "A", "B"), ("w3", "A", "B"), ("w2", "B", "A")):
+            first = factor(layer, 0, w, shared)
+            assert RANK in first.shape, (w, first.shape)
+            for e in range(1, EXPERTS):
+                assert np.array_equal(factor(layer, e, w, shared), first), (layer, e, w)
+                assert not np.array_equal(factor(layer, e, w, own), factor(layer, 0, w, own))
+    experts = [n for n in written if ".experts." in n]
+    assert len(experts) == 2 * EXPERTS * 3 * 2, len(experts)  # layers x experts x w1/w2/w3 x A/B
 
 
 # ----------------------------------------------------------------------------- PEFT itself
@@ -445,6 +466,9 @@ def test_peft_loads_the_adapter_and_gives_the_merged_logits(form, peft):
     assert adapted == info["file_modules"], sorted(set(adapted) ^ set(info["file_modules"]))
     assert len(adapted) == ADAPTED[form], len(adapted)
     assert not [w for w in info["warnings"] if "adapter keys" in w], info["warnings"]
+    if form == "mixtral":  # the experts' fused parameters and the router, each layer
+        for name in ("experts.gate_up_proj", "experts.down_proj", "gate.weight"):
+            assert f"model.layers.1.mlp.{name}" in info["merge_diff"], name
     got, want, base = (peft[f"{form}::{k}"] for k in ("peft", "merged", "base"))
     assert float(np.abs(got - base).max()) > 1e-2  # the adapters matter
     assert float(np.abs(got - want).max()) <= LOGITS_TOLERANCE
