@@ -32,7 +32,7 @@ from .lora import LoraAdapters, LoraAdapterStepError
 from .manager import CheckpointManager
 from .merge import plan_merge
 from .moves import Drop, Move, Op, apply_op
-from .plan import Plan, make_plan, narrow, plan_step
+from .plan import Plan, make_plan, narrow, plan_maxtext_step, plan_step
 from .rescan import maxtext_forms
 from .restore import restore_as_items
 from .scan import (
@@ -101,6 +101,7 @@ __all__ = [
     "merge_lora",
     "narrow",
     "plan_export",
+    "plan_maxtext_step",
     "plan_merge",
     "plan_step",
     "read_specs",

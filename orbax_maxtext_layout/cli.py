@@ -22,7 +22,14 @@ from etils import epath
 
 from . import renumbering, rescan, stepmeta
 from ._version import EXAMPLES_DIR as EXAMPLES
-from .convert import StepReport, convert_placed, convert_step, converted_provenance, merge_lora
+from .convert import (
+    StepReport,
+    check_rescan_destination,
+    convert_placed,
+    convert_step,
+    converted_provenance,
+    merge_lora,
+)
 from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
@@ -46,7 +53,7 @@ from .spec import read_specs
 from .steps import StepInfo, find_step_roots, find_steps
 from .store import store_for
 from .target import Target
-from .verify import verify_step
+from .verify import RESCANNED, verify_step
 from .write import DEFAULT_BUDGET
 
 # `verify`'s exit code when it found nothing to verify (0: all verified, 1: a mismatch or an
@@ -162,6 +169,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if (hint := _no_steps_hint(root)) is not None:
         return hint
     steps = [s for s in find_steps(root) if wanted is None or s.step in wanted]
+    if args.rescan is not None:  # a usage error (exit 2), before any step is written
+        check_rescan_destination([s.path for s in steps], args.out, FLAGS)
     reports, inside = _skip_outside_links(args, root, steps)
     failures = _convert_all(args, target, root, _plan_run(args, target, inside), reports)
     _print_run_report(args, reports)
@@ -368,8 +377,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for info in find_steps(epath.Path(args.root)):
         if info.layout is not Layout.MAXTEXT:
             continue
-        merged = (converted_provenance(info.path) or {}).get("source_layout") == SOURCE_LAYOUT
-        if merged or (info.path / "model_params").is_dir():
+        # merge-lora's and a MaxText step's scan change's replay from the sources they record
+        written = (converted_provenance(info.path) or {}).get("source_layout")
+        if written in (SOURCE_LAYOUT, RESCANNED) or (info.path / "model_params").is_dir():
             results.append(verify_step(info.path, quick=args.quick))
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
@@ -382,7 +392,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # A check that checked nothing must not pass: CI scripts tell it from "all verified".
         print_error(
             f"nothing verified: {args.root} holds no converted step that still has its legacy "
-            "items (model_params/ beside items/) and no step written by merge-lora; steps "
+            "items (model_params/ beside items/) and no step written by merge-lora or by a "
+            "scan change of a MaxText step; steps "
             "converted --in-place or with --remove-legacy have nothing left to compare with."
         )
         return NOTHING_VERIFIED
@@ -568,7 +579,10 @@ def _add_target(sp: argparse.ArgumentParser) -> None:
 
 
 # The flag names the written form; the target names the model, in either form.
-_FORM_NOTE = "; the target (--target-from, --maxtext-config's scan_layers) may be in either form"
+_FORM_NOTE = (
+    "; the target (--target-from, --maxtext-config's scan_layers) may be in either form; a "
+    "MaxText-layout step is written into --out"
+)
 
 
 def _add_scan_form(sp: argparse.ArgumentParser, *, target_note: bool) -> None:
@@ -612,7 +626,11 @@ def _add_json(sp: argparse.ArgumentParser, *, described: bool = True) -> None:
 
 
 def _add_convert(sub: _Subparsers) -> None:
-    c = sub.add_parser("convert", help="convert every Tunix-layout step under ROOT")
+    c = sub.add_parser(
+        "convert",
+        help="convert every Tunix-layout step under ROOT (with --unroll/--stack and --out, "
+        "MaxText-layout steps too: into the other scan form)",
+    )
     c.add_argument("root")
     _add_target(c)
     c.add_argument("--optimizer", choices=["convert", "drop"], default="convert")
@@ -641,8 +659,9 @@ def _add_convert_destination(c: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--out",
         metavar="DIR",
-        help="write converted steps under DIR (same relative paths); the source is only "
-        "read, so it may be read-only",
+        help="write converted steps under DIR (same relative paths; DIR itself when ROOT is a "
+        "step); the source is only read, so it may be read-only. Required for --unroll/--stack "
+        "of a MaxText-layout step, which is never rewritten in place",
     )
     c.add_argument(
         "--follow-symlinks",

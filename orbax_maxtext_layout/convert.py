@@ -22,9 +22,11 @@ from .errors import (
     LayoutMismatchError,
     StepExistsError,
     StepLocked,
+    UsageError,
 )
 from .gcfreeze import frozen_heap
 from .layout import (
+    MAXTEXT_ITEM,
     TUNIX_OPT_ITEM,
     TUNIX_PARAMS_ITEM,
     Layout,
@@ -36,10 +38,10 @@ from .layout import (
 )
 from .lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
 from .moves import Op
-from .options import ConvertOptions
+from .options import FLAGS, KEYWORDS, ConvertOptions, Spelling
 from .options import check as check_options
 from .orbax_files import ItemFiles
-from .plan import OptimizerMode, Plan, make_plan, plan_step
+from .plan import OptimizerMode, Plan, make_plan, plan_maxtext_step, plan_step
 from .provenance import record as provenance_record
 from .restore import assemble
 from .spec import spec_of
@@ -71,11 +73,19 @@ class StepReport:
     data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_plan(cls, step_dir: epath.Path, plan: Plan, status: str, optimizer: str) -> StepReport:
+    def from_plan(
+        cls,
+        step_dir: epath.Path,
+        plan: Plan,
+        status: str,
+        optimizer: str,
+        *,
+        layout: Layout = Layout.TUNIX,
+    ) -> StepReport:
         return cls(
             step_dir=str(step_dir),
             status=status,
-            layout=Layout.TUNIX.value,
+            layout=layout.value,
             step=plan.step,
             step_source=plan.step_source,
             optimizer=optimizer,
@@ -139,7 +149,8 @@ def convert_step(
     copy: bool = False,
     plain_scan: bool = False,
 ) -> StepReport:
-    """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout).
+    """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout), or a
+    MaxText-layout step into the other scan form (``rescan`` with ``out``).
 
     The new item is written atomically beside the legacy ``model_params``/
     ``optimizer_state`` (or, with ``out``, as ``<out>/items`` of a separate step
@@ -165,6 +176,11 @@ def convert_step(
     `rescan.check_plain_stack`). ``plan`` is this step's plan if the
     caller already made it (`plan_step` with the same options), so it is not made twice.
 
+    A MaxText-layout step with ``rescan`` is written in the other scan form into ``out``, a
+    separate step (`_rescan_maxtext`, `plan_maxtext_step`): its items/ are only read, never
+    rewritten, so ``out`` is then required (`check_rescan_destination`). A step this library
+    converted from a Tunix step beside it is skipped without ``out``, as before.
+
     ``renumber=True`` gives the converted step MaxText's number (the CLI's default):
     Tunix directory ``N`` holds the state after ``N`` updates, which MaxText keeps in
     directory ``N - 1`` (it saves after the update), so the step directory is first
@@ -180,12 +196,14 @@ def convert_step(
       ReadOnlyStepError: the step directory cannot be written (use ``out``), or
         ``in_place``/``remove_legacy`` were asked together with ``out``.
       UsageError: ``in_place`` with ``copy`` (in place means sharing the files), or with
-        ``rescan``. The option checks (`options.check`) come first, before anything is read
-        or moved.
+        ``rescan``; ``rescan`` of a MaxText-layout step without ``out``, or in the form it is
+        in. The option checks (`options.check`) come first, before anything is read or moved.
     """
     step_dir = epath.Path(step_dir)
     asked = dict(in_place=in_place, copy=copy, remove_legacy=remove_legacy, out=out, rescan=rescan)
     check_options(ConvertOptions(**asked), step_dir)  # before anything is read or moved
+    if rescan is not None:
+        check_rescan_destination([step_dir], out)
     opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan, plain_scan=plain_scan)
     if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
         [placed] = renumbering.plan_run(
@@ -206,6 +224,11 @@ def convert_step(
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
+    if layout is Layout.MAXTEXT and rescan is not None and out is not None:
+        if detect_layout(dest) is not Layout.MAXTEXT:  # else written by an earlier run
+            job = dict(use_zarr3=use_zarr3, budget=memory_budget, copy=copy)
+            change = dict(scan=rescan, optimizer=optimizer, plain_scan=plain_scan)
+            return _rescan_maxtext(step_dir, target, dest, plan, dry_run, job=job, change=change)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         return _already_converted(
             step_dir, dest, dry_run=dry_run, finish_removal=in_place or remove_legacy
@@ -274,6 +297,86 @@ def _already_converted(
     return report
 
 
+def rescans_items(step_dir: epath.PathLike) -> bool:
+    """Whether a scan change of ``step_dir`` rewrites its ``items/``: a MaxText-layout step
+    not converted by this library from a Tunix step (whose items/ a rerun of its conversion
+    skips, as it always has): MaxText's own, or written by ``merge-lora`` or a scan change."""
+    step_dir = epath.Path(step_dir)
+    if detect_layout(step_dir) is not Layout.MAXTEXT:
+        return False
+    return (stepmeta.read_provenance(step_dir) or {}).get("source_layout") != Layout.TUNIX.value
+
+
+def check_rescan_destination(
+    step_dirs: Iterable[epath.PathLike],
+    out: epath.PathLike | None,
+    spelling: Spelling = KEYWORDS,
+) -> None:
+    """Refuses a scan change of MaxText-layout steps (`rescans_items`) without a separate
+    destination, before anything is read or written: a step MaxText wrote is never
+    rewritten in place (its items/ stay what MaxText saved, and a kill midway could leave
+    neither form); the other form goes into a step of its own. ``spelling`` names the
+    options as the caller wrote them.
+
+    Raises:
+      UsageError: ``out`` is None and a step of ``step_dirs`` is such a step.
+    """
+    if out is not None:
+        return
+    steps = [str(d) for d in step_dirs if rescans_items(d)]
+    if steps:
+        s = spelling
+        flag = f"{s.out} DIR" if s is FLAGS else f"{s.out}=DIR"
+        raise UsageError(
+            f"{', '.join(steps)}: MaxText-layout step(s) (items/): {s.rescan} writes the other "
+            f"scan form of such a step only into a separate step, never in place. Pass {flag} "
+            "(the new step directory; a run's steps go under it at their relative paths; "
+            "the source is only read). Nothing was written."
+            + (" (--steps leaves steps out of a run.)" if s is FLAGS else "")
+        )
+
+
+def _rescan_maxtext(
+    step_dir: epath.Path,
+    target: Target,
+    dest: epath.Path,
+    plan: Plan | None,
+    dry_run: bool,
+    *,
+    job: dict[str, Any],
+    change: dict[str, Any],
+) -> StepReport:
+    """A MaxText-layout step in the other scan form, into the separate step ``dest``: planned
+    from its items' metadata (`plan.plan_maxtext_step`: identity moves over every leaf,
+    transformed by `rescan` exactly as a Tunix step's), then written by the one writer,
+    streaming, and published only once complete (`_convert_to`); the source is only read.
+    ``job``: the writer's options (`_Job`); ``change``: `plan_maxtext_step`'s."""
+    plan = plan or plan_maxtext_step(step_dir, target, **change)
+    optimizer = change["optimizer"]
+    if dry_run:
+        return StepReport.from_plan(step_dir, plan, "dry-run", optimizer, layout=Layout.MAXTEXT)
+    meta, dropped = _seeded_meta(stepmeta.read(step_dir))
+    kw = dict(in_place=False, meta=meta, numbering={}, maxtext=True)
+    report = _convert_to(_Job(step_dir, dest, plan, optimizer, **job, **kw))
+    report.notes += [
+        f"{step_dir / n}/ not carried (item '{n}' of the step, not a MaxText items/ leaf): "
+        "copy it beside the new items/ if it is needed"
+        for n in dropped
+    ]
+    return report
+
+
+def _seeded_meta(meta: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The source's step metadata for the new step, naming only the ``items`` it gets (a
+    Grain ``iter`` the source holds is not written there), and the items left out."""
+    handlers = dict(meta.get("item_handlers") or {})
+    dropped = sorted(n for n in handlers if n != MAXTEXT_ITEM)
+    if not dropped:
+        return meta, []
+    kept = {n: h for n, h in handlers.items() if n == MAXTEXT_ITEM}
+    return {**meta, "item_handlers": kept}, dropped
+
+
 @dataclasses.dataclass(frozen=True)
 class _Job:
     """One step's conversion once planned: what the writing helpers below share."""
@@ -288,6 +391,8 @@ class _Job:
     in_place: bool
     meta: dict  # the source's step metadata, as read for the plan
     numbering: dict  # what the provenance records of the step's numbering (`_numbering`)
+    # A MaxText-layout source (a scan change of its items/, `_rescan_maxtext`), not a Tunix one.
+    maxtext: bool = False
 
 
 def _numbering(step_dir: epath.Path, renumber: bool, meta: dict) -> dict[str, Any]:
@@ -386,14 +491,20 @@ def _write(job: _Job, dest: epath.Path) -> StepReport:
 
 def _write_items(job: _Job, dest: epath.Path) -> StepReport:
     src, plan = job.src, job.plan
-    report = StepReport.from_plan(dest, plan, "converted", job.optimizer)
+    layout = Layout.MAXTEXT if job.maxtext else Layout.TUNIX
+    report = StepReport.from_plan(dest, plan, "converted", job.optimizer, layout=layout)
+    if job.maxtext:
+        sources = {MAXTEXT_ITEM: src / MAXTEXT_ITEM}
+        prov = rescan_provenance(plan, job.optimizer, src)
+    else:
+        sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
+        sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
+        prov = provenance(plan, job.optimizer) | job.numbering
+        prov |= {"source": str(src)} if src != dest else {}
     zarr3 = job.use_zarr3
-    if zarr3 is not None and zarr3 != ItemFiles.read(src / TUNIX_PARAMS_ITEM).use_zarr3:
+    main = sources.get(TUNIX_PARAMS_ITEM) or sources[MAXTEXT_ITEM]
+    if zarr3 is not None and zarr3 != ItemFiles.read(main).use_zarr3:
         report.notes.append(f"re-encoded as {'zarr3' if zarr3 else 'zarr2'}")
-    sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
-    sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
-    prov = provenance(plan, job.optimizer) | job.numbering
-    prov |= {"source": str(src)} if src != dest else {}
     written = write_items(
         dest,
         plan,
@@ -414,6 +525,20 @@ def provenance(plan: Plan, optimizer: str) -> dict[str, Any]:
     scan = {"scan": plan.scan, "scan_axes": dict(plan.scan_axes)} if plan.scan else {}
     return provenance_record(
         plan, Layout.TUNIX.value, optimizer=optimizer, step_source=plan.step_source, **scan
+    )
+
+
+def rescan_provenance(plan: Plan, optimizer: str, source: epath.Path) -> dict[str, Any]:
+    """What a scan change of a MaxText step records (`_rescan_maxtext`): its source step,
+    absolute (the output is a separate step), and the plan's scan change and layer axes,
+    for `verify` to replay it (`verify.replay_rescan`)."""
+    return provenance_record(
+        plan,
+        Layout.MAXTEXT.value,
+        optimizer=optimizer,
+        source=store_for(source).absolute(source),
+        scan=plan.scan,
+        scan_axes=dict(plan.scan_axes),
     )
 
 

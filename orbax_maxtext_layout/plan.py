@@ -20,17 +20,33 @@ from etils import epath
 
 from . import lora, rescan, tskv
 from . import rules as R
-from .errors import LayoutMismatchError
+from .errors import LayoutMismatchError, UsageError
 from .gcfreeze import frozen_heap
 from .layermap import scanned_form
-from .layout import TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM, tunix_items, tunix_step_number
+from .layout import (
+    MAXTEXT_ITEM,
+    TUNIX_OPT_ITEM,
+    TUNIX_PARAMS_ITEM,
+    tunix_items,
+    tunix_step_number,
+)
 from .moves import Drop, Move, Op, Plan
 from .rng import is_rng
 from .spec import LeafSpec, read_specs
 from .target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 from .treepaths import FlatTree, Path, keystr
 
-__all__ = ["Drop", "Move", "Op", "OptimizerMode", "Plan", "make_plan", "narrow", "plan_step"]
+__all__ = [
+    "Drop",
+    "Move",
+    "Op",
+    "OptimizerMode",
+    "Plan",
+    "make_plan",
+    "narrow",
+    "plan_maxtext_step",
+    "plan_step",
+]
 
 OptimizerMode = Literal["convert", "drop"]
 ScanChange = Literal["unroll", "stack"]
@@ -500,24 +516,173 @@ def plan_step(
 
     if scan is None:
         return plan_against(target, unnamed=unnamed)
-    if scan == "unroll":
-        source = rescan.source_model_paths(params, target)
-        stacked, unrolled = rescan.forms(target, source, scan_axes)
+
+    def against(form: Target, change: ScanChange) -> Plan:
         # A scanned model holds RNG state its unscanned twin lacks (decoder/rngs, the
-        # per-layer copies of shared streams): skip it here, refuse anything else.
-        return rescan.unroll_plan(plan_against(stacked, unnamed="skip"), stacked, unrolled)
-    if scan == "stack":
-        rescan.check_plain_stack(target, plain_scan=plain_scan, where=step_dir)
-        stacked, unrolled = rescan.forms(target, (), scan_axes)
-        # Unscanned models store a shared RNG stream once; the other layers' copies
-        # are initialised fresh, and the plan's notes say which.
-        base = plan_against(unrolled, unnamed=unnamed, allow_missing=is_rng)
-        plan = rescan.stack_plan(base, unrolled, stacked)
-        if target.twin is None and not rescan.is_scanned(target):
-            # Stacked as plain scans on the caller's word (`plain_scan`): the report says so.
-            plan = dataclasses.replace(plan, notes=(*plan.notes, rescan.GUESSED_SCAN))
-        return plan
-    raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {scan!r}.")
+        # per-layer copies of shared streams): an unroll skips it here (refusing anything
+        # else); unscanned models store a shared RNG stream once, so a stack initialises
+        # the other layers' copies fresh, and the plan's notes say which.
+        if change == "unroll":
+            return plan_against(form, unnamed="skip")
+        return plan_against(form, unnamed=unnamed, allow_missing=is_rng)
+
+    source = rescan.source_model_paths(params, target) if scan == "unroll" else {}
+    change = _ScanChange(scan, target, scan_axes, plain_scan, step_dir)
+    return change.plan(against, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScanChange:
+    """A scan change of a step, whatever its layout (`plan_step`, `plan_maxtext_step`): the
+    step planned against the model in its own form, then transformed (`rescan`)."""
+
+    scan: ScanChange
+    target: Target
+    scan_axes: Mapping[str, int] | None
+    plain_scan: bool
+    where: object
+
+    def plan(self, against: Callable[[Target, ScanChange], Plan], source: Iterable[Path]) -> Plan:
+        """``against(form, scan)``: the step planned against ``form``, the model in the step's
+        own scan form; ``source``: the step's model paths (an unroll reads block scans off
+        them where the target is unscanned, `rescan.forms`)."""
+        if self.scan == "unroll":
+            stacked, unrolled = rescan.forms(self.target, source, self.scan_axes)
+            return rescan.unroll_plan(against(stacked, "unroll"), stacked, unrolled)
+        if self.scan == "stack":
+            rescan.check_plain_stack(self.target, plain_scan=self.plain_scan, where=self.where)
+            stacked, unrolled = rescan.forms(self.target, (), self.scan_axes)
+            plan = rescan.stack_plan(against(unrolled, "stack"), unrolled, stacked)
+            if self.target.twin is None and not rescan.is_scanned(self.target):
+                # Stacked as plain scans on the caller's word (`plain_scan`): the report says so.
+                plan = dataclasses.replace(plan, notes=(*plan.notes, rescan.GUESSED_SCAN))
+            return plan
+        raise LayoutMismatchError(f"scan must be 'unroll', 'stack' or None, not {self.scan!r}.")
+
+
+_ROOTS: tuple[tuple[Path, Dest], ...] = (
+    (PARAMS_ROOT, Dest.PARAMS),
+    (AUX_ROOT, Dest.NNX_AUX),
+    (OPT_ROOT, Dest.OPT_STATE),
+    (STEP_PATH, Dest.STEP),
+)
+
+
+@frozen_heap()
+def plan_maxtext_step(
+    step_dir: epath.PathLike,
+    target: Target,
+    *,
+    scan: ScanChange,
+    optimizer: OptimizerMode = "convert",
+    scan_axes: Mapping[str, int] | None = None,
+    plain_scan: bool = False,
+    specs: FlatTree | None = None,
+) -> Plan:
+    """Plans a scan change of a MaxText-layout step (its ``items``) from Orbax metadata alone.
+
+    Every leaf of ``items`` is a ``copy`` to its own path, checked against the model in the
+    step's own form (`_maxtext_items_plan`); the plan is then transformed exactly as a
+    Tunix step's (`plan_step`, `rescan`): Params and their optimizer moments re-sliced on
+    the Param's layer axis, RNG state on axis 0, RNG state the written form lacks dropped
+    with a reason, RNG state it holds and the step lacks initialised fresh. ``target``
+    names the model in either form; ``scan_axes`` (recorded by a plan) sets the Params'
+    layer axes, for a replay. A section the step does not hold (``nnx_aux`` and
+    ``opt_state`` of a param-only step, e.g. ``merge-lora``'s) is not written either.
+    ``specs``: `read_specs` of the step's ``items``, if the caller read them.
+
+    Raises:
+      UsageError: the step is in the written form already, or holds no layers; a stack
+        onto an unscanned target without a scanned form (`rescan.check_plain_stack`).
+      LayoutMismatchError: the step does not fit the target (every path named).
+    """
+    if scan not in ("unroll", "stack"):
+        raise LayoutMismatchError(f"scan must be 'unroll' or 'stack', not {scan!r}.")
+    step_dir = epath.Path(step_dir)
+    item = step_dir / MAXTEXT_ITEM
+    tskv.check_contained(item)  # before a plan lets anything be written from it
+    specs = read_specs(item) if specs is None else specs
+    held = scanned_form(p for p in specs if p[:2] == PARAMS_ROOT)
+    if held is None or held is (scan == "stack"):
+        form = {True: "scanned", False: "unscanned", None: "without layer groups"}[held]
+        raise UsageError(
+            f"{step_dir}: its items are {form} already; there is nothing to {scan}"
+            + (f" (drop --{scan})." if held is not None else ".")
+        )
+    roots = {p[:2] for p in specs} | {p[:1] for p in specs}
+
+    def against(form: Target, change: ScanChange) -> Plan:
+        return _maxtext_items_plan(specs, form, optimizer, fresh=change == "stack", where=item)
+
+    model = {p[2:] for p in specs if p[:2] in (PARAMS_ROOT, AUX_ROOT)}
+    change = _ScanChange(scan, _held_sections(target, roots), scan_axes, plain_scan, step_dir)
+    return change.plan(against, model)
+
+
+def _held_sections(target: Target, roots: set[Path]) -> Target:
+    """``target`` (and its twin) without the sections a step does not hold: a param-only
+    step stays param-only (no fresh RNG state, no optimizer expected)."""
+
+    def strip(t: Target) -> Target:
+        aux = t.nnx_aux if AUX_ROOT in roots else {}
+        return dataclasses.replace(
+            t, nnx_aux=aux, opt_state=t.opt_state if OPT_ROOT in roots else None
+        )
+
+    return dataclasses.replace(strip(target), twin=target.twin and strip(target.twin))
+
+
+def _maxtext_items_plan(
+    specs: Mapping[Path, LeafSpec],
+    form: Target,
+    optimizer: OptimizerMode,
+    *,
+    fresh: bool,
+    where: epath.Path,
+) -> Plan:
+    """Every leaf of a MaxText ``items`` as a ``copy`` to its own path, checked against
+    ``form`` (the model in the step's own form) as `make_plan` checks a Tunix step: RNG
+    state ``form`` lacks is dropped for an unroll ("not requested by the target", which
+    `rescan.unroll_plan` names), RNG state it holds and the step lacks is noted fresh for a
+    stack (``fresh``); any other difference is refused, every path named."""
+    draft = _Draft()
+    opt = form.opt_state if optimizer == "convert" else None
+    want = {PARAMS_ROOT + p: s for p, s in form.params.items()}
+    want |= {AUX_ROOT + p: s for p, s in form.nnx_aux.items()}
+    want |= {OPT_ROOT + p: s for p, s in (opt or {}).items()}
+    problems: list[str] = []
+    for p, spec in sorted(specs.items(), key=lambda kv: keystr(kv[0])):
+        dest = next((d for root, d in _ROOTS if p[: len(root)] == root), None)
+        if dest is None:
+            problems.append(f"{keystr(p)}: outside MaxText's items layout ({spec})")
+        elif dest is Dest.OPT_STATE and optimizer == "drop":
+            draft.drops.append(Drop(MAXTEXT_ITEM, p, spec, "optimizer='drop'"))
+        elif p in want and not spec.same_layout(want[p]):
+            problems.append(f"{keystr(p)}: the step has {spec}, target expects {want[p]}")
+        elif p in want or dest is Dest.STEP or (dest is Dest.OPT_STATE and opt is None):
+            # Without the target's optimizer, the step's own is taken as it is: its moments
+            # re-slice on their Params' axes (`rescan.layer_axis`).
+            draft.moves.append(Move(MAXTEXT_ITEM, p, p, dest, spec))
+        elif dest is Dest.NNX_AUX and is_rng(p) and not fresh:
+            draft.drops.append(Drop(MAXTEXT_ITEM, p, spec, "not requested by the target"))
+        else:
+            problems.append(f"{keystr(p)}: not in the target model ({spec})")
+    for p in sorted(want.keys() - specs.keys(), key=keystr):
+        if fresh and p[:2] == AUX_ROOT and is_rng(p):
+            draft.notes.append(rescan.fresh_note(p[2:]))
+        else:
+            problems.append(f"{keystr(p)}: expected by the target ({want[p]}), missing in items")
+    if problems:
+        raise LayoutMismatchError(
+            f"{where} does not match the target model{_of(form)} ({len(problems)} offending "
+            "paths):",
+            problems,
+            hint=_model_hint({p[2:]: p for p in specs if p[:2] == PARAMS_ROOT}, form),
+        )
+    draft.rules.append("maxtext_items")
+    if optimizer == "drop" and any(p[:1] == OPT_ROOT for p in specs):
+        draft.rules.append("drop_optimizer")
+    return draft.plan(None, "")
 
 
 def narrow(plan: Plan, wanted: Iterable[Path]) -> Plan:

@@ -193,6 +193,19 @@ def _recorded_axes(axes: Mapping[Path, int | None]) -> tuple[tuple[str, int], ..
     )
 
 
+def layer_axis(axes: Mapping[Path, int | None], dst: Path) -> int | None:
+    """The layer axis of the stacked leaf ``dst`` (`scan.scan_axes`). An optimizer moment the
+    target does not name (a target without an optimizer: `Target.without_optimizer`, an NNX
+    model alone) takes the axis of the Param its path ends in, as `scan.scan_axes` gives a
+    moment the target names: a moment mirrors its Param (``mu/params/<model path>``)."""
+    if dst in axes or dst[:1] != OPT_ROOT:
+        return axes.get(dst)
+    return next(
+        (axes[PARAMS_ROOT + dst[k:]] for k in range(1, len(dst)) if PARAMS_ROOT + dst[k:] in axes),
+        None,
+    )
+
+
 def _splice(path: Path, pos: int, old: Path, new: Path) -> Path:
     return (*path[:pos], *new, *path[pos + len(old) :])
 
@@ -276,7 +289,7 @@ class _Unroll:
         if family[0].index is None:  # a remainder layer: renamed only
             self.one(m, _splice(m.dst, pos, prefix, family[0].unrolled), m)
             return
-        a = self.axes.get(m.dst)
+        a = layer_axis(self.axes, m.dst)
         assert m.op in (Op.COPY, Op.MERGE_LORA) and a is not None, m
         # A merge keeps its op: it then merges layer i only (`moves.merge_layer`).
         op = Op.SLICE if m.op is Op.COPY else m.op
@@ -363,7 +376,7 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
             moves.append(fresh)
     problems = []
     for dst, got in families.items():
-        a, n = axes.get(dst), lengths[dst]
+        a, n = layer_axis(axes, dst), lengths[dst]
         gaps = [i for i in range(n) if i not in got]
         if a is None or (gaps and not (dst[:2] == AUX_ROOT and is_rng(dst))):
             problems.append(f"{keystr(dst)}: layers {sorted(got)} do not stack (axis {a})")

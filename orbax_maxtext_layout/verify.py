@@ -2,7 +2,9 @@
 
 The plan is replayed from the provenance the conversion recorded (optimizer
 mode, drops, scan change and its layer axes) against the written ``items`` as
-target, so a scan change verifies exactly like a plain conversion.
+target, so a scan change verifies exactly like a plain conversion. A step written from
+other steps (a LoRA merge, a MaxText step's scan change) is compared with the sources its
+provenance names.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from etils import epath
 from . import chunks, merge, routing, tskv
 from .errors import LayoutMismatchError
 from .gcfreeze import frozen_heap
-from .layout import MAXTEXT_ITEM, tunix_items
+from .layout import MAXTEXT_ITEM, Layout, tunix_items
 from .moves import Move, Op, Plan, apply_op
 from .orbax_files import param_name, read_context
-from .plan import plan_step
+from .plan import plan_maxtext_step, plan_step
 from .spec import read_specs
 from .stepmeta import read_provenance
 from .target import Target
@@ -70,6 +72,26 @@ def replay_plan(
     )
 
 
+RESCANNED = Layout.MAXTEXT.value  # the source layout a scan change of a MaxText step records
+
+
+def replay_rescan(prov: Mapping[str, Any], specs: FlatTree) -> tuple[Plan, dict[str, epath.Path]]:
+    """The plan a scan change of a MaxText step was written from, and its source, from its
+    provenance (`convert.rescan_provenance`): the written items (``specs``) are the
+    target, in the written form, and the source step's items are planned against it
+    again (`plan_maxtext_step`), with the layer axes the conversion recorded."""
+    source = epath.Path(prov["source"])
+    plan = plan_maxtext_step(
+        source,
+        Target.from_specs(specs),
+        scan=prov["scan"],
+        optimizer=prov.get("optimizer", "convert"),
+        scan_axes=dict(prov.get("scan_axes") or {}),
+        plain_scan=True,  # the written items are scanned for a stack: nothing is guessed
+    )
+    return plan, {MAXTEXT_ITEM: source / MAXTEXT_ITEM}
+
+
 @frozen_heap()
 def verify_step(
     step_dir: epath.PathLike,
@@ -78,7 +100,8 @@ def verify_step(
     source_specs: MutableMapping[str, FlatTree] | None = None,
 ) -> VerifyResult:
     """Compares ``items`` with the legacy items it was converted from (or, for a merged
-    LoRA step, with the base and adapters it was merged from).
+    LoRA step, with the base and adapters it was merged from; for a MaxText step's scan
+    change, with the source step's ``items``).
 
     ``quick`` compares metadata (tree, shapes, dtypes, key impls) and checks that
     every leaf has stored data, without reading values. Otherwise every leaf is
@@ -105,6 +128,8 @@ def _verify(
     got = read_specs(step_dir / MAXTEXT_ITEM)
     if prov.get("source_layout") == merge.SOURCE_LAYOUT:
         plan, sources = merge.replay_merge(step_dir, prov)
+    elif prov.get("source_layout") == RESCANNED:
+        plan, sources = replay_rescan(prov, got)
     else:
         plan = replay_plan(step_dir, specs=got, source_specs=source_specs)
         sources = tunix_items(step_dir)
