@@ -19,24 +19,27 @@ weight) and drop it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-import json
 import math
+import os
 import struct
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
 
 from . import tskv
 from .errors import CheckpointReadError
-from .orbax_files import count
+from .orbax_files import CheckpointRefusedError, count, parse_zarr_metadata
 from .scratch import scratch_buffer
 
 # Below this an array is read whole by tensorstore: it decodes each chunk once too, and
 # for small arrays its one call costs less than the chunk walk.
 SMALL = 1 << 20
+# A zstd frame header's content size when the frame does not declare one.
+_UNKNOWN_SIZE = (1 << 64) - 1
 
 
 class Piece(NamedTuple):
@@ -126,8 +129,17 @@ def _read_layout(src: tskv.SourceItem, name: str) -> Layout | None:
     got = src.kv.read(meta_key).result()
     if got.state != "value":
         return None
-    meta = json.loads(bytes(got.value))
-    shape = tuple(meta.get("shape", ()))
+    where = f"{src.dir}/{meta_key}"
+    meta = parse_zarr_metadata(bytes(got.value), where)
+    files = src.files  # its JSON files, where the item was opened with them
+    check_zarr_metadata(
+        meta,
+        where,
+        use_zarr3=src.use_zarr3,
+        value_meta=(getattr(files, "value_meta", None) or {}).get(name),
+        array_meta=(getattr(files, "array_meta", None) or {}).get(name),
+    )
+    shape = tuple(meta["shape"])
     if src.use_zarr3:
         return _zarr3_layout(meta, shape)
     comp = meta.get("compressor") or {}
@@ -185,6 +197,159 @@ def _zarr3_layout(meta: dict, shape: tuple[int, ...]) -> Layout:
     )
 
 
+# -- zarr metadata checked before anything is allocated from it (issue 46) ----------------
+def check_zarr_metadata(
+    meta: dict,
+    where: str,
+    *,
+    use_zarr3: bool,
+    value_meta: Any = None,
+    array_meta: Any = None,
+) -> None:
+    """Refuses (`orbax_files.CheckpointRefusedError`, a `CheckpointReadError`, naming
+    ``where``: the array's metadata key) zarr metadata that disagrees with itself or with
+    the item's JSON files: what tensorstore or numpy is asked to allocate comes from it,
+    and checkpoints are untrusted input (issue 46).
+
+    What every writer of these checkpoints keeps (Orbax 0.12's zarr2 and sharded zarr3,
+    Orbax v1's, Pathways', this library's own), checked against every fixture:
+
+    - the shape: integers >= 0; the chunk grid (zarr2 ``chunks``, zarr3 ``chunk_grid``, a
+      ``regular`` one): one integer >= 1 per axis, none larger than its axis
+      (``max(n, 1)``);
+    - a zarr3 shard's inner chunk (``sharding_indexed`` first): one per axis, each dividing
+      the shard (tensorstore's own rule);
+    - a dtype numpy (or ml_dtypes) names, of booleans or numbers (`tskv._np_dtype`);
+    - ``write_shape`` of ``_METADATA`` (``value_meta``) and of ``array_metadatas``
+      (``array_meta``): one integer per axis, none larger than its axis; the latter's
+      ``chunk_shape``: one per axis, none larger than ``max(n, 1)``.
+
+    Not required: that ``write_shape`` or ``chunk_shape`` equals the stored chunk (a
+    per-device chunk is a shard's shape; this library records the whole shape for an
+    array it copied in per-device chunks), nor anything of an empty one (``[]``: this
+    library kept a scalar's for the array of layers it stacked from it)."""
+    shape = _dims(meta.get("shape"), where, "shape", 0)
+    if use_zarr3:
+        grid = _member(meta, "chunk_grid", "configuration", "chunk_shape")
+        if _member(meta, "chunk_grid", "name") != "regular":
+            raise CheckpointRefusedError(f"{where}: not a regular chunk grid; refused.")
+        dtype = meta.get("data_type")
+    else:
+        grid, dtype = meta.get("chunks"), meta.get("dtype")
+    grid = _dims(grid, where, "chunk shape", 1, shape)
+    if tskv._np_dtype(dtype) is None:
+        raise CheckpointRefusedError(f"{where}: unsupported dtype {_short(dtype)}; refused.")
+    codecs = _check_encoding(meta, where, use_zarr3=use_zarr3)
+    if codecs and codecs[0]["name"] == "sharding_indexed":
+        inner = _member(codecs[0], "configuration", "chunk_shape")
+        inner = _dims(inner, where, "inner chunk shape", 1, grid)
+        if any(g % i for g, i in zip(grid, inner, strict=True)):
+            raise CheckpointRefusedError(
+                f"{where}: inner chunk {list(inner)} does not divide the shard {list(grid)}; "
+                "refused."
+            )
+    # ``[]``: none (this library recorded a scalar's for the layers of it it stacked).
+    if isinstance(value_meta, dict) and value_meta.get("write_shape") not in (None, []):
+        _dims(value_meta["write_shape"], where, "_METADATA write_shape", 0, shape, empty=0)
+    if isinstance(array_meta, dict):
+        for key, empty in (("write_shape", 0), ("chunk_shape", 1)):
+            if array_meta.get(key) not in (None, []):
+                _dims(array_meta[key], where, f"array_metadatas {key}", 0, shape, empty=empty)
+
+
+def _dims(
+    value: Any, where: str, what: str, least: int, bound: tuple | None = None, *, empty: int = 1
+) -> tuple[int, ...]:
+    """``value`` as a tuple of integers >= ``least`` (JSON integers, not booleans or
+    floats, below 2**63), as many as ``bound`` has and none larger than its axis (at least
+    ``empty``: an axis of 0 has chunks of 1); else `CheckpointRefusedError`."""
+    ok = isinstance(value, list) and all(type(d) is int and least <= d < (1 << 63) for d in value)
+    if ok and bound is not None:
+        ok = len(value) == len(bound) and all(
+            d <= max(n, empty) for d, n in zip(value, bound, strict=True)
+        )
+    if not ok:
+        against = "" if bound is None else f" for {list(bound)}"
+        raise CheckpointRefusedError(
+            f"{where}: invalid {what} {_short(value)}{against} (damaged or forged); refused."
+        )
+    return tuple(value)
+
+
+def _check_encoding(meta: dict, where: str, *, use_zarr3: bool) -> list[dict]:
+    """Refuses the members that say how chunks are encoded and named when they are not of
+    the JSON types zarr gives them (every reader assumes those; tensorstore refuses them
+    too); returns zarr3's codecs (zarr2: ``[]``)."""
+    ok = True
+    if use_zarr3:
+        codecs = meta.get("codecs")
+        ok = _codecs_ok(codecs)
+        shard = _member(codecs[0], "configuration") if ok and codecs else None
+        if ok and codecs[0]["name"] == "sharding_indexed":
+            ok = isinstance(shard, dict) and all(
+                _codecs_ok(shard.get(k, [])) for k in ("codecs", "index_codecs")
+            )
+        enc = meta.get("chunk_key_encoding", {"name": "default"})
+        sep = _member(enc, "configuration", "separator")
+        ok = ok and _member(enc, "name") in ("default", "v2") and sep in (None, "/", ".")
+        ok = ok and isinstance(enc.get("configuration", {}), dict)
+    else:
+        codecs = []
+        comp = meta.get("compressor")
+        ok = comp is None or isinstance(_member(comp, "id"), str)
+        ok = ok and isinstance(meta.get("filters"), list | type(None))
+        ok = ok and meta.get("order", "C") in ("C", "F")
+        ok = ok and meta.get("dimension_separator", ".") in (".", "/")
+    if not ok:
+        raise CheckpointRefusedError(f"{where}: invalid codecs or chunk key encoding; refused.")
+    return codecs
+
+
+def _codecs_ok(codecs: Any) -> bool:
+    """A zarr3 codec list: JSON objects, each with a name and an object of configuration."""
+    return isinstance(codecs, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("name"), str)
+        and isinstance(c.get("configuration", {}), dict)
+        for c in codecs
+    )
+
+
+def _member(obj: Any, *keys: str) -> Any:
+    """``obj[k0][k1]...``, None where a level is not a JSON object."""
+    for k in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(k)
+    return obj
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@functools.cache
+def host_memory() -> int:
+    """This machine's physical memory in bytes: the most an array read whole
+    (`read_whole`), or one chunk tensorstore decodes, may hold. Anything larger cannot be
+    held anyway; its zarr metadata is damaged or forged (a 2**40-element shape), and it is
+    refused before numpy or tensorstore allocates it."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not a POSIX host
+        return 1 << 40
+
+
+def _check_fits(what: str, nbytes: int, held: str) -> None:
+    """Refuses to hold ``nbytes`` (``held``: what they are) past `host_memory`."""
+    if nbytes > host_memory():
+        raise CheckpointRefusedError(
+            f"{what}: {held} of {nbytes:,} bytes is more than this machine's memory "
+            f"({host_memory():,} bytes); its zarr metadata is damaged or forged. Refused."
+        )
+
+
 def pieces(
     src: tskv.SourceItem, name: str, ctx: ts.Context, *, max_bytes: int, reuse: bool = False
 ) -> Iterator[Piece]:
@@ -212,6 +377,7 @@ def _pieces(
     if lay is None:
         raise CheckpointReadError(f"{what}: no zarr metadata (truncated or damaged item).")
     if not lay.streamed:
+        _check_fits(what, lay.chunk_bytes, "a chunk")  # tensorstore decodes whole chunks
         yield from _tensorstore_pieces(src, name, lay, ctx, what)
         return
     for origin, frame in _frames(src, name, lay, what, scratch=scratch_kind):
@@ -236,6 +402,7 @@ def read_chunk(
     if tuple(start) != origin or tuple(shape) != whole:
         return None
     what = f"{src.dir}: cannot read {name}"
+    _check_fits(what, lay.chunk_bytes, "a chunk")  # decoded whole, into one buffer
     for _, frame in _frames(src, name, lay, what, only=cell, scratch="check"):
         got = list(_decode(what, frame, lay, origin, lay.chunk_bytes, "check"))
         return got[0].data
@@ -270,9 +437,7 @@ def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, *, only=Non
         if value is None:
             raise CheckpointReadError(f"{what}: shard {lay.key(cell)} is not stored.")
         with value:
-            tail = value.suffix(lay.index_bytes)
-            if tail is None:
-                raise CheckpointReadError(f"{what}: shard {lay.key(cell)} has no index.")
+            tail = _shard_index(value, lay, f"{what}: shard {lay.key(cell)}")
             for k, sub in enumerate(itertools.product(*(range(n) for n in inner))):
                 origin = tuple(
                     c * s + i * n
@@ -287,8 +452,46 @@ def _frames(src: tskv.SourceItem, name: str, lay: Layout, what: str, *, only=Non
                     raise CheckpointReadError(
                         f"{what}: shard {lay.key(cell)} lacks inner chunk {sub}."
                     )
+                if offset + size >= 1 << 63:  # past any file (a damaged index)
+                    raise CheckpointReadError(
+                        f"{what}: shard {lay.key(cell)} places inner chunk {sub} at "
+                        f"{offset}+{size}, past its end."
+                    )
                 count("chunk decoded", f"{src.dir}/{key}#{k}")
                 yield origin, value.part(offset, size)
+
+
+def _shard_index(value, lay: Layout, where: str) -> bytes:
+    """The index at the end of a shard (``value``), its crc32c checked where it has one
+    (Orbax's index codecs), as tensorstore does (issue 46); else `CheckpointReadError`."""
+    try:
+        tail = value.suffix(lay.index_bytes)
+    except ValueError:  # tensorstore's: the value is shorter than its index
+        tail = None
+    if tail is None:
+        raise CheckpointReadError(f"{where} has no index.")
+    if lay.index_bytes % 16 == 4 and _crc32c(tail[:-4]) != struct.unpack("<I", tail[-4:])[0]:
+        raise CheckpointReadError(f"{where}: its index fails its checksum (damaged).")
+    return tail
+
+
+@functools.cache
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 & -(c & 1))  # CRC-32C (Castagnoli), reflected
+        table.append(c)
+    return tuple(table)
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C of ``data`` (a shard index: 16 bytes per inner chunk, so a table will do)."""
+    table, crc = _crc32c_table(), 0xFFFFFFFF
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
 
 
 def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piece]:
@@ -325,8 +528,15 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, scratch_kind:
     scratch = None
     if scratch_kind is not None:
         scratch = scratch_buffer(scratch_kind, size * item).view(lay.dtype)[:size]
+    # The stream must hold exactly the chunk (issue 46; as tensorstore requires): a frame
+    # that declares another size is refused before it is decoded (`_Framed`), and one that
+    # decodes past the chunk's last row (more frames, or a frame that declares no size) too.
+    stream = _Framed(frame, lay.chunk_bytes)
+    where = f"{what}: {_chunk_name(lay, origin)} at {origin}"
     try:
-        with tskv._zstd.ZstdDecompressor().stream_reader(frame, read_size=tskv._PIECE) as r:
+        with tskv._zstd.ZstdDecompressor().stream_reader(
+            stream, read_size=tskv._PIECE, read_across_frames=True
+        ) as r:
             for lead in itertools.product(*(range(n) for n in chunk[:k])):
                 for r0 in range(0, chunk[k], run):
                     shape = (1,) * k + (min(run, chunk[k] - r0),) + chunk[k + 1 :]
@@ -339,12 +549,61 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, scratch_kind:
                     got = _crop(start + origin[k + 1 :], buf, lay.shape)
                     if got is not None:
                         yield got
-    except (tskv._zstd.ZstdError, OSError) as e:
-        raise CheckpointReadError(f"{what}: a chunk at {origin}: {e}") from e
+            if r.read(1):
+                raise _Long
+    except (tskv._zstd.ZstdError, OSError, ValueError, MemoryError) as e:
+        raise CheckpointReadError(f"{where}: {e}") from e
     except tskv._Short as e:
+        raise CheckpointReadError(f"{where} decodes to fewer bytes than it holds ({e}).") from e
+    except _Long as e:
         raise CheckpointReadError(
-            f"{what}: a chunk at {origin} decodes to fewer bytes than it holds ({e})."
+            f"{where} decodes to more bytes than it holds ({lay.chunk_bytes}): damaged or forged."
         ) from e
+    except _Declared as e:
+        raise CheckpointReadError(
+            f"{where}: its zstd frame declares {e.size} bytes, the chunk holds "
+            f"{lay.chunk_bytes}: damaged or forged."
+        ) from e
+
+
+class _Long(Exception):
+    """A stream went on past the end of its chunk."""
+
+
+class _Declared(Exception):
+    """A zstd frame declares a content size other than its chunk's."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+class _Framed:
+    """A stored chunk's bytes (``value``, read as a file is) as zstandard reads them, the
+    zstd frame header checked on the first read: a declared content size must be ``want``,
+    the chunk's decoded size (`_Declared`). One more small read per chunk, no copy."""
+
+    def __init__(self, value: Any, want: int) -> None:
+        self.value, self.want, self.first = value, want, True
+
+    def read(self, n: int = -1):
+        got = self.value.read(n)
+        if self.first:
+            self.first = False
+            size = tskv._zstd.get_frame_parameters(bytes(got[:18])).content_size
+            if size not in (_UNKNOWN_SIZE, self.want):
+                raise _Declared(size)
+        return got
+
+
+def _chunk_name(lay: Layout, origin: tuple[int, ...]) -> str:
+    """The stored key of the chunk at ``origin`` (a shard's: with the inner chunk's cell)."""
+    cell = tuple(o // c for o, c in zip(origin, lay.chunk, strict=False))
+    if lay.shard is None:
+        return f"chunk {lay.key(cell)}"
+    outer = tuple(o // s for o, s in zip(origin, lay.shard, strict=False))
+    sub = tuple(c % (s // n) for c, s, n in zip(cell, lay.shard, lay.chunk, strict=False))
+    return f"chunk {lay.key(outer)} (inner chunk {sub})"
 
 
 def _crop(start: tuple[int, ...], buf: np.ndarray, shape: tuple[int, ...]) -> Piece | None:
@@ -365,13 +624,18 @@ def read_whole(src: tskv.SourceItem, name: str, ctx: ts.Context) -> np.ndarray:
     is held: the pieces here go through a buffer of their own (``whole``), never the
     base's."""
     lay = layout(src, name)
+    what = f"{src.dir}: cannot read {name}"
     if lay is None:
-        raise CheckpointReadError(f"{src.dir}: cannot read {name}: no zarr metadata.")
+        raise CheckpointReadError(f"{what}: no zarr metadata.")
+    _check_fits(what, lay.nbytes, f"the array {list(lay.shape)} {lay.dtype}")
     out: np.ndarray | None = None
-    for p in _pieces(src, name, ctx, tskv._PIECE * 4, "whole"):
+    try:
+        for p in _pieces(src, name, ctx, tskv._PIECE * 4, "whole"):
+            if out is None:
+                out = np.empty(lay.shape, p.data.dtype)
+            out[p.box] = p.data
         if out is None:
-            out = np.empty(lay.shape, p.data.dtype)
-        out[p.box] = p.data
-    if out is None:
-        out = np.empty(lay.shape, lay.dtype)
+            out = np.empty(lay.shape, lay.dtype)
+    except MemoryError as e:  # under the machine's memory, over what this process may hold
+        raise CheckpointReadError(f"{what}: out of memory ({lay.nbytes:,} bytes).") from e
     return out

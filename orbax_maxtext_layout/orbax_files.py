@@ -37,6 +37,12 @@ SINGLE_DEVICE_SHARDING = json.dumps(
 )
 # The OCDBT cache of a reader (`read_context`): B-tree nodes and manifests only.
 READ_CACHE_BYTES = 64 << 20
+# Checkpoints are untrusted input (issue 46): an item's JSON files are parsed whole, so each
+# is refused past a size, checked before it is read (`read_limited`). Real files are far
+# smaller: a ``_METADATA`` holds ~300 bytes per leaf (100k leaves: 30 MB), ``_sharding`` and
+# each ``array_metadatas/process_*`` less. A zarr metadata value is under 1 KB.
+ITEM_JSON_LIMIT = 256 << 20  # _METADATA, _sharding, array_metadatas/process_*
+ZARR_METADATA_LIMIT = 1 << 20  # one array's .zarray / zarr.json
 
 
 def absolute(p: epath.PathLike) -> epath.Path:
@@ -50,11 +56,45 @@ def param_name(path: Path) -> str:
     return ".".join(str(k) for k in path)
 
 
-def read_json(f: epath.Path, what: str) -> Any:
+class CheckpointRefusedError(CheckpointReadError):
+    """A file refused as damaged or forged (too large, nested too deeply, metadata that
+    contradicts itself): never handed on to another reader, such as Orbax's own metadata
+    reader (`spec.read_specs` falls back to it for other errors), which has no such limits."""
+
+
+def read_limited(f: epath.Path, limit: int, what: str) -> bytes:
+    """The bytes of file ``f`` (``what``), or `CheckpointReadError` naming ``limit`` when it
+    holds more: its size is checked before it is read, and the read stops one byte past the
+    limit (a file that grew meanwhile). `OSError`s pass through (the callers name them)."""
+    if f.stat().length <= limit:
+        with f.open("rb") as fh:
+            data = fh.read(limit + 1)
+        if len(data) <= limit:
+            return data
+    raise CheckpointRefusedError(
+        f"{f}: the {what} is larger than {limit >> 20} MiB, the most this library reads "
+        "(a damaged or forged file); refused."
+    )
+
+
+def parse_json(data: bytes | str, where: object, what: str) -> Any:
+    """``data`` parsed as JSON; `CheckpointReadError` naming ``where`` for invalid JSON, for
+    JSON nested too deeply for Python's parser (`RecursionError`) or too large (`MemoryError`)."""
     try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
+        return json.loads(data)
+    except ValueError as e:
+        raise CheckpointReadError(f"{where}: invalid {what} ({e}).") from e
+    except (RecursionError, MemoryError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else "too large to parse"
+        raise CheckpointRefusedError(f"{where}: invalid {what} ({why}).") from e
+
+
+def read_json(f: epath.Path, what: str, limit: int = ITEM_JSON_LIMIT) -> Any:
+    try:
+        data = read_limited(f, limit, what)
+    except OSError as e:
         raise CheckpointReadError(f"{f}: missing or invalid {what} ({e}).") from e
+    return parse_json(data, f, f"JSON in the {what}")
 
 
 def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
@@ -65,9 +105,11 @@ def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
         return out
     for f in sorted(folder.iterdir()):
         try:
-            for entry in json.loads(f.read_text())["array_metadatas"]:
+            for entry in read_json(f, "array metadata")["array_metadatas"]:
                 meta = entry["array_metadata"]
                 out[str(meta["param_name"])] = dict(meta)
+        except CheckpointReadError:
+            raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointReadError(f"{f}: invalid array metadata ({e!r}).") from e
     return out
@@ -238,15 +280,32 @@ def read_zarr_metadata(
     futures = [(n, kv.read(zarr_metadata_key(n, use_zarr3=use_zarr3))) for n in names]
     out: dict[str, dict | None] = {}
     parsed: dict[bytes, dict] = {}  # arrays of one shape and dtype store the same bytes
+    base = kv_location(kv)  # for the errors
     for name, fut in futures:
         r = fut.result()
         if r.state != "value":
             out[name] = None
         elif (meta := parsed.get(r.value)) is None:
-            out[name] = parsed[r.value] = json.loads(r.value)
+            key = zarr_metadata_key(name, use_zarr3=use_zarr3)
+            out[name] = parsed[r.value] = parse_zarr_metadata(r.value, f"{base}{key}")
         else:
             out[name] = meta
     return out
+
+
+def parse_zarr_metadata(value: bytes, where: str) -> dict:
+    """A stored zarr metadata value parsed: a JSON object of at most `ZARR_METADATA_LIMIT`
+    bytes, else `CheckpointReadError` naming ``where`` (its key). Its contents are checked
+    by `chunks.check_zarr_metadata`."""
+    if len(value) > ZARR_METADATA_LIMIT:
+        raise CheckpointRefusedError(
+            f"{where}: zarr metadata of {len(value)} bytes, more than the "
+            f"{ZARR_METADATA_LIMIT >> 20} MiB this library reads (damaged or forged); refused."
+        )
+    meta = parse_json(bytes(value), where, "zarr metadata")
+    if not isinstance(meta, dict):
+        raise CheckpointReadError(f"{where}: invalid zarr metadata (not a JSON object).")
+    return meta
 
 
 @dataclasses.dataclass(frozen=True)

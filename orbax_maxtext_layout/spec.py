@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from typing import Any
 
@@ -13,16 +12,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from .chunks import check_zarr_metadata
 from .errors import CheckpointReadError
 from .gcfreeze import frozen_heap
 from .orbax_files import (
+    ITEM_JSON_LIMIT,
     SHARDING_FILE,
+    CheckpointRefusedError,
     ItemFiles,
     absolute,
     key_impls,
     open_kvstore,
+    parse_json,
     read_context,
+    read_limited,
     read_zarr_metadata,
+    zarr_metadata_key,
 )
 from .treepaths import FlatTree, Path, flatten, norm_key
 
@@ -113,6 +118,8 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
     meta = _item_metadata(item_dir)
     try:
         specs = _specs_from_files(item_dir, meta)
+    except CheckpointRefusedError:  # damaged or forged past a limit: no other reader is given it
+        raise
     except Exception:  # damaged or unusual: Orbax's reader names the problem, as always
         specs = None
     return specs if specs is not None else orbax_specs(item_dir)
@@ -144,12 +151,12 @@ def _item_metadata(item_dir: epath.Path) -> dict:
             f"{item_dir}: no _METADATA; this is not a complete Orbax PyTree item "
             "(an interrupted save, or the wrong directory)."
         )
-    try:
-        meta = json.loads((item_dir / "_METADATA").read_text())
+    f = item_dir / "_METADATA"
+    try:  # bounded (`ITEM_JSON_LIMIT`): checkpoints are untrusted input
+        raw = read_limited(f, ITEM_JSON_LIMIT, "Orbax metadata")
     except OSError as e:  # gone since the check: e.g. moved by another converter meanwhile
         raise CheckpointReadError(f"{item_dir}/_METADATA: cannot be read ({e}).") from e
-    except ValueError as e:
-        raise CheckpointReadError(f"{item_dir}/_METADATA: invalid JSON ({e}).") from e
+    meta = parse_json(raw, f, "JSON")  # also JSON nested too deeply for Python's parser
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise CheckpointReadError(
             f"{item_dir}/_METADATA: not an Orbax PyTree metadata file (no tree_metadata object)."
@@ -208,6 +215,14 @@ def _specs_from_files(item_dir: epath.Path, meta: dict) -> FlatTree | None:
         z = zarr[name]
         if z is None:
             raise CheckpointReadError(f"{item_dir}: no zarr metadata for {name}")
+        key = zarr_metadata_key(name, use_zarr3=files.use_zarr3)
+        check_zarr_metadata(  # what every reader will allocate from: refused if forged
+            z,
+            f"{item_dir}/{key}",
+            use_zarr3=files.use_zarr3,
+            value_meta=vm,
+            array_meta=files.array_meta.get(name),
+        )
         dtype = _zarr_dtype(z["data_type"] if files.use_zarr3 else z["dtype"])
         shape = () if vm["value_type"] == "scalar" else tuple(int(d) for d in z["shape"])
         out[path] = LeafSpec(shape, dtype, str(impls[name]) if name in impls else None)

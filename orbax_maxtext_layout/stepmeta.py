@@ -21,10 +21,14 @@ from typing import Any
 from etils import epath
 
 from .errors import CheckpointReadError
-from .orbax_files import count
+from .orbax_files import count, parse_json, read_limited
 from .store import store_for
 
 STEP_METADATA = "_CHECKPOINT_METADATA"
+# The most a step's metadata file may hold (issue 46: checkpoints are untrusted input). Orbax
+# writes a few KB (handlers, metrics, custom metadata); a larger file is refused before it is
+# read, not parsed (a 200 MB one cost 2 GB and 20 s to parse).
+STEP_METADATA_LIMIT = 64 << 20
 PROVENANCE_KEY = "orbax_maxtext_layout"  # our key in the step's custom metadata
 # Recorded in a moved legacy step's custom metadata: the Tunix step (update count) it holds.
 TUNIX_STEP_KEY = "orbax_maxtext_layout.tunix_step"
@@ -58,16 +62,18 @@ def read(step_dir: epath.PathLike) -> dict[str, Any]:
         return json.loads(json.dumps(known[1]))
     count("step metadata", str(step_dir))
     try:
-        data = json.loads(f.read_text())
+        raw = read_limited(f, STEP_METADATA_LIMIT, "step metadata file")
     except FileNotFoundError as e:  # gone since the check: moved or removed meanwhile
         raise CheckpointReadError(
             f"{f}: disappeared while being read (another process moved or removed the step?)."
             " Run again."
         ) from e
-    except ValueError as e:
+    try:
+        data = parse_json(raw, f, "JSON")
+    except CheckpointReadError as e:
         raise CheckpointReadError(
-            f"{f}: invalid JSON ({e}). Fix or remove the file; the arrays are not affected."
-        ) from e
+            f"{e} Fix or remove the file; the arrays are not affected."
+        ) from e.__cause__
     if not isinstance(data, dict):
         raise CheckpointReadError(f"{f}: expected a JSON object, got {type(data).__name__}.")
     _remember(f, version, data)

@@ -385,10 +385,10 @@ def test_read_step_metadata_of_a_step_that_vanished_is_a_read_error(tmp_path):
     meta = step / "1" / "_CHECKPOINT_METADATA"
 
     class Vanishing(type(oml.find_steps(step)[0].path)):
-        def read_text(self, *a, **k):  # found by the check, then the step is moved away
+        def open(self, *a, **k):  # found by the check, then the step is moved away
             if self.name == "_CHECKPOINT_METADATA":
                 os.rename(self.parent, self.parent.parent / "moved")
-            return super().read_text(*a, **k)
+            return super().open(*a, **k)
 
     with pytest.raises(oml.CheckpointReadError, match="_CHECKPOINT_METADATA: disappeared"):
         stepmeta.read(Vanishing(step / "1"))
