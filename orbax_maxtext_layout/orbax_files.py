@@ -332,7 +332,10 @@ def leaf_files(
         vm = dict(src.value_meta.get(src_name) or vm)
         am = dict(src.array_meta.get(src_name) or am)
         sharding = src.shardings.get(src_name)
-    if list(am.get("write_shape") or shape) != shape:
+    # A recorded [] is a scalar's write shape, not "none": a stack of scalars (an RNG count
+    # of shape [L]) gets its own, of its rank.
+    recorded = am.get("write_shape")
+    if list(shape if recorded is None else recorded) != shape:
         am.update(write_shape=shape, chunk_shape=shape)
         vm["write_shape"] = shape
         sharding = SINGLE_DEVICE_SHARDING

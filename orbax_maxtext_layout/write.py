@@ -191,12 +191,5 @@ def _leaf_files(
         # pieces it was written in (`routing.dest_chunk`), or of `chunk_shape`.
         shape = list(chunk_shape(m) if chunks is None else chunks)
         am = {**leaf.array_meta, "write_shape": shape, "chunk_shape": shape}
-        vm = leaf.value_meta
-        if vm.get("write_shape") is not None and len(vm["write_shape"]) != len(out.shape):
-            # The source's, of another rank: a scalar's [] kept for its stack of shape [L]
-            # (`orbax_files.leaf_files` takes an empty write_shape for "none"), which the
-            # readers refuse as forged (`chunks.check_zarr_metadata`). The whole shape, as
-            # `leaf_files` records it for any other leaf whose shape changed.
-            vm = {**vm, "write_shape": list(out.shape)}
-        leaf = orbax_files.LeafFiles(vm, leaf.sharding, am)
+        leaf = orbax_files.LeafFiles(leaf.value_meta, leaf.sharding, am)
     return leaf
