@@ -162,13 +162,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """``convert``: checks the options, plans the run, converts each step, reports."""
     _check_convert_options(args)
     target = _convert_target(args)
-    if args.rescan == "stack":  # a usage error (exit 2), before any step is planned
-        rescan.check_plain_stack(target, plain_scan=args.plain_scan, where=args.root)
     wanted = _parse_steps(args.steps)
     root = epath.Path(args.root)
     if (hint := _no_steps_hint(root)) is not None:
         return hint
     steps = [s for s in find_steps(root) if wanted is None or s.step in wanted]
+    if args.rescan == "stack" and any(_unscanned(s) for s in steps):
+        # a usage error (exit 2), before any step is planned or moved; a step in the other
+        # form is refused by its own plan ("the scan form differs")
+        rescan.check_plain_stack(target, plain_scan=args.plain_scan, where=args.root)
     if args.rescan is not None:  # a usage error (exit 2), before any step is written
         check_rescan_destination([s.path for s in steps], args.out, FLAGS)
     reports, inside = _skip_outside_links(args, root, steps)
@@ -178,6 +180,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
         _print_failures(failures)
         return 1
     return 0
+
+
+def _unscanned(info: StepInfo) -> bool:
+    """Whether a step's model is stored unscanned (`layermap.scanned_form`; metadata only)."""
+    item = info.path / ("model_params" if info.layout is Layout.TUNIX else "items")
+    try:
+        return scanned_form(read_specs(item)) is False
+    except OrbaxMaxTextLayoutError:  # its own plan reports it
+        return False
 
 
 def _check_convert_options(args: argparse.Namespace) -> None:

@@ -550,9 +550,12 @@ class _ScanChange:
             stacked, unrolled = rescan.forms(self.target, source, self.scan_axes)
             return rescan.unroll_plan(against(stacked, "unroll"), stacked, unrolled)
         if self.scan == "stack":
-            rescan.check_plain_stack(self.target, plain_scan=self.plain_scan, where=self.where)
             stacked, unrolled = rescan.forms(self.target, (), self.scan_axes)
-            plan = rescan.stack_plan(against(unrolled, "stack"), unrolled, stacked)
+            # Planned against the unscanned form first: a step in another form is refused
+            # for that ("the scan form differs"), one that fits it for the plain reading.
+            base = against(unrolled, "stack")
+            rescan.check_plain_stack(self.target, plain_scan=self.plain_scan, where=self.where)
+            plan = rescan.stack_plan(base, unrolled, stacked)
             if self.target.twin is None and not rescan.is_scanned(self.target):
                 # Stacked as plain scans on the caller's word (`plain_scan`): the report says so.
                 plan = dataclasses.replace(plan, notes=(*plan.notes, rescan.GUESSED_SCAN))

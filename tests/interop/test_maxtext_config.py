@@ -253,6 +253,13 @@ def test_inspect_with_maxtext_config_shows_what_target_from_shows(tmp_path):
         "inspect", str(root), "--target-from", str(OWN["unscanned"][0]), "--json", cwd=tmp_path
     )
     got, want = json.loads(got.stdout), json.loads(want.stdout)
+    # The same but for the target each names (issue 41): the config's model, the directory.
+    model = next(a.split("=", 1)[1] for a in config_args("unscanned") if "model_name=" in a)
+    named = f"(MaxText's {model})", f"(--target-from {OWN['unscanned'][0]})"
+    assert all(named[0] in e["mismatch"][0] for e in got), got[0]["mismatch"][0]
+    assert all(named[1] in e["mismatch"][0] for e in want), want[0]["mismatch"][0]
+    for e in got:
+        e["mismatch"] = [m.replace(*named) for m in e["mismatch"]]
     assert got == want
     assert all(e["mismatch"] for e in got)  # a scanned step does not fit the unscanned model
 
