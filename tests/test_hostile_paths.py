@@ -409,27 +409,7 @@ def test_verify_of_a_step_whose_items_were_forged_is_not_ok(tmp_path, case):
 def test_merge_lora_of_a_forged_adapter_step(tmp_path, case):
     world = _world(tmp_path)
     step, f = forged_step(world, LORA, "model_params", case, _prepare_lora)
-    before = H.snapshot(world)
-    out = world / "merged"
-    res = run_cli(
-        tmp_path,
-        "merge-lora",
-        step,
-        "--base",
-        MAXTEXT_NATIVE / "items",
-        "--alpha",
-        4,
-        "--out",
-        out,
-        bait=f.bait,
-    )
-    _assert_cli_refusal(res, f)
-    # nothing written: merge-lora may leave --out made and empty, as its other refusals do
-    # (test_lora._refused)
-    assert not out.exists() or not any(out.iterdir())
-    if out.exists():
-        out.rmdir()
-    assert _unchanged(before, world)
+    _assert_merge_refused(tmp_path, world, (step, MAXTEXT_NATIVE / "items"), f)
 
 
 @pytest.mark.parametrize("case", H.CASES)
@@ -437,26 +417,19 @@ def test_merge_lora_onto_a_forged_base(tmp_path, case):
     world = _world(tmp_path)
     base, f = forged_step(world, NATIVE, "items", case)
     lora = copy_fixture(LORA, world / "adapters")
+    _assert_merge_refused(tmp_path, world, (lora, base / "items"), f)
+
+
+def _assert_merge_refused(tmp_path: Path, world: Path, sources: tuple, f) -> None:
+    """``merge-lora ADAPTER --base BASE`` refused before anything is written: the plan
+    checks both sources' data files, so not even ``--out`` is made."""
     before = H.snapshot(world)
     out = world / "merged"
-    res = run_cli(
-        tmp_path,
-        "merge-lora",
-        lora,
-        "--base",
-        base / "items",
-        "--alpha",
-        4,
-        "--out",
-        out,
-        bait=f.bait,
-    )
+    adapter, base = sources
+    argv = ("merge-lora", adapter, "--base", base, "--alpha", 4, "--out", out)
+    res = run_cli(tmp_path, *argv, bait=f.bait)
     _assert_cli_refusal(res, f)
-    # nothing written: merge-lora may leave --out made and empty, as its other refusals do
-    # (test_lora._refused)
-    assert not out.exists() or not any(out.iterdir())
-    if out.exists():
-        out.rmdir()
+    assert not out.exists()
     assert _unchanged(before, world)
 
 
