@@ -35,7 +35,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 set_hypothesis_home_dir(S.session_dir() / "hypothesis")
 
 SETTINGS = settings(
-    max_examples=S.scale(40, 400),
+    max_examples=S.scale(20, 400),
     deadline=None,
     database=None,  # write nothing outside tests/reliability
     derandomize=not S.FULL,  # CI: the same inputs on every machine

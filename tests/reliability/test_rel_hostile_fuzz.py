@@ -45,7 +45,7 @@ import ocdbt_craft as C  # tests/ocdbt_craft.py
 set_hypothesis_home_dir(S.session_dir() / "hypothesis")
 
 SETTINGS = settings(
-    max_examples=S.scale(60, 800),
+    max_examples=S.scale(30, 800),
     deadline=None,
     database=None,  # write nothing outside tests/reliability
     derandomize=not S.FULL,  # CI: the same tables on every machine
