@@ -183,7 +183,7 @@ def _plan_model(
         problems.append(f"{keystr(path)}: expected by the target ({want}), missing in checkpoint")
     if problems:
         raise LayoutMismatchError(
-            f"model_params does not match the target model{_of(target)} "
+            f"model_params does not match the target model{rescan.named(target)} "
             f"({len(problems)} offending paths):",
             problems,
             hint=_model_hint(cur, target),
@@ -263,11 +263,6 @@ def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:
     stripped = sum(1 for p in cur if p[:1] == (R.ADAPTER_KEY,) and p[1:] in want)
     kept = sum(1 for p in cur if p in want)
     return stripped > kept
-
-
-def _of(target: Target) -> str:
-    """`` (<what the target was built from>)`` for an error, where it is known."""
-    return f" ({target.origin})" if target.origin else ""
 
 
 def _model_hint(cur: Mapping[Path, Path], target: Target) -> str:
@@ -677,7 +672,7 @@ def _maxtext_items_plan(
             problems.append(f"{keystr(p)}: expected by the target ({want[p]}), missing in items")
     if problems:
         raise LayoutMismatchError(
-            f"{where} does not match the target model{_of(form)} ({len(problems)} offending "
+            f"{where} does not match the target model{rescan.named(form)} ({len(problems)} offending "
             "paths):",
             problems,
             hint=_model_hint({p[2:]: p for p in specs if p[:2] == PARAMS_ROOT}, form),

@@ -50,7 +50,7 @@ def check_plain_stack(target: Target, *, plain_scan: bool, where: object) -> Non
     )
 
 
-def _of(target: Target) -> str:
+def named(target: Target) -> str:
     """`` (<what the target was built from>)`` for an error, where it is known."""
     return f" ({target.origin})" if target.origin else ""
 
@@ -226,7 +226,7 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
     ]
     if bad:
         raise LayoutMismatchError(
-            f"model_params does not match the target model{_of(out)}:",
+            f"model_params does not match the target model{named(out)}:",
             [f"{keystr(d.src)}: not in the target model ({d.spec})" for d in bad],
         )
     drops = [
@@ -249,7 +249,7 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
     ]
     if problems:
         raise LayoutMismatchError(
-            f"The unrolled step does not match the target{_of(out)}:", problems
+            f"The unrolled step does not match the target{named(out)}:", problems
         )
     return dataclasses.replace(
         plan,
@@ -397,7 +397,7 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
             dataclasses.replace(first, dst=dst, op=Op.STACK, axis=a, layers=srcs, note=note)
         )
     if problems:
-        raise LayoutMismatchError(f"The step does not stack onto the target{_of(out)}:", problems)
+        raise LayoutMismatchError(f"The step does not stack onto the target{named(out)}:", problems)
     notes = (*plan.notes, *dict.fromkeys(n for n in fresh_notes if n not in plan.notes))
     return dataclasses.replace(
         plan,
