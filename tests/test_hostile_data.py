@@ -25,6 +25,7 @@ import tensorstore as ts
 import zstandard
 from conftest import MAXTEXT_NATIVE, copy_fixture, tree_digest
 from etils import epath
+from ocdbt_craft import crc32c  # tests/ocdbt_craft.py, proved by test_ocdbt_craft
 
 from orbax_maxtext_layout import chunks, cli, stepmeta, tskv
 from orbax_maxtext_layout.errors import CheckpointReadError
@@ -45,21 +46,12 @@ def _kv(item: Path) -> ts.KvStore:
     return ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
 
 
-def _crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
-    return crc ^ 0xFFFFFFFF
-
-
 def _put_chunk(item: Path, key: str, frame: bytes, *, sharded: bool) -> None:
     """Stores ``frame`` as chunk ``key``; ``sharded``: as Orbax's zarr3 shard of one inner
     chunk (the frame, its index ``<QQ offset, length``, the index's crc32c)."""
     if sharded:
         index = struct.pack("<QQ", 0, len(frame))
-        frame = frame + index + struct.pack("<I", _crc32c(index))
+        frame = frame + index + struct.pack("<I", crc32c(index))
     _kv(item).write(key, frame).result()
 
 

@@ -31,6 +31,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
+from ocdbt_craft import crc32c  # tests/ocdbt_craft.py, proved by test_ocdbt_craft
 
 set_hypothesis_home_dir(S.session_dir() / "hypothesis")
 
@@ -63,15 +64,6 @@ def _kv(item: Path):
 def items(tmp_path_factory) -> dict[str, tuple[Path, bool]]:
     root = tmp_path_factory.mktemp("chunk-fuzz")
     return {k: (S.copy_fixture(rel, root) / "model_params", z) for k, (rel, z) in ITEMS.items()}
-
-
-def _crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
-    return crc ^ 0xFFFFFFFF
 
 
 # -- edits ---------------------------------------------------------------------------------
@@ -173,7 +165,7 @@ def chunk_edits(draw, original: bytes, sharded: bool) -> bytes:
     offset, length = struct.unpack("<QQ", original[-20:-4])
     frame = draw(_stream_edits(original[offset : offset + length]))
     index = struct.pack("<QQ", 0, len(frame))
-    return frame + index + struct.pack("<I", _crc32c(index))
+    return frame + index + struct.pack("<I", crc32c(index))
 
 
 # -- the run -------------------------------------------------------------------------------
