@@ -12,7 +12,7 @@ MaxText's save_checkpoint writes it; ``custom_metadata={"scan_layers": true}`` i
 query heads, 8 kv heads, head_dim 64, ``--layers`` decoder layers (default 8), vocab 32768,
 ``weight_dtype`` ``--weight-dtype`` (default float32), ``scan_layers=true``,
 ``param_scan_axis=1``. Its tree and shapes are what MaxText builds for that config
-(`orbax_maxtext_layout.maxtext_config.abstract_items`: MaxText's own abstract train state);
+(`orbax_maxtext_layout.model.maxtext_config.abstract_items`: MaxText's own abstract train state);
 its values are random. Defaults: 688 MiB of float32 weights. A local tokenizer
 (tests/fixtures/hf_tokenizer if present, else one written by
 tests/interop/hf_export_support.write_tokenizer) stands in for the Hub's.
@@ -149,7 +149,7 @@ def build(work: Path, layers: int, weight_dtype: str, seed: int = 0) -> None:
     import orbax.checkpoint as ocp
     from etils import epath
 
-    from orbax_maxtext_layout.maxtext_config import abstract_items
+    from orbax_maxtext_layout.model.maxtext_config import abstract_items
 
     t0 = time.perf_counter()
     yml = base_yml()

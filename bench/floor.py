@@ -36,7 +36,7 @@ import numpy as np
 import zstandard
 from etils import epath
 
-from orbax_maxtext_layout import chunks, tskv
+from orbax_maxtext_layout.orbax_io import chunks, tskv
 
 PIECE = 64 << 20  # bytes per decoded piece (the streaming readers' order of size)
 

@@ -152,7 +152,7 @@ def child(mode: str, step: Path, converted: Path) -> dict:
 
 def _io_counts():
     try:
-        from orbax_maxtext_layout.orbax_files import io_counts
+        from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
     except ImportError:  # a --before tree without the seam
         return contextlib.nullcontext()
     return io_counts()

@@ -23,7 +23,7 @@ parameters (``--layers``, ``--moe-layers``, ``--seed``):
   param-only MaxText step: ``items`` holds ``params/params/{decoder,token_embedder}/...``,
   Orbax OCDBT + zarr3, ``custom_metadata={"scan_layers": true}`` in ``_CHECKPOINT_METADATA``.
   The tree and shapes are MaxText's own abstract model
-  (`orbax_maxtext_layout.maxtext_config.abstract_model`). It is saved as from 8 devices
+  (`orbax_maxtext_layout.model.maxtext_config.abstract_model`). It is saved as from 8 devices
   (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), each param sharded on its largest
   non-layer axis that divides by 8 (replicated if none), so each array is stored as 8
   per-device chunks, each spanning every layer (issue 30's step; MaxText's own fsdp rules
@@ -277,7 +277,7 @@ def _abstract(keys: list[str]):
 
     import jax
 
-    from orbax_maxtext_layout.maxtext_config import abstract_model
+    from orbax_maxtext_layout.model.maxtext_config import abstract_model
 
     with contextlib.redirect_stdout(sys.stderr):
         items, axes = abstract_model([str(base_yml()), *keys])

@@ -1,14 +1,6 @@
 """orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
 
 from ._version import EXAMPLES_DIR, __version__
-from .convert import (
-    MergeReport,
-    StepReport,
-    convert_step,
-    converted_provenance,
-    merge_lora,
-    to_maxtext_items,
-)
 from .errors import (
     CheckpointReadError,
     LayoutMismatchError,
@@ -18,24 +10,28 @@ from .errors import (
     StepLocked,
     UsageError,
 )
-from .export_adapter import AdapterReport
-from .export_hf import ExportReport, export_hf, plan_export
-from .handler import (
+from .execute.convert import (
+    MergeReport,
+    StepReport,
+    convert_step,
+    converted_provenance,
+    merge_lora,
+    to_maxtext_items,
+)
+from .execute.restore import restore_as_items
+from .execute.verify import VerifyResult, replay_plan, verify_step
+from .hf.export_adapter import AdapterReport
+from .hf.export_hf import ExportReport, export_hf, plan_export
+from .integration.handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
     MaxTextLayoutSave,
     load_params_from_path,
 )
-from .layermap import LayerMap
-from .layout import Layout, detect_layout, tunix_step_number
-from .lora import LoraAdapters, LoraAdapterStepError
-from .manager import CheckpointManager
-from .merge import plan_merge
-from .moves import Drop, Move, Op, apply_op
-from .plan import Plan, make_plan, narrow, plan_maxtext_step, plan_step
-from .rescan import maxtext_forms
-from .restore import restore_as_items
-from .scan import (
+from .integration.manager import CheckpointManager
+from .model.layermap import LayerMap
+from .model.lora import LoraAdapters, LoraAdapterStepError
+from .model.scan import (
     SCAN_GROUPS,
     StackReport,
     layer_map,
@@ -46,11 +42,15 @@ from .scan import (
     unroll_target,
     unstack_layer,
 )
-from .spec import LeafSpec, read_specs
-from .stepmeta import TUNIX_STEP_KEY
-from .steps import StepInfo, find_steps
-from .target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
-from .verify import VerifyResult, replay_plan, verify_step
+from .model.target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
+from .orbax_io.layout import Layout, detect_layout, tunix_step_number
+from .orbax_io.spec import LeafSpec, read_specs
+from .orbax_io.stepmeta import TUNIX_STEP_KEY
+from .plan.merge import plan_merge
+from .plan.moves import Drop, Move, Op, apply_op
+from .plan.rescan import maxtext_forms
+from .plan.step_plan import Plan, make_plan, narrow, plan_maxtext_step, plan_step
+from .plan.steps import StepInfo, find_steps
 
 __all__ = [
     "EXAMPLES_DIR",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 
@@ -47,3 +48,9 @@ class ReadOnlyStepError(OrbaxMaxTextLayoutError, OSError):
 
 class StepExistsError(OrbaxMaxTextLayoutError, FileExistsError):
     """A step would be written to (or renumbered into) a directory that holds another step."""
+
+
+def print_error(message: object) -> None:
+    """``error: <message>`` on stderr: how the commands, and the MaxText runner
+    (`orbax_maxtext_layout.maxtext.run`), report a refusal."""
+    print(f"error: {message}", file=sys.stderr)

@@ -38,9 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
-from .cli import print_error
-from .errors import OrbaxMaxTextLayoutError
-from .layout import MAXTEXT_ITEM, Layout, detect_layout, step_dir_of
+from .errors import OrbaxMaxTextLayoutError, print_error
+from .orbax_io.layout import MAXTEXT_ITEM, Layout, detect_layout, step_dir_of
 
 if TYPE_CHECKING:
     pass
@@ -101,7 +100,7 @@ def _building_our_checkpointer(checkpointing: types.ModuleType, create: Callable
 
 
 def _reading_tunix_paths(load: Callable) -> Callable:
-    from .handler import load_params_from_path as ours
+    from .integration.handler import load_params_from_path as ours
 
     def load_params_from_path(load_parameters_from_path: Any, *args: Any, **kwargs: Any) -> Any:
         fn = ours if is_tunix_path(load_parameters_from_path) else load

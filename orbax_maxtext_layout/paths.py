@@ -3,6 +3,6 @@ against earlier releases (``from orbax_maxtext_layout.paths import flatten``) st
 
 from __future__ import annotations
 
-from .treepaths import FlatTree, Path, children, flatten, keystr, norm_key, unflatten
+from .base.treepaths import FlatTree, Path, children, flatten, keystr, norm_key, unflatten
 
 __all__ = ["FlatTree", "Path", "children", "flatten", "keystr", "norm_key", "unflatten"]

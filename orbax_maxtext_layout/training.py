@@ -57,10 +57,10 @@ from orbax.checkpoint.experimental import v1 as ocp1
 from orbax.checkpoint.experimental.v1._src.context import context as context_lib
 from orbax.checkpoint.experimental.v1._src.path import step as path_step_lib
 
+from .base.names import MAXTEXT_ITEM
 from .errors import UsageError
-from .legacy_steps import LegacySteps, check_migrate, load_requested
-from .manager import CheckpointManager
-from .names import MAXTEXT_ITEM
+from .integration.legacy_steps import LegacySteps, check_migrate, load_requested
+from .integration.manager import CheckpointManager
 
 __all__ = ["Checkpointer"]
 

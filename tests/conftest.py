@@ -120,7 +120,7 @@ def restore_flat(item_dir) -> dict:
     import orbax.checkpoint as ocp
     from etils import epath
 
-    from orbax_maxtext_layout.treepaths import flatten, norm_key
+    from orbax_maxtext_layout.base.treepaths import flatten, norm_key
 
     tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(item_dir))
     flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))

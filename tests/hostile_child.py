@@ -36,8 +36,8 @@ def _peak_rss_kib() -> int:
 def _call(job: dict) -> None:
     from etils import epath
 
-    from orbax_maxtext_layout import chunks, stepmeta, tskv
-    from orbax_maxtext_layout.spec import read_specs
+    from orbax_maxtext_layout.orbax_io import chunks, stepmeta, tskv
+    from orbax_maxtext_layout.orbax_io.spec import read_specs
 
     func, item = job["call"], epath.Path(job["item"])
     if func == "read_specs":

@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_maxtext_layout.treepaths import Path, unflatten
+from orbax_maxtext_layout.base.treepaths import Path, unflatten
 
 EMB, HEADS, HEAD_DIM, MLP, VOCAB = 16, 2, 8, 32, 64
 

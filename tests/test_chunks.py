@@ -23,11 +23,12 @@ from conftest import raw, restore_flat
 from etils import epath
 from test_pagecache import resident
 
-from orbax_maxtext_layout import chunks, convert_step, tskv, verify_step
+from orbax_maxtext_layout import convert_step, verify_step
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.orbax_files import io_counts
-from orbax_maxtext_layout.scan import unroll_target
-from orbax_maxtext_layout.target import Target
+from orbax_maxtext_layout.model.scan import unroll_target
+from orbax_maxtext_layout.model.target import Target
+from orbax_maxtext_layout.orbax_io import chunks, tskv
+from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 
 HERE = Path(__file__).resolve().parent
 EMB = 8192  # wi, wo, embedding and logits of 1.5-2 MiB: past `chunks.SMALL`, streamed
@@ -60,7 +61,7 @@ def _restore(item_dir: Path) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
-    from orbax_maxtext_layout.treepaths import flatten, norm_key
+    from orbax_maxtext_layout.base.treepaths import flatten, norm_key
 
     handler = ocp.PyTreeCheckpointHandler()
     meta = handler.metadata(epath.Path(item_dir)).tree

@@ -15,7 +15,7 @@ import pytest
 from conftest import FIXTURES, MAXTEXT_NATIVE, tree_digest
 
 from orbax_maxtext_layout import Layout, detect_layout, find_steps
-from orbax_maxtext_layout.verify import verify_step
+from orbax_maxtext_layout.execute.verify import verify_step
 
 ROOT = Path(__file__).parent.parent
 RL = FIXTURES / "tunix017/rl_run/checkpoints/actor/2"

@@ -23,7 +23,7 @@ from orbax_maxtext_layout import (
     read_specs,
     to_maxtext_items,
 )
-from orbax_maxtext_layout.treepaths import flatten, norm_key, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, norm_key, unflatten
 
 
 def _flat(tree) -> dict:

@@ -12,10 +12,10 @@ import pytest
 from conftest import FIXTURES, copy_fixture
 from etils import epath
 
-from orbax_maxtext_layout import chunks, tskv
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.orbax_files import io_counts
-from orbax_maxtext_layout.spec import read_specs
+from orbax_maxtext_layout.orbax_io import chunks, tskv
+from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
+from orbax_maxtext_layout.orbax_io.spec import read_specs
 
 ITEMS = [
     "maxtext025/pretrain_run/checkpoints/1/items",

@@ -28,14 +28,14 @@ from orbax_maxtext_layout import (
     convert_step,
     paths,
 )
-from orbax_maxtext_layout.handler import (
+from orbax_maxtext_layout.base.treepaths import flatten, keystr, norm_key, unflatten
+from orbax_maxtext_layout.execute.restore import plan_request
+from orbax_maxtext_layout.integration.handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
     MaxTextLayoutSave,
     load_params_from_path,
 )
-from orbax_maxtext_layout.restore import plan_request
-from orbax_maxtext_layout.treepaths import flatten, keystr, norm_key, unflatten
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]  # tunix017/rl_run/checkpoints/actor/2
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
@@ -341,8 +341,8 @@ sys.path.insert(0, sys.argv[1])
 from conftest import MAXTEXT_NATIVE, copy_fixture
 from pathlib import Path
 from orbax_maxtext_layout import Target
-from orbax_maxtext_layout.treepaths import flatten, unflatten
-from orbax_maxtext_layout.handler import load_params_from_path
+from orbax_maxtext_layout.base.treepaths import flatten, unflatten
+from orbax_maxtext_layout.integration.handler import load_params_from_path
 
 assert len(jax.devices()) == 4
 mesh = Mesh(np.array(jax.devices()), ("x",))

@@ -27,9 +27,10 @@ from conftest import MAXTEXT_NATIVE, copy_fixture, tree_digest
 from etils import epath
 from ocdbt_craft import crc32c  # tests/ocdbt_craft.py, proved by test_ocdbt_craft
 
-from orbax_maxtext_layout import chunks, cli, stepmeta, tskv
+from orbax_maxtext_layout import cli
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.spec import read_specs
+from orbax_maxtext_layout.orbax_io import chunks, stepmeta, tskv
+from orbax_maxtext_layout.orbax_io.spec import read_specs
 
 HERE = Path(__file__).resolve().parent
 RL = "tunix017/rl_run/checkpoints/actor/2"  # zarr2

@@ -39,7 +39,8 @@ import pytest
 from conftest import FIXTURES, MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture
 from etils import epath
 
-from orbax_maxtext_layout import CheckpointReadError, tskv
+from orbax_maxtext_layout import CheckpointReadError
+from orbax_maxtext_layout.orbax_io import tskv
 
 ROOT = Path(__file__).parent.parent
 RL = RL_ACTOR_STEPS["tunix017_rl"]
@@ -151,7 +152,7 @@ def test_damaged_value_files_says_it_leaves_the_checkpoint(tmp_path, big_step, k
 def test_the_unforged_items_open_and_read(tmp_path, big_step):
     """The control: the same items, re-encoded with their own table, open and read whole
     through the fast reader, and `damaged_value_files` finds nothing."""
-    from orbax_maxtext_layout import chunks
+    from orbax_maxtext_layout.orbax_io import chunks
 
     step = tmp_path / "1"
     shutil.copytree(big_step, step)
@@ -191,7 +192,7 @@ READER = textwrap.dedent(
     """
     import sys
     from etils import epath
-    from orbax_maxtext_layout import CheckpointReadError, chunks, tskv
+    from orbax_maxtext_layout import CheckpointReadError; from orbax_maxtext_layout.orbax_io import chunks, tskv
     item, name = epath.Path(sys.argv[1]), sys.argv[2]
     print("damaged:", tskv.damaged_value_files(item))
     try:

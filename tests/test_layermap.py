@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from orbax_maxtext_layout import LayoutMismatchError
-from orbax_maxtext_layout import layermap as LM
+from orbax_maxtext_layout.model import layermap as LM
 
 D = ("decoder",)
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import FIXTURES, copy_fixture
 
 from orbax_maxtext_layout import Layout, detect_layout, find_steps
-from orbax_maxtext_layout.layout import step_dir_of
+from orbax_maxtext_layout.orbax_io.layout import step_dir_of
 
 
 def test_detects_each_fixture_layout_from_directories_only():

@@ -30,8 +30,8 @@ from orbax_maxtext_layout import (
     read_specs,
     verify_step,
 )
-from orbax_maxtext_layout.orbax_files import io_counts
-from orbax_maxtext_layout.spec import orbax_specs
+from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
+from orbax_maxtext_layout.orbax_io.spec import orbax_specs
 
 REPO = Path(__file__).parent.parent
 EXAMPLES = REPO / "orbax_maxtext_layout" / "examples"
@@ -192,7 +192,7 @@ def test_convert_reads_each_steps_metadata_once(many_leaves, tmp_path, flags):
 _FROZEN_HEAP_CHECK = """
 import gc
 
-from orbax_maxtext_layout.gcfreeze import frozen_heap
+from orbax_maxtext_layout.base.gcfreeze import frozen_heap
 
 def made() -> list:
     return [[i] for i in range(1000)]  # tracked by the collector

@@ -29,8 +29,8 @@ from lora_writers import (
 )
 
 import orbax_maxtext_layout as oml
+from orbax_maxtext_layout.base.treepaths import keystr
 from orbax_maxtext_layout.cli import main as cli
-from orbax_maxtext_layout.treepaths import keystr
 
 LORA_STEP = "tunix017/sft_lora_run/checkpoints/1"
 PP = ("params", "params")
@@ -316,7 +316,7 @@ def test_merge_of_moe_expert_adapters_follows_qwix_einsum(tmp_path, capsys):
 
 
 def test_delta_layouts_place_each_factor_dim_or_refuse_when_shapes_cannot_tell():
-    from orbax_maxtext_layout.lora import delta_layouts
+    from orbax_maxtext_layout.model.lora import delta_layouts
 
     assert delta_layouts((8, 2, 4), (8, 3), (3, 8)) == [()]  # a dense kernel: a reshape
     assert delta_layouts((3, 8, 6), (8, 4), (4, 3, 6)) == [(1, 0, 2)]  # wi_0: experts in b
@@ -335,7 +335,7 @@ def test_merge_of_large_kernels_decodes_each_stored_chunk_once(tmp_path, axis, b
     is decoded once and merged piece by piece, whatever the budget (a kernel larger than
     the budget too: never layer by layer, which decodes the chunk once per layer). The
     merge is right either way."""
-    from orbax_maxtext_layout.orbax_files import io_counts
+    from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 
     shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)  # 6 to 12 MiB kernels
     base = base_params(layers=3, axis=axis, shapes=shapes)
@@ -367,8 +367,8 @@ def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
     leaves no step."""
     import threading
 
-    from orbax_maxtext_layout import chunks, tskv
     from orbax_maxtext_layout.errors import CheckpointReadError
+    from orbax_maxtext_layout.orbax_io import chunks, tskv
 
     shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)
     b = write_base(tmp_path / "base", 0, base_params(layers=3, shapes=shapes))
@@ -399,7 +399,7 @@ def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
 def test_merge_copies_unmerged_leaves_as_stored_bytes(tmp_path):
     """Unadapted params are grafted (their base data files linked, never decoded), so their
     stored chunks are the base's, byte for byte; and verify catches a wrong merged value."""
-    from orbax_maxtext_layout import tskv
+    from orbax_maxtext_layout.orbax_io import tskv
 
     base, _factors, b, a = _llama(tmp_path)
     out = tmp_path / "merged"

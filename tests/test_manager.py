@@ -27,11 +27,11 @@ from orbax_maxtext_layout import (
     detect_layout,
     restore_as_items,
 )
-from orbax_maxtext_layout.manager import TUNIX_STEP_KEY, CheckpointManager
-from orbax_maxtext_layout.treepaths import flatten, keystr, norm_key, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, keystr, norm_key, unflatten
+from orbax_maxtext_layout.integration.manager import TUNIX_STEP_KEY, CheckpointManager
 
 RL = "tunix017/rl_run/checkpoints/actor/2"  # Tunix directory 2 = MaxText step 1
-LOGGER = "orbax_maxtext_layout.manager"
+LOGGER = "orbax_maxtext_layout.integration.manager"
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from test_cli import cli
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout import cli as omtl_cli
-from orbax_maxtext_layout import rescan
+from orbax_maxtext_layout.plan.step_plan import rescan
 
 M = "maxtext025"
 pytestmark = pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")

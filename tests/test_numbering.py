@@ -21,7 +21,7 @@ from orbax.checkpoint.experimental import v1 as ocp1
 from test_cli import cli
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import stepdir
+from orbax_maxtext_layout.orbax_io import stepdir
 
 MODEL_ONLY = FIXTURES / "tunix_snapshot_v1/sft_model_only/checkpoints/1"  # step from the name
 RL = FIXTURES / "tunix017/rl_run/checkpoints/actor/2"
@@ -343,7 +343,7 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
     CLI with a raw FileNotFoundError on a moved step's metadata): the run plan takes each
     step's update count from its plan (no second read of a directory that may be gone),
     and the moves planned again under the lock find each step where the other put it."""
-    from orbax_maxtext_layout import renumbering
+    from orbax_maxtext_layout.plan.step_plan import renumbering
 
     root = _run(tmp_path, [1, 2, 3])
     target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
@@ -379,7 +379,7 @@ def test_read_step_metadata_of_a_step_that_vanished_is_a_read_error(tmp_path):
     """The metadata file removed between its existence check and its read (a step moved
     meanwhile) is a CheckpointReadError naming it, which the run plan plans again, not a
     raw FileNotFoundError that ended the CLI."""
-    from orbax_maxtext_layout import stepmeta
+    from orbax_maxtext_layout.orbax_io import stepmeta
 
     step = _run(tmp_path, [1])
     meta = step / "1" / "_CHECKPOINT_METADATA"

@@ -14,7 +14,7 @@ from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_
 from etils import epath
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.treepaths import flatten, norm_key, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, norm_key, unflatten
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]  # scanned, inject(chain(clip, adamw)), actor/2
 DPO = "tunix017/dpo_run/checkpoints/1"  # unscanned, base/ adapter
@@ -110,7 +110,7 @@ def test_a_removal_killed_between_the_two_set_asides_is_finished_by_a_rerun(tmp_
     """Both legacy items were verified before the first was set aside: a rerun finishes
     the removal (it cannot verify against an item already gone, and must not keep the
     other one forever)."""
-    from orbax_maxtext_layout.legacy_removal import REMOVING, remove_legacy
+    from orbax_maxtext_layout.execute.legacy_removal import REMOVING, remove_legacy
 
     step = copy_fixture(RL, tmp_path)
     oml.convert_step(step, oml.unroll_target(_scanned()), rescan="unroll", optimizer="drop")

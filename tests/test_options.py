@@ -9,7 +9,7 @@ from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, tree_digest
 from test_cli import cli
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.options import FLAGS, KEYWORDS, ConvertOptions, check
+from orbax_maxtext_layout.execute.options import FLAGS, KEYWORDS, ConvertOptions, check
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]
 

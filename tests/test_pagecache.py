@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orbax_maxtext_layout import pagecache
+from orbax_maxtext_layout.storage import pagecache
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="mincore and posix_fadvise as Linux has them"

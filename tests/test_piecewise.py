@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from orbax_maxtext_layout.piecewise import PieceFn
+from orbax_maxtext_layout.hf.piecewise import PieceFn
 
 
 def scale(x):

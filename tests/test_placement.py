@@ -19,7 +19,8 @@ from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_
 from etils import epath
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import legacy_removal, placement
+from orbax_maxtext_layout.execute import legacy_removal
+from orbax_maxtext_layout.storage import placement
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]
 ROOT = Path(__file__).parent.parent

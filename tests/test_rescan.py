@@ -34,7 +34,7 @@ from orbax_maxtext_layout import (
     unroll_target,
     verify_step,
 )
-from orbax_maxtext_layout.treepaths import flatten
+from orbax_maxtext_layout.base.treepaths import flatten
 
 
 def _full(t: Target) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orbax_maxtext_layout import rules as R
-from orbax_maxtext_layout.treepaths import flatten, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, unflatten
+from orbax_maxtext_layout.model import rules as R
 
 
 def _run(rule, tree):

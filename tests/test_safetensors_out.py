@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from orbax_maxtext_layout import safetensors_out as so
+from orbax_maxtext_layout.hf import safetensors_out as so
 
 try:
     import ml_dtypes

@@ -19,8 +19,8 @@ from conftest import FIXTURES, MAXTEXT_NATIVE
 from flax import nnx
 
 from orbax_maxtext_layout import LayoutMismatchError, Target
-from orbax_maxtext_layout.plan import make_plan
-from orbax_maxtext_layout.scan import (
+from orbax_maxtext_layout.base.treepaths import flatten
+from orbax_maxtext_layout.model.scan import (
     layer_map,
     layer_of,
     scan_axes,
@@ -30,8 +30,8 @@ from orbax_maxtext_layout.scan import (
     unroll_target,
     unstack_layer,
 )
-from orbax_maxtext_layout.spec import LeafSpec, read_specs
-from orbax_maxtext_layout.treepaths import flatten
+from orbax_maxtext_layout.orbax_io.spec import LeafSpec, read_specs
+from orbax_maxtext_layout.plan.step_plan import make_plan
 
 LAYERS = ("decoder", "layers")
 

@@ -27,14 +27,14 @@ from etils import epath
 from orbax.checkpoint import v1 as ocp
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.manager import TUNIX_STEP_KEY, CheckpointManager
+from orbax_maxtext_layout.base.treepaths import flatten, keystr, norm_key
+from orbax_maxtext_layout.integration.manager import TUNIX_STEP_KEY, CheckpointManager
 from orbax_maxtext_layout.training import Checkpointer
-from orbax_maxtext_layout.treepaths import flatten, keystr, norm_key
 
 PRETRAIN = "maxtext025/pretrain_run/checkpoints"  # MaxText layout: 0 and 1 (items/step 1, 2)
 SFT = "maxtext025/sft_run/checkpoints/2"  # Tunix directory 2 = MaxText step 1
 RL = "maxtext025/rl_run/checkpoints/actor/2"
-LOGGER = "orbax_maxtext_layout.manager"
+LOGGER = "orbax_maxtext_layout.integration.manager"
 
 # The v1 `delete` API exists from orbax-checkpoint 0.12.8 (the oldest declared is older).
 HAS_DELETE = hasattr(ocp.training.Checkpointer, "delete")

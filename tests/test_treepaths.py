@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from orbax_maxtext_layout.treepaths import flatten, norm_key
+from orbax_maxtext_layout.base.treepaths import flatten, norm_key
 
 State = namedtuple("State", ["count", "mu"])
 
@@ -34,7 +34,8 @@ def test_flatten_keys_are_normal_and_match_jax_key_paths():
 
 
 def test_the_old_module_name_still_imports_the_same_functions():
-    from orbax_maxtext_layout import paths, treepaths
+    from orbax_maxtext_layout import paths
+    from orbax_maxtext_layout.base import treepaths
 
     assert paths.flatten is treepaths.flatten and paths.unflatten is treepaths.unflatten
     assert set(paths.__all__) == {n for n in dir(treepaths) if not n.startswith("_")} - {

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.manager import CheckpointManager
+from orbax_maxtext_layout.integration.manager import CheckpointManager
 
 
 def cycle(directory: str, template: str, *, use_async: bool = False) -> list[int]:

@@ -13,8 +13,8 @@ import time
 import pytest
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import objstore
 from orbax_maxtext_layout.cli import main
+from orbax_maxtext_layout.storage import objstore
 
 from .conftest import restored_leaves
 from .emulator import invalidate_gcsfs_caches

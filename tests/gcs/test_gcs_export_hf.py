@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from orbax_maxtext_layout import objstore
-from orbax_maxtext_layout.export_hf import export_hf
-from orbax_maxtext_layout.store import EXPORT_WORK_SUFFIX
+from orbax_maxtext_layout.hf.export_hf import export_hf
+from orbax_maxtext_layout.storage import objstore
+from orbax_maxtext_layout.storage.store import EXPORT_WORK_SUFFIX
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("maxtext") is None, reason="export-hf runs MaxText 0.2.5's mappings"

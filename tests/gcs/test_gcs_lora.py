@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 from lora_writers import EMB, base_params, lora_factors, write_adapters, write_base
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import objstore
+from orbax_maxtext_layout.storage import objstore
 
 from .conftest import restored_leaves
 

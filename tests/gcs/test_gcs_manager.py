@@ -22,8 +22,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import objstore
 from orbax_maxtext_layout.cli import main
+from orbax_maxtext_layout.orbax_io import stepmeta
+from orbax_maxtext_layout.storage import objstore
 
 from .conftest import restored_leaves
 from .emulator import invalidate_gcsfs_caches
@@ -140,7 +141,7 @@ def _killed_move(tmp_path: Path, phase: str) -> Path:
     shutil.copytree(TUNIX_RUN, run)
     src, dst = run / ACTOR / "2", run / ACTOR / "1"
     meta = json.loads((src / "_CHECKPOINT_METADATA").read_text())
-    meta = oml.stepmeta.with_tunix_step(meta, 2)
+    meta = stepmeta.with_tunix_step(meta, 2)
     (src / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
     dst.mkdir()
     (dst / objstore.MOVING).write_text(json.dumps({"from": "2"}))

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import objstore
+from orbax_maxtext_layout.storage import objstore
 
 from .conftest import restored_leaves
 

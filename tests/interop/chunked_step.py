@@ -3,7 +3,7 @@
     python chunked_step.py OUT SEED CHUNKING KEY=VALUE ...
 
 ``OUT/0/items`` holds ``params/params/...`` of the model MaxText 0.2.5 builds for
-``configs/base.yml`` with the given keys (`orbax_maxtext_layout.maxtext_config.abstract_items`),
+``configs/base.yml`` with the given keys (`orbax_maxtext_layout.model.maxtext_config.abstract_items`),
 seeded random values (weights ~0.02, norm scales ~1), saved by stock Orbax's
 ``CheckpointManager`` (OCDBT + zarr3, ``custom_metadata={"scan_layers": ...}``, as MaxText's
 ``save_checkpoint`` writes it). ``CHUNKING``:
@@ -34,7 +34,7 @@ def main(out: str, seed: int, chunking: str, keys: list[str]) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from orbax_maxtext_layout.maxtext_config import abstract_items
+    from orbax_maxtext_layout.model.maxtext_config import abstract_items
 
     argv = [str(L.base_yml()), *keys]
     scan = any(k == "scan_layers=true" for k in keys)

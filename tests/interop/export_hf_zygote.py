@@ -49,7 +49,7 @@ def _preload() -> None:
         from maxtext.utils import globals  # noqa: F401
 
         import orbax_maxtext_layout.cli
-        import orbax_maxtext_layout.export_hf  # noqa: F401
+        import orbax_maxtext_layout.hf.export_hf  # noqa: F401
 
 
 def _install_kill(spec: dict) -> None:

@@ -23,9 +23,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_maxtext_layout.maxtext_config import abstract_model
-from orbax_maxtext_layout.spec import spec_of
-from orbax_maxtext_layout.treepaths import flatten, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, unflatten
+from orbax_maxtext_layout.model.maxtext_config import abstract_model
+from orbax_maxtext_layout.orbax_io.spec import spec_of
 
 _TINY = [
     "override_model_config=true",

@@ -416,7 +416,7 @@ def test_refuses_an_adapter_step_without_base(capsys, place, fixtures, tokenizer
 
 
 def test_refuses_an_adapter_step_without_alpha(capsys, place, fixtures):
-    from orbax_maxtext_layout.merge import adapter_item, read_adapters
+    from orbax_maxtext_layout.plan.merge import adapter_item, read_adapters
 
     step, base = LORAS["scanned"]
     assert read_adapters(*adapter_item(fixtures / step)).alpha is None  # not recorded
@@ -470,7 +470,7 @@ def test_refuses_a_model_maxtext_cannot_export(capsys, place, fixtures):
     mapping, so only the model name is refused."""
     from maxtext.utils.globals import HF_IDS
 
-    from orbax_maxtext_layout import hf_mapping
+    from orbax_maxtext_layout.hf import hf_mapping
 
     supported = hf_mapping.supported_models()
     assert "llama2-7b" not in HF_IDS and "llama2-7b" not in supported

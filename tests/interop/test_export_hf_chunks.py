@@ -25,8 +25,8 @@ import hf_export_support as S
 import maxtext_loop_support as L
 import pytest
 
-from orbax_maxtext_layout.export_hf import export_hf
-from orbax_maxtext_layout.orbax_files import io_counts
+from orbax_maxtext_layout.hf.export_hf import export_hf
+from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER = L.TESTS_DIR / "fixtures" / "hf_tokenizer"
@@ -113,7 +113,7 @@ def test_the_largest_params_are_exported_first(steps, tmp_path):
     kernel last, for one worker alone (14 s of a 47 s export on one core of two)."""
     from etils import epath
 
-    from orbax_maxtext_layout import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import chunks, tskv
 
     with io_counts() as counts:
         export_hf(

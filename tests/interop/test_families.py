@@ -29,8 +29,9 @@ import families_support as F
 import pytest
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout import rescan, scan
-from orbax_maxtext_layout.treepaths import flatten, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, unflatten
+from orbax_maxtext_layout.model import scan
+from orbax_maxtext_layout.plan.step_plan import rescan
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:

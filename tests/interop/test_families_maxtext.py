@@ -57,8 +57,9 @@ import hf_export_support as S
 import maxtext_loop_support as L
 import pytest
 
-from orbax_maxtext_layout import Target, cli, read_specs, rescan
-from orbax_maxtext_layout.treepaths import keystr
+from orbax_maxtext_layout import Target, cli, read_specs
+from orbax_maxtext_layout.base.treepaths import keystr
+from orbax_maxtext_layout.plan.step_plan import rescan
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:

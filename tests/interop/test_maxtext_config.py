@@ -36,7 +36,7 @@ import pytest
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout import Target
-from orbax_maxtext_layout.treepaths import keystr
+from orbax_maxtext_layout.base.treepaths import keystr
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:

@@ -21,7 +21,8 @@ import hf_export_support as S
 import maxtext_loop_support as L
 import pytest
 
-from orbax_maxtext_layout import cli, stepmeta
+from orbax_maxtext_layout import cli
+from orbax_maxtext_layout.orbax_io import stepmeta
 
 GEN = L.generator()
 ALPHA = f"{float(GEN.LORA_ALPHA):g}"

@@ -39,7 +39,7 @@ def _digest(a) -> str:
 
 
 def _whole(src, name: str, ctx) -> str:
-    from orbax_maxtext_layout import chunks
+    from orbax_maxtext_layout.orbax_io import chunks
 
     return _digest(chunks.read_whole(src, name, ctx))
 
@@ -48,7 +48,7 @@ def _pieces(src, name: str, ctx) -> str:
     """The pieces assembled (each box once, tiling the array), or ``wrong: ...``."""
     import numpy as np
 
-    from orbax_maxtext_layout import chunks
+    from orbax_maxtext_layout.orbax_io import chunks
 
     lay = chunks.layout(src, name)
     if lay.nbytes > SAFE_BYTES:  # a walk may start; it must be refused before it ends
@@ -93,7 +93,7 @@ def _outcome(fn, *args) -> str:
 def _reads(case: dict) -> dict:
     from etils import epath
 
-    from orbax_maxtext_layout import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import chunks, tskv
 
     out = {}
     for path, small in (("tensorstore", 1 << 20), ("streamed", 0)):

@@ -29,7 +29,8 @@ def run(item: Path, tables: list[dict], out: Path) -> int:
     import ocdbt_craft as C
     from etils import epath
 
-    from orbax_maxtext_layout import CheckpointReadError, chunks, tskv
+    from orbax_maxtext_layout import CheckpointReadError
+    from orbax_maxtext_layout.orbax_io import chunks, tskv
 
     ctx = tskv.ts_context()
     pristine = C.leaf_entries(item)

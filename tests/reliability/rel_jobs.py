@@ -25,7 +25,7 @@ def legacy_steps(directory: Path) -> dict[int, Path]:
     records its Tunix number under ``TUNIX_STEP_KEY`` in the step metadata.
     """
     from orbax_maxtext_layout import Layout, detect_layout
-    from orbax_maxtext_layout.manager import TUNIX_STEP_KEY
+    from orbax_maxtext_layout.integration.manager import TUNIX_STEP_KEY
 
     out = {}
     for child in sorted(Path(directory).iterdir()):
@@ -46,8 +46,8 @@ def manager_cycle(directory: str, template: str, remove_legacy: bool = True) -> 
     import orbax.checkpoint as ocp
     import synth
 
-    from orbax_maxtext_layout.manager import CheckpointManager
-    from orbax_maxtext_layout.treepaths import unflatten
+    from orbax_maxtext_layout.base.treepaths import unflatten
+    from orbax_maxtext_layout.integration.manager import CheckpointManager
 
     abstract = unflatten(dict(synth.target_for(Path(template)).abstract))
     mngr = CheckpointManager(

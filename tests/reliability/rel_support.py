@@ -160,7 +160,7 @@ def hashed(tree: Any) -> Restored:
     import jax
     import numpy as np
 
-    from orbax_maxtext_layout.treepaths import flatten, keystr
+    from orbax_maxtext_layout.base.treepaths import flatten, keystr
 
     out = {}
     for path, x in flatten(tree, is_leaf=lambda v: hasattr(v, "dtype")).items():

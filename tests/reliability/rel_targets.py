@@ -19,7 +19,7 @@ for _p in (str(HERE), str(HERE.parent)):
 import rel_support as S  # noqa: E402
 
 from orbax_maxtext_layout import Target, read_specs  # noqa: E402
-from orbax_maxtext_layout.treepaths import unflatten  # noqa: E402
+from orbax_maxtext_layout.base.treepaths import unflatten  # noqa: E402
 
 
 def native() -> Target:

@@ -59,7 +59,7 @@ def _preload() -> None:
     import orbax_maxtext_layout.cli
 
     try:
-        import orbax_maxtext_layout.manager  # noqa: F401
+        import orbax_maxtext_layout.integration.manager  # noqa: F401
     except ImportError:
         pass
 

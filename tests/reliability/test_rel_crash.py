@@ -35,7 +35,7 @@ import pytest
 import rel_support as S
 
 from orbax_maxtext_layout import Layout, detect_layout
-from orbax_maxtext_layout.stepmeta import read as read_step_metadata
+from orbax_maxtext_layout.orbax_io.stepmeta import read as read_step_metadata
 
 STEPS = [10, 11]
 SIZE = S.scale(16 << 20, 50 << 20)  # 2 steps: ~35 MB per run (~110 MB in the full run)
@@ -433,7 +433,7 @@ class ManagerChecker(Checker):
 
 
 def _manager_job(base1: Path):
-    pytest.importorskip("orbax_maxtext_layout.manager")
+    pytest.importorskip("orbax_maxtext_layout.integration.manager")
     tmpl = str(S.template_step(base1))
 
     def job(work: Path, kill_on_call: dict | None = None, kill_after=None) -> S.Result:

@@ -37,9 +37,9 @@ from orbax_maxtext_layout import (
     make_plan,
     to_maxtext_items,
 )
-from orbax_maxtext_layout.orbax_files import key_impls
-from orbax_maxtext_layout.stepmeta import read as read_step_metadata
-from orbax_maxtext_layout.treepaths import flatten, keystr, unflatten
+from orbax_maxtext_layout.base.treepaths import flatten, keystr, unflatten
+from orbax_maxtext_layout.orbax_io.orbax_files import key_impls
+from orbax_maxtext_layout.orbax_io.stepmeta import read as read_step_metadata
 
 # Hypothesis caches (constants, unicode data) go to a temporary directory, not into the
 # repository's .hypothesis/ (this suite writes only under tests/reliability). No other test

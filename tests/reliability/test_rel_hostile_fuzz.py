@@ -291,7 +291,8 @@ def test_data_file_tables_fuzz(world, tmp_path):
 def test_an_overlong_path_inside_the_item_is_a_read_error(world):
     from etils import epath
 
-    from orbax_maxtext_layout import CheckpointReadError, chunks, tskv
+    from orbax_maxtext_layout import CheckpointReadError
+    from orbax_maxtext_layout.orbax_io import chunks, tskv
 
     item = _item(world)
     entries = C.remapped(C.leaf_entries(item), lambda b, r: ("", "x" * 300 + "/" + r))

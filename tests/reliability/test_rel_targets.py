@@ -11,7 +11,7 @@ import rel_support as S
 import rel_targets as T
 
 from orbax_maxtext_layout import LayoutMismatchError, convert_step, read_specs
-from orbax_maxtext_layout.treepaths import keystr
+from orbax_maxtext_layout.base.treepaths import keystr
 
 
 def model_view(step) -> dict:

@@ -1,0 +1,12 @@
+"""Plans: metadata plus a `model.Target` in, a pure `moves.Plan` out, one `moves.Move` (with
+one named `moves.Op`) per written leaf and one `moves.Drop` with its reason per source leaf
+left behind. The plan is the dry-run report; writers execute it and `verify` replays it.
+
+- `moves`: the plan's types and ops (types and pure functions only);
+- `step_plan`: a Tunix or MaxText step planned against a target;
+- `rescan`, `merge`: a scan change and a LoRA merge as plan transforms;
+- `provenance`: what a written step records of its plan;
+- `steps`, `renumbering`: a run's steps, and which move to MaxText's numbers.
+
+Imports: `model`, `orbax_io`, `storage`, `base`, `errors`. Reads metadata only.
+"""
