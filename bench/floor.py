@@ -36,7 +36,11 @@ import numpy as np
 import zstandard
 from etils import epath
 
-from orbax_maxtext_layout.orbax_io import chunks, tskv
+from orbax_maxtext_layout.orbax_io import (
+    item_writer,
+    ocdbt,
+)
+from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
 PIECE = 64 << 20  # bytes per decoded piece (the streaming readers' order of size)
 
@@ -46,21 +50,21 @@ def items(step: Path) -> list[Path]:
     return sorted(d for d in step.iterdir() if (d / "_METADATA").is_file())
 
 
-def arrays(src: tskv.SourceItem) -> list[tuple[int, str]]:
+def arrays(src: ItemReader) -> list[tuple[int, str]]:
     """``(decoded bytes, name)`` of every array the item stores, largest first."""
     out = []
-    for name in tskv.keys_by_array(src.kv):
-        lay = chunks.layout(src, name)
+    for name in ocdbt.keys_by_array(src.kv):
+        lay = src.layout(name)
         if lay is not None:
             out.append((lay.nbytes, name))
     return sorted(out, reverse=True)
 
 
-def one(src: tskv.SourceItem, name: str, ctx, level: int | None) -> tuple[int, int]:
+def one(src: ItemReader, name: str, ctx, level: int | None) -> tuple[int, int]:
     """Decode array ``name`` once (and encode each piece at ``level``): bytes in and out."""
     comp = zstandard.ZstdCompressor(level=level) if level is not None else None
     decoded = encoded = 0
-    for piece in chunks.pieces(src, name, ctx, max_bytes=PIECE, reuse=True):
+    for piece in src.pieces(name, max_bytes=PIECE, reuse=True):
         decoded += piece.data.nbytes
         if comp is not None:
             encoded += len(comp.compress(np.ascontiguousarray(piece.data)))
@@ -68,10 +72,10 @@ def one(src: tskv.SourceItem, name: str, ctx, level: int | None) -> tuple[int, i
 
 
 def run(step: Path, level: int | None, threads: int) -> dict:
-    ctx = tskv.ts_context()
+    ctx = item_writer.ts_context()
     work = []
     for item in items(step):
-        src = tskv.SourceItem.open(epath.Path(item), ctx)
+        src = ItemReader.open(epath.Path(item), ctx)
         work += [(n, src, name) for n, name in arrays(src)]
     work.sort(key=lambda w: -w[0])
     lock, totals = threading.Lock(), [0, 0]

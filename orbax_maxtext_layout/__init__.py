@@ -21,7 +21,8 @@ from .execute.convert import (
 from .execute.restore import restore_as_items
 from .execute.verify import VerifyResult, replay_plan, verify_step
 from .hf.export_adapter import AdapterReport
-from .hf.export_hf import ExportReport, export_hf, plan_export
+from .hf.export_hf import export_hf
+from .hf.export_plan import ExportReport, plan_export
 from .integration.handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
@@ -29,19 +30,11 @@ from .integration.handler import (
     load_params_from_path,
 )
 from .integration.manager import CheckpointManager
-from .model.layermap import LayerMap
+from .model.layer_axes import layer_map, scan_axes
+from .model.layermap import SCAN_GROUPS, LayerMap
 from .model.lora import LoraAdapters, LoraAdapterStepError
-from .model.scan import (
-    SCAN_GROUPS,
-    StackReport,
-    layer_map,
-    scan_axes,
-    stack,
-    stack_target,
-    unroll,
-    unroll_target,
-    unstack_layer,
-)
+from .model.scan_targets import stack_target, unroll_target
+from .model.scan_trees import StackReport, stack, unroll, unstack_layer
 from .model.target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
 from .orbax_io.layout import Layout, detect_layout, tunix_step_number
 from .orbax_io.spec import LeafSpec, read_specs

@@ -36,7 +36,11 @@ def _peak_rss_kib() -> int:
 def _call(job: dict) -> None:
     from etils import epath
 
-    from orbax_maxtext_layout.orbax_io import chunks, stepmeta, tskv
+    from orbax_maxtext_layout.orbax_io import (
+        item_writer,
+        stepmeta,
+    )
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
     from orbax_maxtext_layout.orbax_io.spec import read_specs
 
     func, item = job["call"], epath.Path(job["item"])
@@ -45,18 +49,18 @@ def _call(job: dict) -> None:
     elif func == "step_metadata":
         stepmeta.read(item)
     else:
-        ctx = tskv.ts_context()
-        src = tskv.SourceItem.open(item, ctx)
+        ctx = item_writer.ts_context()
+        src = ItemReader.open(item, ctx)
         name = job["name"]
         if func == "read_whole":
-            chunks.read_whole(src, name, ctx)
+            src.read_whole(name)
         elif func == "pieces":
-            for _ in chunks.pieces(src, name, ctx, max_bytes=1 << 20):
+            for _ in src.pieces(name, max_bytes=1 << 20):
                 pass
         elif func == "read_chunk":
-            lay = chunks.layout(src, name)
+            lay = src.layout(name)
             shape = tuple(min(c, n) for c, n in zip(lay.chunk, lay.shape, strict=True))
-            chunks.read_chunk(src, name, (0,) * len(shape), shape)
+            src.read_chunk(name, (0,) * len(shape), shape)
 
 
 def _run(job: dict) -> dict:

@@ -25,13 +25,19 @@ from test_pagecache import resident
 
 from orbax_maxtext_layout import convert_step, verify_step
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.model.scan import unroll_target
+from orbax_maxtext_layout.model.scan_targets import unroll_target
 from orbax_maxtext_layout.model.target import Target
-from orbax_maxtext_layout.orbax_io import chunks, tskv
+from orbax_maxtext_layout.orbax_io import (
+    chunks,
+    item_writer,
+    values,
+    zarr,
+)
 from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
+from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
 HERE = Path(__file__).resolve().parent
-EMB = 8192  # wi, wo, embedding and logits of 1.5-2 MiB: past `chunks.SMALL`, streamed
+EMB = 8192  # wi, wo, embedding and logits of 1.5-2 MiB: past `zarr.SMALL`, streamed
 
 
 def _write(root: Path, zarr3: bool) -> Path:
@@ -71,13 +77,13 @@ def _restore(item_dir: Path) -> dict:
     return {tuple(norm_key(k) for k in p): np.asarray(v) for p, v in flat.items()}
 
 
-def _streamed(src: tskv.SourceItem) -> dict[str, chunks.Layout]:
+def _streamed(src: ItemReader) -> dict[str, zarr.Layout]:
     names = {
         k.decode().rsplit("/", 1)[0]
         for k in src.kv.list().result()
         if k.endswith(b"/zarr.json") or k.endswith(b"/.zarray")
     }
-    lays = {n: chunks.layout(src, n) for n in names}
+    lays = {n: src.layout(n) for n in names}
     return {n: lay for n, lay in lays.items() if lay is not None and lay.streamed}
 
 
@@ -87,8 +93,8 @@ def _decodes(counts: collections.Counter) -> dict[str, int]:
 
 @pytest.mark.parametrize("max_bytes", [64 << 20, 96 << 10], ids=["whole-chunks", "streamed"])
 def test_pieces_tile_each_array_decoding_each_stored_chunk_once(step, max_bytes):
-    ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(epath.Path(step / "model_params"), ctx)
+    ctx = item_writer.ts_context()
+    src = ItemReader.open(epath.Path(step / "model_params"), ctx)
     want = {".".join(map(str, p)): x for p, x in _restore(step / "model_params").items()}
     lays = _streamed(src)
     assert len(lays) == 4 and all(lay.nbytes // lay.chunk_bytes == 8 for lay in lays.values())
@@ -96,7 +102,7 @@ def test_pieces_tile_each_array_decoding_each_stored_chunk_once(step, max_bytes)
         out = np.zeros(lay.shape, lay.dtype)
         seen = np.zeros(lay.shape, np.int8)
         with io_counts() as counts:
-            got = list(chunks.pieces(src, name, ctx, max_bytes=max_bytes))
+            got = list(src.pieces(name, max_bytes=max_bytes))
         for p in got:
             assert p.data.nbytes <= max(max_bytes, 0) or p.data.nbytes == lay.chunk_bytes
             out[p.box] = p.data
@@ -107,7 +113,7 @@ def test_pieces_tile_each_array_decoding_each_stored_chunk_once(step, max_bytes)
         assert len(decodes) == 8 and set(decodes.values()) == {1}, (name, decodes)
         if max_bytes < lay.chunk_bytes:  # a chunk over the size is streamed in row runs
             assert len(got) > 8, name
-        np.testing.assert_array_equal(chunks.read_whole(src, name, ctx), want[name])
+        np.testing.assert_array_equal(src.read_whole(name), want[name])
 
 
 def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
@@ -123,7 +129,7 @@ def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
     assert report.status == "converted", report
     # the written data files left the page cache once on the disk (`pagecache`); what
     # stays is B-tree nodes, read again by the check before the commit
-    data = list((out / "items" / tskv.DATA_DIR).iterdir())
+    data = list((out / "items" / item_writer.DATA_DIR).iterdir())
     pages = sum(-(-p.stat().st_size // mmap.PAGESIZE) for p in data)
     assert pages > 128 and sum(resident(p) for p in data) < pages // 10
     decodes = _decodes(counts)
@@ -146,10 +152,10 @@ def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
     assert written and all(decodes[k] == 1 for k in written), decodes
 
     # a written layer's chunk damaged: verify names that layer (and only it)
-    ctx = tskv.ts_context()
-    dst = tskv.SourceItem.open(epath.Path(out / "items"), ctx)
+    ctx = item_writer.ts_context()
+    dst = ItemReader.open(epath.Path(out / "items"), ctx)
     name = "params.params.decoder.layers_1.mlp.wo.kernel"
-    key = f"{name}/{chunks.layout(dst, name).key((0, 0))}"
+    key = f"{name}/{dst.layout(name).key((0, 0))}"
     data_file, offset, length = dst.value_file(key)
     with open(data_file, "r+b") as f:
         f.seek(offset + length // 2)
@@ -166,27 +172,27 @@ def test_a_damaged_chunk_is_named(step, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(step, copy)
-    ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(epath.Path(copy / "model_params"), ctx)
+    ctx = item_writer.ts_context()
+    src = ItemReader.open(epath.Path(copy / "model_params"), ctx)
     name = next(n for n in _streamed(src) if "wi" in n)
-    key = f"{name}/{chunks.layout(src, name).key((0, 0, 0))}"
+    key = f"{name}/{src.layout(name).key((0, 0, 0))}"
     data_file, offset, length = src.value_file(key)
     with open(data_file, "r+b") as f:  # the chunk's zstd frame, its middle zeroed
         f.seek(offset + length // 2)
         f.write(b"\0" * (length // 4))
     with pytest.raises(CheckpointReadError, match=name.replace(".", r"\.")):
-        list(chunks.pieces(src, name, ctx, max_bytes=1 << 20))
+        list(src.pieces(name, max_bytes=1 << 20))
 
 
 def test_reading_an_array_whole_leaves_a_held_piece_intact(step):
     """A merge reads its factors whole (`read_whole`) while a piece of its base, decoded
     into the worker's reused buffer, is held: the piece must keep its values."""
-    ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(epath.Path(step / "model_params"), ctx)
+    ctx = item_writer.ts_context()
+    src = ItemReader.open(epath.Path(step / "model_params"), ctx)
     first, other = sorted(_streamed(src))[:2]
-    held = next(chunks.pieces(src, first, ctx, max_bytes=64 << 20, reuse=True))
+    held = next(src.pieces(first, max_bytes=64 << 20, reuse=True))
     before = held.data.copy()
-    chunks.read_whole(src, other, ctx)
+    src.read_whole(other)
     np.testing.assert_array_equal(held.data, before)
 
 
@@ -194,18 +200,18 @@ def test_a_stored_chunk_is_read_through_one_reused_buffer(step, monkeypatch):
     """zstandard's reader asks for a chunk's bytes piece by piece (64 KiB here): every
     read lands in one buffer of the thread (a fresh ``bytes`` per read took fresh pages,
     which the kernel zeroes), and the decoded pieces stay right."""
-    monkeypatch.setattr(tskv, "_PIECE", 64 << 10)
-    ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(epath.Path(step / "model_params"), ctx)
+    monkeypatch.setattr(values, "PIECE", 64 << 10)
+    ctx = item_writer.ts_context()
+    src = ItemReader.open(epath.Path(step / "model_params"), ctx)
     want = {".".join(map(str, p)): x for p, x in _restore(step / "model_params").items()}
     for name, lay in _streamed(src).items():
         out = np.zeros(lay.shape, lay.dtype)
-        for p in chunks.pieces(src, name, ctx, max_bytes=96 << 10, reuse=True):
+        for p in src.pieces(name, max_bytes=96 << 10, reuse=True):
             out[p.box] = p.data
         np.testing.assert_array_equal(out, want[name], err_msg=name)
         frames = chunks._frames(src, name, lay, name, scratch="test")  # holds the file open
         _, frame = next(frames)
         first, second = frame.read(4096), frame.read(4096)
-        assert isinstance(frame, tskv._FileValue) and len(first) == len(second) == 4096
+        assert isinstance(frame, values.FileValue) and len(first) == len(second) == 4096
         at = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] for v in (first, second)]
         assert at[0] == at[1], name  # the second read reused the first's buffer

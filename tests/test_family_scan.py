@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURES, copy_fixture, raw, restore_flat, tree_digest
 
 import orbax_maxtext_layout as oml
-from orbax_maxtext_layout.plan.step_plan import rescan
+from orbax_maxtext_layout.plan import rescan
 
 M = "maxtext025"
 P = ("params", "params")

@@ -29,7 +29,11 @@ from ocdbt_craft import crc32c  # tests/ocdbt_craft.py, proved by test_ocdbt_cra
 
 from orbax_maxtext_layout import cli
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.orbax_io import chunks, stepmeta, tskv
+from orbax_maxtext_layout.orbax_io import (
+    item_writer,
+    stepmeta,
+)
+from orbax_maxtext_layout.orbax_io.reader import ItemReader
 from orbax_maxtext_layout.orbax_io.spec import read_specs
 
 HERE = Path(__file__).resolve().parent
@@ -98,23 +102,22 @@ def _chunk_key(layout: str) -> str:
     return "w/0.0" if layout == "zarr2" else "w/c/0/0"
 
 
-def _src(item: Path) -> tuple[tskv.SourceItem, ts.Context]:
-    ctx = tskv.ts_context()
-    return tskv.SourceItem.open(epath.Path(item), ctx), ctx
+def _src(item: Path) -> ItemReader:
+    return ItemReader.open(epath.Path(item), item_writer.ts_context())
 
 
 def _all_reads_refused(item: Path, name: str, match: str) -> None:
     """`read_whole`, `pieces` (whole chunks, and row runs) and `read_chunk` of ``name``
     each raise `CheckpointReadError` matching ``match``."""
-    src, ctx = _src(item)
-    lay = chunks.layout(src, name)
+    src = _src(item)
+    lay = src.layout(name)
     with pytest.raises(CheckpointReadError, match=match):
-        chunks.read_whole(src, name, ctx)
+        src.read_whole(name)
     for max_bytes in (64 << 20, 256 << 10):
         with pytest.raises(CheckpointReadError, match=match):
-            list(chunks.pieces(src, name, ctx, max_bytes=max_bytes))
+            list(src.pieces(name, max_bytes=max_bytes))
     with pytest.raises(CheckpointReadError, match=match):
-        chunks.read_chunk(src, name, (0,) * len(lay.shape), lay.chunk)
+        src.read_chunk(name, (0,) * len(lay.shape), lay.chunk)
 
 
 # -- chunk streams ------------------------------------------------------------------------
@@ -168,8 +171,8 @@ def test_a_frame_declaring_another_size_is_refused_before_any_piece(
     longer stream, the read ended without error."""
     item = _copy(saved, layout, tmp_path)
     _put_chunk(item, _chunk_key(layout), _declaring(declared, data), sharded="sharded" in layout)
-    src, ctx = _src(item)
-    walk = chunks.pieces(src, "w", ctx, max_bytes=256 << 10)
+    src = _src(item)
+    walk = src.pieces("w", max_bytes=256 << 10)
     with pytest.raises(CheckpointReadError, match=rf"declares {declared} bytes, the chunk holds"):
         next(walk)
     _all_reads_refused(item, "w", rf"{item}: cannot read w: chunk .* declares {declared} bytes")
@@ -178,13 +181,13 @@ def test_a_frame_declaring_another_size_is_refused_before_any_piece(
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_stored_streams_still_read_exactly(saved, layout):
     """The checks refuse nothing Orbax writes: every read gives the saved values."""
-    src, ctx = _src(saved[layout])
-    np.testing.assert_array_equal(chunks.read_whole(src, "w", ctx), W)
+    src = _src(saved[layout])
+    np.testing.assert_array_equal(src.read_whole("w"), W)
     out = np.zeros_like(W)
-    for p in chunks.pieces(src, "w", ctx, max_bytes=256 << 10):
+    for p in src.pieces("w", max_bytes=256 << 10):
         out[p.box] = p.data
     np.testing.assert_array_equal(out, W)
-    np.testing.assert_array_equal(chunks.read_chunk(src, "w", (0, 0), W.shape), W)
+    np.testing.assert_array_equal(src.read_chunk("w", (0, 0), W.shape), W)
 
 
 # -- children under a memory cap ----------------------------------------------------------

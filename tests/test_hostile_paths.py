@@ -7,7 +7,7 @@ own data files moved out, another checkpoint's, a private file), so that a reade
 the table would succeed; only a refusal keeps it out. Stock tensorstore refuses such keys
 ("Invalid key"); this package must refuse them too, before opening anything, with
 `CheckpointReadError` ("data file path leaves the checkpoint", naming the item, the key and
-the path), in `tskv.SourceItem.open` and in `tskv.damaged_value_files`; every command exits 1
+the path), in `ItemReader.open` and in `ocdbt.damaged_value_files`; every command exits 1
 with a one-line error and writes nothing.
 
 The cases (`hostile_support.CASES`): ``../../outside/d/<hex>``, an absolute relative path, an
@@ -40,7 +40,8 @@ from conftest import FIXTURES, MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture
 from etils import epath
 
 from orbax_maxtext_layout import CheckpointReadError
-from orbax_maxtext_layout.orbax_io import tskv
+from orbax_maxtext_layout.orbax_io import item_writer, ocdbt
+from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
 ROOT = Path(__file__).parent.parent
 RL = RL_ACTOR_STEPS["tunix017_rl"]
@@ -66,7 +67,7 @@ def _prepare_lora(item: Path) -> None:
 @pytest.fixture(scope="module")
 def big_step(tmp_path_factory) -> Path:
     """A step whose ``items`` holds ``params/params/big``, float32 1024x512 (2 MiB: past
-    `chunks.SMALL`, so `chunks.read_whole` streams its one zstd chunk from its data file),
+    `zarr.SMALL`, so `chunks.read_whole` streams its one zstd chunk from its data file),
     written by stock Orbax."""
     import orbax.checkpoint as ocp
 
@@ -131,11 +132,11 @@ def _forge_kind(kind: str, case: str, world: Path, big_step: Path) -> tuple[Path
 @pytest.mark.parametrize("case", H.CASES)
 @pytest.mark.parametrize("kind", ITEMS)
 def test_open_refuses_before_any_data_file(tmp_path, big_step, kind, case):
-    """`SourceItem.open` walks the B-tree (nodes only) and refuses the item: no `SourceItem`
+    """`ItemReader.open` walks the B-tree (nodes only) and refuses the item: no `ItemReader`
     is returned, so `chunks.read_whole` (or any reader) has nothing to read through."""
     _, f = _forge_kind(kind, case, _world(tmp_path), big_step)
     with pytest.raises(CheckpointReadError) as e:
-        tskv.SourceItem.open(epath.Path(f.item), tskv.ts_context())
+        ItemReader.open(epath.Path(f.item), item_writer.ts_context())
     _assert_refusal(e.value, f)
 
 
@@ -143,7 +144,7 @@ def test_open_refuses_before_any_data_file(tmp_path, big_step, kind, case):
 @pytest.mark.parametrize("kind", ITEMS)
 def test_damaged_value_files_says_it_leaves_the_checkpoint(tmp_path, big_step, kind, case):
     _, f = _forge_kind(kind, case, _world(tmp_path), big_step)
-    bad = tskv.damaged_value_files(epath.Path(f.item))
+    bad = ocdbt.damaged_value_files(epath.Path(f.item))
     for p in f.offending:
         assert LEAVES in bad.get(p, ""), (p, bad)
         assert "missing" not in bad[p] and "bytes" not in bad[p], bad[p]
@@ -152,21 +153,22 @@ def test_damaged_value_files_says_it_leaves_the_checkpoint(tmp_path, big_step, k
 def test_the_unforged_items_open_and_read(tmp_path, big_step):
     """The control: the same items, re-encoded with their own table, open and read whole
     through the fast reader, and `damaged_value_files` finds nothing."""
-    from orbax_maxtext_layout.orbax_io import chunks
+    from orbax_maxtext_layout.orbax_io import item_writer, ocdbt
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
     step = tmp_path / "1"
     shutil.copytree(big_step, step)
     C.retable(step / "items", lambda b, r: (b, r))
-    src = tskv.SourceItem.open(epath.Path(step / "items"), tskv.ts_context())
+    src = ItemReader.open(epath.Path(step / "items"), item_writer.ts_context())
     assert src.value_file(f"{BIG_NAME}/0.0") is not None  # streamed from its data file
-    got = chunks.read_whole(src, BIG_NAME, tskv.ts_context())
+    got = src.read_whole(BIG_NAME)
     assert np.array_equal(got, np.load(big_step.parent.parent / "big.npy"))
-    assert tskv.damaged_value_files(epath.Path(step / "items")) == {}
+    assert ocdbt.damaged_value_files(epath.Path(step / "items")) == {}
 
 
 def test_every_value_of_a_tree_of_many_nodes_is_located(tmp_path):
     """MaxText's items copied key by key into a database of small nodes (height > 0): the
-    same item to any reader, and `SourceItem.value_file` locates every indirect value."""
+    same item to any reader, and `ItemReader.value_file` locates every indirect value."""
     import tensorstore as ts
 
     src = FIXTURES / NATIVE / "items"
@@ -182,7 +184,7 @@ def test_every_value_of_a_tree_of_many_nodes_is_located(tmp_path):
     txn.commit_sync()
     assert C.dump_manifest(item)["versions"][-1]["root_height"] > 0
     entries = [e for e in C.leaf_entries(item) if e.inline is None]
-    opened = tskv.SourceItem.open(epath.Path(item), tskv.ts_context())
+    opened = ItemReader.open(epath.Path(item), item_writer.ts_context())
     missed = [e.key for e in entries if opened.value_file(e.key.decode()) is None]
     assert missed == []
 
@@ -192,12 +194,12 @@ READER = textwrap.dedent(
     """
     import sys
     from etils import epath
-    from orbax_maxtext_layout import CheckpointReadError; from orbax_maxtext_layout.orbax_io import chunks, tskv
+    from orbax_maxtext_layout import CheckpointReadError; from orbax_maxtext_layout.orbax_io import chunks
     item, name = epath.Path(sys.argv[1]), sys.argv[2]
-    print("damaged:", tskv.damaged_value_files(item))
+    print("damaged:", ocdbt.damaged_value_files(item))
     try:
-        src = tskv.SourceItem.open(item, tskv.ts_context())
-        chunks.read_whole(src, name, tskv.ts_context())
+        src = ItemReader.open(item, item_writer.ts_context())
+        src.read_whole(name)
     except CheckpointReadError as e:
         print("refused:", e)
         sys.exit(1)
@@ -209,7 +211,7 @@ READER = textwrap.dedent(
 @needs_strace
 @pytest.mark.parametrize("case", H.PROCESS_CASES)
 def test_the_fast_reader_touches_nothing_outside(tmp_path, big_step, case):
-    """`damaged_value_files`, `SourceItem.open` and `chunks.read_whole` of the 2 MiB array
+    """`damaged_value_files`, `ItemReader.open` and `chunks.read_whole` of the 2 MiB array
     (the path that reads data files itself) in a child process under strace: refused, and no
     system call names the bait."""
     world = _world(tmp_path)

@@ -368,14 +368,17 @@ def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
     import threading
 
     from orbax_maxtext_layout.errors import CheckpointReadError
-    from orbax_maxtext_layout.orbax_io import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import (
+        item_writer,
+    )
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
     shapes = kernels(emb=512, heads=8, head_dim=128, mlp=2048)
     b = write_base(tmp_path / "base", 0, base_params(layers=3, shapes=shapes))
     a = write_adapters(tmp_path / "sft", 2, lora_factors(layers=3, shapes=shapes))
-    src = tskv.SourceItem.open(b / "items", tskv.ts_context())
+    src = ItemReader.open(b / "items", item_writer.ts_context())
     name = f"params.params.decoder.layers.{which}.kernel"
-    lay = chunks.layout(src, name)
+    lay = src.layout(name)
     key = lay.key((0,) * len(lay.shape))
     raw = src.kv.read(f"{name}/{key}").result().value
     src.kv.write(f"{name}/{key}", raw[: len(raw) // 2]).result()
@@ -399,16 +402,17 @@ def test_a_damaged_kernel_stops_the_merge_naming_it(tmp_path, which):
 def test_merge_copies_unmerged_leaves_as_stored_bytes(tmp_path):
     """Unadapted params are grafted (their base data files linked, never decoded), so their
     stored chunks are the base's, byte for byte; and verify catches a wrong merged value."""
-    from orbax_maxtext_layout.orbax_io import tskv
+    from orbax_maxtext_layout.orbax_io import item_writer, ocdbt
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
     base, _factors, b, a = _llama(tmp_path)
     out = tmp_path / "merged"
     oml.merge_lora(a, b, alpha=8, out=out)
-    ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(b / "items", ctx)
-    dst = tskv.SourceItem.open(out / "0" / "items", ctx)
+    ctx = item_writer.ts_context()
+    src = ItemReader.open(b / "items", ctx)
+    dst = ItemReader.open(out / "0" / "items", ctx)
     name = "params.params.token_embedder.embedding"
-    sk, dk = tskv.keys(src.kv, name), tskv.keys(dst.kv, name)
+    sk, dk = ocdbt.keys(src.kv, name), ocdbt.keys(dst.kv, name)
     assert sk and [src.kv.read(k).result().value for k in sk] == [
         dst.kv.read(k).result().value for k in dk
     ]

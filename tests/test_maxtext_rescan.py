@@ -23,7 +23,7 @@ from test_cli import cli
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout import cli as omtl_cli
-from orbax_maxtext_layout.plan.step_plan import rescan
+from orbax_maxtext_layout.plan import rescan
 
 M = "maxtext025"
 pytestmark = pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")
@@ -79,7 +79,7 @@ def _convert(*args: object) -> tuple[int, str]:
 def _write_shapes_of_another_rank(item: Path) -> list[str]:
     """Leaves whose ``_METADATA`` ``write_shape`` has another rank than the stored array (a
     scalar RNG count's ``[]`` kept for its stack of shape ``[L]``: refused as forged by this
-    library's own readers, `chunks.check_zarr_metadata`)."""
+    library's own readers, `zarr.check_zarr_metadata`)."""
     tree = json.loads((item / "_METADATA").read_text())["tree_metadata"]
     shapes = {tuple(map(str, p)): s.shape for p, s in oml.read_specs(item).items()}
     return [

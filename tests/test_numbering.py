@@ -343,7 +343,7 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
     CLI with a raw FileNotFoundError on a moved step's metadata): the run plan takes each
     step's update count from its plan (no second read of a directory that may be gone),
     and the moves planned again under the lock find each step where the other put it."""
-    from orbax_maxtext_layout.plan.step_plan import renumbering
+    from orbax_maxtext_layout.plan import renumbering
 
     root = _run(tmp_path, [1, 2, 3])
     target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)

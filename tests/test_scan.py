@@ -20,16 +20,10 @@ from flax import nnx
 
 from orbax_maxtext_layout import LayoutMismatchError, Target
 from orbax_maxtext_layout.base.treepaths import flatten
-from orbax_maxtext_layout.model.scan import (
-    layer_map,
-    layer_of,
-    scan_axes,
-    stack,
-    stack_target,
-    unroll,
-    unroll_target,
-    unstack_layer,
-)
+from orbax_maxtext_layout.model.layer_axes import layer_map, scan_axes
+from orbax_maxtext_layout.model.layermap import layer_of
+from orbax_maxtext_layout.model.scan_targets import stack_target, unroll_target
+from orbax_maxtext_layout.model.scan_trees import stack, unroll, unstack_layer
 from orbax_maxtext_layout.orbax_io.spec import LeafSpec, read_specs
 from orbax_maxtext_layout.plan.step_plan import make_plan
 

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import errno
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -209,15 +209,10 @@ def convert_step(
         check_rescan_destination([step_dir], out)
     opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan, plain_scan=plain_scan)
     if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
-        [placed] = renumbering.plan_run(
-            find_steps(step_dir), lambda d: plan_step(d, target, **opts)
-        )
-        if not dry_run:
-            [placed] = renumbering.apply_renumbering(
-                [placed], lambda d: plan_step(d, target, **opts)
-            )
         kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place, copy=copy)
-        return convert_placed(placed, target, dry_run=dry_run, remove_legacy=remove_legacy, **kw)
+        return _renumbered(
+            step_dir, target, opts, dry_run=dry_run, remove_legacy=remove_legacy, **kw
+        )
     dest = epath.Path(out) if out is not None else step_dir
     moved: list[str] = []  # a killed renumbering into this directory, finished first
     store = store_for(step_dir)
@@ -236,16 +231,8 @@ def convert_step(
         return _already_converted(
             step_dir, dest, dry_run=dry_run, finish_removal=in_place or remove_legacy
         )
-    if layout is Layout.UNKNOWN and not is_committed(step_dir):
-        note = (
-            f"no {COMMIT_MARKER}: a save, move or conversion to it is in progress or "
-            "died; Orbax does not list it either"
-        )
-        return StepReport(str(step_dir), "skipped", "uncommitted", notes=[note])
     if layout is Layout.UNKNOWN:
-        raise CheckpointReadError(
-            f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
-        )
+        return _uncommitted(step_dir)
     meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
     if renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[renumbering.TUNIX_ZERO])
@@ -262,6 +249,40 @@ def convert_step(
     )
     if out is not None:
         return _convert_to(job)
+    removal = legacy_removal.remove_legacy if in_place or remove_legacy else None
+    return _write_beside(job, moved, removal, specs)
+
+
+def _renumbered(
+    step_dir: epath.Path, target: Target, opts: dict, *, dry_run: bool, **kw: Any
+) -> StepReport:
+    """`convert_step` of a one-step run with ``renumber``: the step moved to MaxText's number
+    under the run's lock (`renumbering`), then converted there."""
+    [placed] = renumbering.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
+    if not dry_run:
+        [placed] = renumbering.apply_renumbering([placed], lambda d: plan_step(d, target, **opts))
+    return convert_placed(placed, target, dry_run=dry_run, **kw)
+
+
+def _uncommitted(step_dir: epath.Path) -> StepReport:
+    """A step with neither layout's items: skipped while uncommitted (a save, move or
+    conversion in progress or dead), else refused as not a checkpoint step."""
+    if not is_committed(step_dir):
+        note = (
+            f"no {COMMIT_MARKER}: a save, move or conversion to it is in progress or "
+            "died; Orbax does not list it either"
+        )
+        return StepReport(str(step_dir), "skipped", "uncommitted", notes=[note])
+    raise CheckpointReadError(
+        f"{step_dir}: neither items/ nor model_params/ found; not a checkpoint step."
+    )
+
+
+def _write_beside(job: _Job, moved: list[str], removal: Callable | None, specs: dict) -> StepReport:
+    """`convert_step`'s write of ``items`` beside the legacy items, under the step's lock:
+    skipped if another converter wrote it meanwhile; then the legacy items removed
+    (``removal``, verified first) when asked for."""
+    dest = job.dest
     try:
         with step_lock(dest):
             if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
@@ -269,11 +290,11 @@ def convert_step(
             stepdir.clean_stale_tmp(dest)
             report = _write(job, dest)
             report.notes = moved + report.notes
-            if in_place or remove_legacy:
-                report.notes += legacy_removal.remove_legacy(step_dir, specs=specs)
+            if removal is not None:
+                report.notes += removal(job.src, specs=specs)
             return report
     except StepLocked as e:
-        return StepReport(str(dest), "locked", layout.value, notes=[str(e)])
+        return StepReport(str(dest), "locked", Layout.TUNIX.value, notes=[str(e)])
 
 
 def _already_converted(

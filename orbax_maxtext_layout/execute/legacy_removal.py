@@ -3,7 +3,7 @@
 The policy (`removal_check`: is a quick verification enough?) reads the conversion's
 record; the removal (`remove_legacy`) verifies ``items`` first (`verify`) and deletes each
 legacy item so that a kill mid-deletion never leaves a half-deleted item that reads as a
-checkpoint. This sits above the conversion machinery it judges (`verify`, `tskv`), where
+checkpoint. This sits above the conversion machinery it judges (`verify`, `item_writer`), where
 conversions are driven (`convert`, the managers).
 """
 
@@ -14,7 +14,7 @@ import os
 from etils import epath
 
 from ..base.names import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
-from ..orbax_io import stepmeta, tskv
+from ..orbax_io import item_writer, stepmeta
 from ..storage import placement
 from ..storage.store import store_for
 from .verify import verify_step
@@ -69,9 +69,9 @@ def _not_shared_now(step_dir: epath.Path, reflinks: int) -> str | None:
     """
     items, other = step_dir / MAXTEXT_ITEM, 0
     for child in items.iterdir():
-        if not child.name.startswith(tskv.CHILD_PREFIX) or not child.is_dir():
+        if not child.name.startswith(item_writer.CHILD_PREFIX) or not child.is_dir():
             continue
-        legacy = step_dir / child.name.removeprefix(tskv.CHILD_PREFIX)
+        legacy = step_dir / child.name.removeprefix(item_writer.CHILD_PREFIX)
         for root, _, names in os.walk(str(child)):
             rel = os.path.relpath(root, str(child))
             for name in names:

@@ -5,10 +5,10 @@ both cores, within a memory bound.
 The work is a pipeline of three kinds of thread:
 
 * one *decoder* decodes the base kernels in plan order, each whole where it fits the budget
-  (`chunks.read_whole`: each stored chunk once), with its LoRA factors; it runs ahead of the
+  (`ItemReader.read_whole`: each stored chunk once), with its LoRA factors; it runs ahead of the
   merge as far as memory allows;
 * `MERGE_WORKERS` *workers* merge one layer each (`moves.merge_layer`, in place in that
-  layer's buffer) and encode and write it as one chunk (`tskv.write_part`);
+  layer's buffer) and encode and write it as one chunk (`item_writer.write_part`);
 * the caller hands the layers of each decoded kernel to the workers.
 
 Memory is a ledger (`_Ledger`) bounded by the claim ``budget + 3 * the largest layer
@@ -32,8 +32,9 @@ import tensorstore as ts
 from threadpoolctl import threadpool_limits
 
 from ..base.treepaths import Path
-from ..orbax_io import chunks, orbax_files, tskv
+from ..orbax_io import item_writer, orbax_files
 from ..orbax_io.orbax_files import param_name
+from ..orbax_io.reader import FAST_DECODING, TS_DECODING, ItemReader
 from ..plan.moves import Move, Op, merge_base, merge_layer
 
 # Layers merged and encoded at once: one per core (numpy's merge and zstd's encode both run
@@ -58,7 +59,7 @@ def chunk_shape(m: Move) -> tuple[int, ...]:
 
 def write_merges(
     moves: Sequence[Move],
-    sources: Mapping[str, tskv.SourceItem],
+    sources: Mapping[str, ItemReader],
     dst_json: dict,
     *,
     zarr3: bool,
@@ -68,7 +69,7 @@ def write_merges(
     """Writes every merge_lora move in ``moves`` into the database ``dst_json``."""
     if not moves:
         return
-    tskv.release_large_buffers()
+    item_writer.release_large_buffers()
     kernels = _kernels(moves, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
     slice_bytes = max(_layer_bytes(m) for m in moves)
     ledger = _Ledger(budget + 3 * slice_bytes)
@@ -171,7 +172,7 @@ class _Kernel:
     axis: int | None
     nbytes: int
     whole: bool
-    sources: Mapping[str, tskv.SourceItem]
+    sources: Mapping[str, ItemReader]
     ctx: object
     tasks: list[_Task] = dataclasses.field(default_factory=list)
     layers: list | None = None
@@ -192,15 +193,13 @@ class _Kernel:
         }
         factor_bytes = self.factor_bytes = sum(s.nbytes for s in factors.values())
         self.left = len(self.tasks)
-        cost = factor_bytes + (int(tskv.FAST_DECODING * self.nbytes) if self.whole else 0)
+        cost = factor_bytes + (int(FAST_DECODING * self.nbytes) if self.whole else 0)
         ledger.take_decode(cost, keep)
         try:
             for item, p in factors:
-                self.factors[item, p] = chunks.read_whole(
-                    self.sources[item], param_name(p), self.ctx
-                )
+                self.factors[item, p] = self.sources[item].read_whole(param_name(p))
             if self.whole:
-                whole = chunks.read_whole(self.sources[self.item], param_name(self.src), self.ctx)
+                whole = self.sources[self.item].read_whole(param_name(self.src))
                 if self.axis is None:
                     self.layers, self.own = [whole], True
                 else:  # views of the whole kernel: each layer is copied out
@@ -220,7 +219,7 @@ class _Kernel:
         try:
             w = self._base(t)
             merged = merge_layer(t.move, t.i, self._reader(t.move, w), inplace=True)
-            tskv.write_part(t.out, merged, t.layer)
+            item_writer.write_part(t.out, merged, t.layer)
             del w, merged
             freed = self._done(t)
         finally:
@@ -276,12 +275,12 @@ class _Kernel:
 
     def _read(self, item: str, path: Path, axis, index) -> np.ndarray:
         layer = None if axis is None or index is None else (axis, index)
-        return tskv.read_array(self.sources[item], path, self.ctx, layer)
+        return self.sources[item].read_array(path, layer)
 
 
 def _kernels(
     moves: Sequence[Move],
-    sources: Mapping[str, tskv.SourceItem],
+    sources: Mapping[str, ItemReader],
     dst_json: dict,
     *,
     zarr3: bool,
@@ -293,7 +292,7 @@ def _kernels(
     kernels: dict[tuple[str, Path], _Kernel] = {}
     for m in moves:
         out = m.out_spec
-        dst = tskv.create_array(
+        dst = item_writer.create_array(
             dst_json, orbax_files.param_name(m.dst), out.shape, out.dtype, chunk_shape(m),
             use_zarr3=zarr3, context=ctx,
         )  # fmt: skip
@@ -317,7 +316,7 @@ def _task_cost(m: Move, whole: bool) -> int:
     """What one layer of ``m`` holds in flight beside its kernel: its encoding, plus, where
     it is read on its own, the layer and tensorstore's decode of its stored chunk."""
     layer = _layer_bytes(m)
-    return (_ENCODING + (0 if whole else 1 + tskv.TS_DECODING)) * layer
+    return (_ENCODING + (0 if whole else 1 + TS_DECODING)) * layer
 
 
 def _layer_bytes(m: Move) -> int:

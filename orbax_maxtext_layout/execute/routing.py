@@ -2,7 +2,7 @@
 
 An unrolled param is 32 destination arrays read from one source array; read one layer at a
 time, the source is decoded 32 times. Here each source array is walked once
-(`chunks.pieces`), and each piece is routed to every move that reads it
+(`ItemReader.pieces`), and each piece is routed to every move that reads it
 (`moves.piece_parts`). The writer (`write_routed`) gives each destination array chunks of
 the shape its pieces arrive in (`dest_chunk`), so that every piece fills whole chunks:
 nothing is read back or encoded twice. `verify` walks the same pieces (the same `PIECE`
@@ -22,8 +22,9 @@ import numpy as np
 import tensorstore as ts
 
 from ..base.treepaths import Path
-from ..orbax_io import chunks, tskv
+from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
+from ..orbax_io.reader import ItemReader
 from ..plan.moves import (
     ROUTED,
     Move,
@@ -54,7 +55,7 @@ def piece_for(budget: int) -> int:
 
 def routed(
     moves: Sequence[Move],
-    sources: Mapping[str, tskv.SourceItem] | None = None,
+    sources: Mapping[str, ItemReader] | None = None,
     piece: int = PIECE,
 ) -> list[Move]:
     """The moves routed piece by piece: those that only move values, and (given the
@@ -67,12 +68,12 @@ def routed(
     ]
 
 
-def merge_splits(m: Move, sources: Mapping[str, tskv.SourceItem], piece: int = PIECE) -> bool:
+def merge_splits(m: Move, sources: Mapping[str, ItemReader], piece: int = PIECE) -> bool:
     """Whether a merge_lora move's delta can be computed piece by piece: every piece of
     its base is a box of a layer that is one run of the factors' rows and columns."""
     if m.op is not Op.MERGE_LORA or not m.sources:
         return False
-    lay = chunks.layout(sources[m.item], param_name(m.sources[0]))
+    lay = sources[m.item].layout(param_name(m.sources[0]))
     if lay is None:
         return False
     piece = lay.piece_shape(piece)
@@ -83,7 +84,7 @@ def merge_splits(m: Move, sources: Mapping[str, tskv.SourceItem], piece: int = P
     part = tuple(min(p, n) for p, n in zip(piece, layer, strict=True))
     a = _drop(f.a_spec.shape, f.axis) if f.axis is not None else f.a_spec.shape
     b = _drop(f.b_spec.shape, f.axis) if f.axis is not None else f.b_spec.shape
-    return factor_boxes(layer, (0,) * len(layer), part, a, b, f.layout) is not None
+    return factor_boxes(layer, (0,) * len(layer), part, a, b, layout=f.layout) is not None
 
 
 def _drop(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
@@ -100,10 +101,10 @@ def by_source(moves: Sequence[Move]) -> dict[tuple[str, Path], list[Move]]:
 
 
 def dest_chunk(
-    m: Move, sources: Mapping[str, tskv.SourceItem], piece_bytes: int = PIECE
+    m: Move, sources: Mapping[str, ItemReader], piece_bytes: int = PIECE
 ) -> tuple[int, ...]:
     """The chunk shape ``m``'s array is written in: the shape its pieces arrive in."""
-    lay = chunks.layout(sources[m.item], param_name(m.sources[0]))
+    lay = sources[m.item].layout(param_name(m.sources[0]))
     if lay is None:  # no metadata: the walk reports it; one chunk meanwhile
         return tuple(m.out_spec.shape)
     return part_shape(m, lay.piece_shape(piece_bytes))
@@ -111,8 +112,7 @@ def dest_chunk(
 
 def walk(
     groups: Mapping[tuple[str, Path], list[Move]],
-    sources: Mapping[str, tskv.SourceItem],
-    ctx: Any,
+    sources: Mapping[str, ItemReader],
     visit: Callable[[Move, tuple[int, ...], np.ndarray], None],
     piece: int = PIECE,
     scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -123,8 +123,8 @@ def walk(
 
     def one(key: tuple[str, Path], moves: list[Move]) -> None:
         item, path = key
-        factors = _Factors(sources, ctx)
-        for got in chunks.pieces(sources[item], param_name(path), ctx, max_bytes=piece, reuse=True):
+        factors = _Factors(sources)
+        for got in sources[item].pieces(param_name(path), max_bytes=piece, reuse=True):
             with scope():
                 for m in moves:
                     if m.op is Op.MERGE_LORA:
@@ -143,15 +143,13 @@ def walk(
 class _Factors:
     """A merge's LoRA factors, each read whole once (they are small) and sliced by layer."""
 
-    def __init__(self, sources: Mapping[str, tskv.SourceItem], ctx: Any) -> None:
-        self.sources, self.ctx = sources, ctx
+    def __init__(self, sources: Mapping[str, ItemReader]) -> None:
+        self.sources = sources
         self.cache: dict[tuple[str, Path], np.ndarray] = {}
 
     def read_layer(self, item: str, path: Path, axis: int | None, i: int | None) -> np.ndarray:
         if (item, path) not in self.cache:
-            self.cache[item, path] = chunks.read_whole(
-                self.sources[item], param_name(path), self.ctx
-            )
+            self.cache[item, path] = self.sources[item].read_whole(param_name(path))
         x = self.cache[item, path]
         return x if axis is None or i is None else x[(slice(None),) * axis + (i,)]
 
@@ -193,7 +191,7 @@ def _split(x: np.ndarray | None) -> np.ndarray:
 
 def write_routed(
     moves: Sequence[Move],
-    sources: Mapping[str, tskv.SourceItem],
+    sources: Mapping[str, ItemReader],
     dst_json: dict,
     *,
     zarr3: bool,
@@ -205,7 +203,7 @@ def write_routed(
     metadata."""
     shapes = {id(m): dest_chunk(m, sources, piece) for m in moves}
     stores = {
-        id(m): tskv.create_array(
+        id(m): item_writer.create_array(
             dst_json,
             param_name(m.dst),
             m.out_spec.shape,
@@ -243,7 +241,7 @@ def write_routed(
             store = store.with_transaction(txn)
         store[box].write(data).result()
 
-    walk(by_source(moves), sources, ctx, visit, piece, scope)
+    walk(by_source(moves), sources, visit, piece, scope)
     for m in moves:  # a stack's layers the source lacks: fresh RNG state, as `apply_op`
         for j, p in enumerate(m.layers if m.op is Op.STACK else ()):
             if p is None:

@@ -21,9 +21,10 @@ from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import FlatTree, keystr
 from ..errors import LayoutMismatchError
 from ..model.target import Target
-from ..orbax_io import chunks, tskv
 from ..orbax_io.layout import MAXTEXT_ITEM, Layout, tunix_items
-from ..orbax_io.orbax_files import param_name, read_context
+from ..orbax_io.ocdbt import keys_by_array
+from ..orbax_io.orbax_files import param_name, read_context, sub_kv
+from ..orbax_io.reader import ItemReader, same_stored
 from ..orbax_io.spec import read_specs
 from ..orbax_io.stepmeta import read_provenance
 from ..plan import merge
@@ -157,23 +158,23 @@ def _compare(
 ) -> list[str]:
     """Each move's stored keys and values against its sources'.
 
-    Each database is listed once (`tskv.keys_by_array`), and stored values are read in
+    Each database is listed once (`keys_by_array`), and stored values are read in
     batches of at most `BATCH_BYTES` (every read of a batch in flight at once), through
     one bounded cache of the databases' indexes (`orbax_files.read_context`): the cost
     per leaf does not grow with the number of leaves.
     """
     ctx = read_context()
-    dst = tskv.SourceItem.open(step_dir / MAXTEXT_ITEM, ctx)
-    stored = tskv.keys_by_array(dst.kv)
+    dst = ItemReader.open(step_dir / MAXTEXT_ITEM, ctx)
+    stored = keys_by_array(dst.kv)
     if quick:
         return [
             f"{keystr(m.dst)}: no stored data in items"
             for m in plan.moves
             if not stored.get(param_name(m.dst))
         ]
-    srcs = {n: tskv.SourceItem.open(d, ctx) for n, d in sources.items()}
+    srcs = {n: ItemReader.open(d, ctx) for n, d in sources.items()}
     raw = [m for m in plan.moves if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3]
-    listed = {n: tskv.keys_by_array(srcs[n].kv) for n in sorted({m.item for m in raw})}
+    listed = {n: keys_by_array(srcs[n].kv) for n in sorted({m.item for m in raw})}
     problems = []
     pairs: list[tuple[Move, bytes, bytes]] = []
     unequal: set[int] = set()
@@ -195,8 +196,8 @@ def _compare(
     for m in rest:
         if id(m) in ids:
             continue
-        want = apply_op(m, lambda item, p: tskv.read_array(srcs[item], p, ctx))
-        have = tskv.read_array(dst, m.dst, ctx)
+        want = apply_op(m, lambda item, p: srcs[item].read_array(p))
+        have = dst.read_array(m.dst)
         if want.dtype != have.dtype or want.shape != have.shape or want.tobytes() != have.tobytes():
             problems.append(f"{keystr(m.dst)}: value differs from {m.describe()}")
     return problems
@@ -208,7 +209,7 @@ def _fresh_layers(m: Move) -> bool:
 
 
 def _routed_differ(
-    moves: list[Move], srcs: Mapping[str, tskv.SourceItem], dst: tskv.SourceItem, ctx, piece: int
+    moves: list[Move], srcs: Mapping[str, ItemReader], dst: ItemReader, ctx, piece: int
 ) -> list[Move]:
     """The moves among ``moves`` (copies, casts, slices, stacks) whose written array
     differs from their sources: each source array walked once (`routing.walk`), each
@@ -222,7 +223,7 @@ def _routed_differ(
         name = param_name(m.dst)
         spec = {
             "driver": "zarr3" if dst.use_zarr3 else "zarr",
-            "kvstore": tskv.sub_kv(dst.kv.spec().to_json(), name),
+            "kvstore": sub_kv(dst.kv.spec().to_json(), name),
             "fill_missing_data_reads": False,
         }
         try:
@@ -238,7 +239,7 @@ def _routed_differ(
         if id(m) in bad:
             return
         try:  # the writer's own chunk, when the box is one (zstandard: each decoded once)
-            have = chunks.read_chunk(dst, param_name(m.dst), start, data.shape)
+            have = dst.read_chunk(param_name(m.dst), start, data.shape)
             if have is None:
                 box = tuple(slice(s, s + n) for s, n in zip(start, data.shape, strict=True))
                 have = np.asarray(stores[id(m)][box].read().result())
@@ -248,7 +249,7 @@ def _routed_differ(
         if not _same_bits(have, data):
             bad[id(m)] = m
 
-    routing.walk(routing.by_source(moves), srcs, ctx, visit, piece)
+    routing.walk(routing.by_source(moves), srcs, visit, piece)
     return [m for m in moves if id(m) in bad]
 
 
@@ -267,8 +268,8 @@ BATCH_BYTES = 256 << 20  # stored values held at once while comparing (both side
 
 def _unequal_values(
     pairs: list[tuple[Move, bytes, bytes]],
-    srcs: Mapping[str, tskv.SourceItem],
-    dst: tskv.SourceItem,
+    srcs: Mapping[str, ItemReader],
+    dst: ItemReader,
 ) -> set[int]:
     """The moves (by ``id``) of which a stored value differs from its source's.
 
@@ -306,16 +307,16 @@ def _unequal_values(
 
 def _unequal_in_files(
     pairs: list[tuple[Move, bytes, bytes]],
-    srcs: Mapping[str, tskv.SourceItem],
-    dst: tskv.SourceItem,
+    srcs: Mapping[str, ItemReader],
+    dst: ItemReader,
 ) -> tuple[set[int], list[tuple[Move, bytes, bytes]]]:
     """The pairs whose two values lie in local data files, compared there, two at a time,
-    each streamed through reused buffers (`tskv.same_stored`): the moves (by ``id``) of
+    each streamed through reused buffers (`same_stored`): the moves (by ``id``) of
     which a value differs, and the pairs left to compare through the kvstores."""
 
     def same(pair: tuple[Move, bytes, bytes]) -> bool | None:
         m, a, b = pair
-        return tskv.same_stored(srcs[m.item], a.decode(), dst, b.decode())
+        return same_stored(srcs[m.item], a.decode(), dst, b.decode())
 
     unequal: set[int] = set()
     rest = []

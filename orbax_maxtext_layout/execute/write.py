@@ -25,11 +25,13 @@ from etils import epath
 
 from ..base.names import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from ..errors import CheckpointReadError
-from ..orbax_io import orbax_files, stepdir, tskv
+from ..orbax_io import item_writer, orbax_files, stepdir
+from ..orbax_io.ocdbt import damaged_value_files
+from ..orbax_io.reader import ItemReader
 from ..plan.moves import Move, Op, Plan, apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from . import routing
 from .merge_writer import chunk_shape, write_merges
 
@@ -70,27 +72,18 @@ def write_items(
     computed by their op), so that `legacy_removal.remove_legacy` knows what to verify.
     ``step_meta``: the step metadata of ``step_dir`` as the caller read it.
     """
-    ctx = tskv.ts_context()
-    sources = {name: tskv.SourceItem.open(d, ctx) for name, d in source_dirs.items()}
+    ctx = item_writer.ts_context()
+    sources = {name: ItemReader.open(d, ctx) for name, d in source_dirs.items()}
     main = next((sources[n] for n in (TUNIX_PARAMS_ITEM, MAXTEXT_ITEM) if n in sources), None)
     src_zarr3 = main.use_zarr3 if main is not None else True
     zarr3 = src_zarr3 if use_zarr3 is None else use_zarr3
+    store = store_for(step_dir)  # the destination's, decided once
     tmp = stepdir.new_tmp_dir(step_dir)
     try:
         reads = [(i, orbax_files.param_name(p), s.shape) for m in plan.moves for i, p, s in m.reads]
-        tskv.check_complete([tskv.Read(*r) for r in reads], sources)
+        item_writer.check_complete([item_writer.Read(*r) for r in reads], sources)
         raw = [m for m in plan.moves if m.op is Op.COPY and sources[m.item].use_zarr3 == zarr3]
-        graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
-        children = {}
-        placed = placement.Placement(mode=placement.COPY_MODE if copy else placement.SHARE_MODE)
-        for name in sorted(graft):
-            child_dir = tmp / f"{tskv.CHILD_PREFIX}{name}"
-            placed.merge(store_for(tmp).clone_tree(sources[name].dir, child_dir, share=not copy))
-            children[name] = orbax_files.open_kvstore(child_dir, ctx, use_ocdbt=True)
-        parent = orbax_files.open_kvstore(tmp, ctx, use_ocdbt=True, merge=bool(graft))
-        tskv.graft([_rename(m) for m in raw if m.item in graft], children, parent)
-        chunked = [m for m in raw if m.item not in graft]
-        tskv.copy_chunks([_rename(m) for m in chunked], sources, parent, budget=budget)
+        parent, chunked, placed = _stored_copies(raw, sources, tmp, store, copy=copy, budget=budget)
         copied = {id(m) for m in raw}
         decoded = [m for m in plan.moves if id(m) not in copied]
         dst_json = parent.spec().to_json()
@@ -98,7 +91,7 @@ def write_items(
         # each source array decoded once, its pieces routed to every move reading it; the
         # new data files leave the page cache once written (nothing here reads them back)
         piece = routing.piece_for(budget)
-        with store_for(tmp).drop_written(tmp / tskv.DATA_DIR):
+        with store.drop_written(tmp / item_writer.DATA_DIR):
             walked = routing.routed(decoded, sources, piece)
             shapes = routing.write_routed(
                 walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece
@@ -118,15 +111,12 @@ def write_items(
         _check_data(tmp, sources, chunked, ctx)
         # Shared files are not written: hard links have more than one name, reflinks are
         # known by their inodes (they share the source's extents).
-        written = store_for(tmp).disk_usage(tmp, new_only=True, shared=placed.reflinked)
-        computed: dict[str, int] = {}
-        for m in decoded:
-            computed[m.op.value] = computed.get(m.op.value, 0) + 1
+        written = store.disk_usage(tmp, new_only=True, shared=placed.reflinked)
         record = {
             "bytes_written": written,
             "in_place": in_place,
             "data_files": placed.to_dict(),
-            "arrays_written": {"chunks_copied": len(chunked), "computed": computed},
+            "arrays_written": {"chunks_copied": len(chunked), "computed": _computed(decoded)},
             "piece_bytes": piece,  # what `verify` walks, to meet the chunks written
         }
         scan = scan_layers(plan)  # recorded as MaxText's own saves record it
@@ -138,21 +128,57 @@ def write_items(
     return Written(written, placed.to_dict())
 
 
+def _stored_copies(
+    raw: list[Move],
+    sources: Mapping[str, ItemReader],
+    tmp: epath.Path,
+    store: StepStore,
+    *,
+    copy: bool,
+    budget: int,
+) -> tuple[Any, list[Move], placement.Placement]:
+    """The moves that only rename (``raw``) written without decoding: each OCDBT source
+    database cloned under ``tmp`` (its data files shared, or copied with ``copy``) and its
+    arrays grafted under their new names; the others' stored chunks copied. Returns the new
+    item's kvstore, the moves copied chunk by chunk, and how the data files were placed."""
+    ctx = item_writer.ts_context()
+    graft = {n for n, s in sources.items() if s.is_ocdbt and any(m.item == n for m in raw)}
+    children = {}
+    placed = placement.Placement(mode=placement.COPY_MODE if copy else placement.SHARE_MODE)
+    for name in sorted(graft):
+        child_dir = tmp / f"{item_writer.CHILD_PREFIX}{name}"
+        placed.merge(store.clone_tree(sources[name].dir, child_dir, share=not copy))
+        children[name] = orbax_files.open_kvstore(child_dir, ctx, use_ocdbt=True)
+    parent = orbax_files.open_kvstore(tmp, ctx, use_ocdbt=True, merge=bool(graft))
+    item_writer.graft([_rename(m) for m in raw if m.item in graft], children, parent)
+    chunked = [m for m in raw if m.item not in graft]
+    item_writer.copy_chunks([_rename(m) for m in chunked], sources, parent, budget=budget)
+    return parent, chunked, placed
+
+
+def _computed(decoded: list[Move]) -> dict[str, int]:
+    """How many arrays of each op the writer computed itself."""
+    computed: dict[str, int] = {}
+    for m in decoded:
+        computed[m.op.value] = computed.get(m.op.value, 0) + 1
+    return computed
+
+
 def _write_made(decoded: list[Move], dst_json: dict, *, zarr3: bool, ctx) -> None:
     """What is made, not read: fresh RNG state, constants."""
     for m in decoded:
         if m.op in (Op.FRESH, Op.CONSTANT):
             data = apply_op(m, None)
             name = orbax_files.param_name(m.dst)
-            tskv.write_array(dst_json, name, data, use_zarr3=zarr3, context=ctx)
+            item_writer.write_array(dst_json, name, data, use_zarr3=zarr3, context=ctx)
 
 
-def _rename(m: Move) -> tskv.Rename:
+def _rename(m: Move) -> item_writer.Rename:
     name = orbax_files.param_name
-    return tskv.Rename(m.item, name(m.src), name(m.dst), m.spec.nbytes)
+    return item_writer.Rename(m.item, name(m.src), name(m.dst), m.spec.nbytes)
 
 
-def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked, ctx) -> None:
+def _check_data(tmp: epath.Path, sources: Mapping[str, ItemReader], chunked, ctx) -> None:
     """Refuses damaged source data before the commit (`CheckpointReadError`, naming it).
 
     Grafted values stay in the (cloned) source data files: every value the new item
@@ -163,14 +189,14 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
     or copied one is unaffected), and `verify` then reports the arrays it cut.
     """
     problems = []
-    for rel, what in tskv.damaged_value_files(tmp).items():
+    for rel, what in damaged_value_files(tmp).items():
         head, _, rest = rel.partition("/")
-        name = head.removeprefix(tskv.CHILD_PREFIX)
-        where = sources[name].dir / rest if head.startswith(tskv.CHILD_PREFIX) else tmp / rel
+        name = head.removeprefix(item_writer.CHILD_PREFIX)
+        where = sources[name].dir / rest if head.startswith(item_writer.CHILD_PREFIX) else tmp / rel
         problems.append(f"{where}: {what}")
     for m in chunked:  # one array at a time
         try:
-            tskv.read_array(sources[m.item], m.src, ctx)
+            sources[m.item].read_array(m.src)
         except CheckpointReadError as e:
             problems.append(str(e))
     if problems:
@@ -182,7 +208,7 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, tskv.SourceItem], chunked
 
 
 def _leaf_files(
-    m: Move, sources: Mapping[str, tskv.SourceItem], decoded: bool, chunks: tuple | None
+    m: Move, sources: Mapping[str, ItemReader], decoded: bool, chunks: tuple | None
 ) -> orbax_files.LeafFiles:
     out = m.out_spec
     src = sources[m.item].files if m.sources else None

@@ -5,7 +5,7 @@ weight, against the model the config builds, without a base), with a new sink: e
 module's factors are carried through MaxText's Hugging Face hooks of its weight
 (`adapter_factors`) and written, layer by layer, under PEFT's names into
 ``adapter_model.safetensors``, beside ``adapter_config.json``. Only the factors are read,
-each decoded once (`chunks.read_whole`: adapters are small).
+each decoded once (`ItemReader.read_whole`: adapters are small).
 
 A MoE layer's experts are written one PEFT module per expert, as MaxText's mapping writes
 each expert's tensor: qwix's einsum factors hold one factor per expert and one shared by all
@@ -36,8 +36,9 @@ from ..base.treepaths import keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
 from ..model.lora import per_layer_shape
 from ..model.target import Target
-from ..orbax_io import chunks, tskv
+from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
+from ..orbax_io.reader import ItemReader
 from ..plan.merge import adapter_item, adapter_moves, read_adapters
 from ..plan.moves import LoraFactor, Move, lora_delta_added
 from ..storage.store import EXPORT_WORK_SUFFIX, store_for
@@ -492,15 +493,15 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
     """Every module's PEFT factors, tensor by tensor, each module checked on its first and
     last tensor (first and last layer; an expert weight's first expert of the first layer and
     last of the last); a module that fails a check stops the export, naming every such one."""
-    ctx = tskv.ts_context()
-    src = tskv.SourceItem.open(plan.params_dir, ctx)
+    ctx = item_writer.ts_context()
+    src = ItemReader.open(plan.params_dir, ctx)
     f = safetensors_out.ShardFile(str(path), plan.shard)
     bad: list[str] = []
     try:
         for mod, row in zip(plan.modules, plan.report.modules, strict=True):
             fac = mod.factor
-            a = chunks.read_whole(src, param_name(fac.a), ctx)
-            b = chunks.read_whole(src, param_name(fac.b), ctx)
+            a = src.read_whole(param_name(fac.a))
+            b = src.read_whole(param_name(fac.b))
             last = len(mod.units) - 1
             for k, (u, cut) in enumerate(zip(mod.units, mod.cuts, strict=True)):
                 la, lb = cut.take(a, b, fac.axis)

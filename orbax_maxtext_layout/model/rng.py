@@ -1,8 +1,8 @@
 """RNG state in a model tree: which leaves are RNG state, and fresh RNG state for the
 leaves a checkpoint lacks.
 
-Stacking an unscanned model (`scan.stack` in memory, ``convert --stack`` on disk through
-the plan's ``stack``/``fresh`` ops) has to initialise RNG state the unscanned checkpoint
+Stacking an unscanned model (`scan_trees.stack` in memory, ``convert --stack`` on disk
+through the plan's ``stack``/``fresh`` ops) has to initialise RNG state the unscanned checkpoint
 never held (DOMAIN.md section 6: unscanned models store a shared stream once). Both
 derive it here, so the same missing leaf gets the same key however it is stacked.
 """
@@ -35,8 +35,8 @@ def fresh_rng(
     it sits in) and ``layer`` its layer in a scanned block (0 outside one). The key is
     ``fold_in(key(crc32(path)), layer)``: deterministic, so a replay (`verify`) produces
     the same bits. This is the derivation ``convert --stack`` has always written, kept so
-    that keys already on disk stay reproducible. ``seed`` (`scan.stack`'s ``rng_seed``)
-    is folded in first when not 0, so seed 0 gives exactly those keys. A spec holding
+    that keys already on disk stay reproducible. ``seed`` (`scan_trees.stack`'s
+    ``rng_seed``) is folded in first when not 0, so seed 0 gives exactly those keys. A spec holding
     several keys per layer gets them split from that one key. With ``axis``, ``spec`` is
     a leaf stacked on ``axis`` and layer ``i`` is derived as layer ``i`` (the stack of
     the per-layer leaves, as when only some layers are missing).

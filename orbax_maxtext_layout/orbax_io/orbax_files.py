@@ -174,7 +174,7 @@ def read_context(cache_bytes: int = READ_CACHE_BYTES) -> ts.Context:
     The OCDBT driver keeps the database's manifest and B-tree nodes in that cache;
     without one, every listing and every read decodes the index again, so the cost
     of each grows with the database's size. Make one per operation (the cache lives
-    as long as the context); the writer runs without caches (`tskv.ts_context`).
+    as long as the context); the writer runs without caches (`item_writer.ts_context`).
     """
     spec = json.loads(_orbax_context_spec())  # a fresh copy to edit
     for name in list(spec):
@@ -220,14 +220,14 @@ _COUNTERS: list[collections.Counter] = []
 @contextlib.contextmanager
 def io_counts() -> Iterator[collections.Counter]:
     """Counts, while active (in any thread), the reads that cost a pass over an item's
-    index: ``("listing", database)`` for each key listing (`tskv.keys`,
-    `tskv.keys_by_array`) and ``("zarr metadata", database)`` for each batch of
+    index: ``("listing", database)`` for each key listing (`ocdbt.keys`,
+    `ocdbt.keys_by_array`) and ``("zarr metadata", database)`` for each batch of
     `read_zarr_metadata`, and ``("step metadata", step)`` for each read of a step's
     metadata file (`stepmeta.read`). An operation should make each once per database, not once per
     array. Decodes are counted too: ``("chunk decoded", "<item>/<array>/<chunk>")`` for each
     stored chunk the chunk-aware reader decodes (`chunks.pieces`), ``("array decoded", ...)``
     for each whole array and ``("layer decoded", ...)`` for each layer tensorstore reads on
-    its own (`tskv.read_array`). Nothing is counted (or computed for it) while no counter is
+    its own (`ItemReader.read_array`). Nothing is counted (or computed for it) while no counter is
     active."""
     counter: collections.Counter = collections.Counter()
     _COUNTERS.append(counter)
@@ -400,3 +400,8 @@ def list_gaps(paths: Iterable[Path]) -> list[Path]:
             if isinstance(k, int):
                 seen.setdefault(p[:i], set()).add(k)
     return [prefix + (i,) for prefix, idx in seen.items() for i in range(max(idx)) if i not in idx]
+
+
+def sub_kv(spec: dict, name: str) -> dict:
+    """The KvStore spec of array ``name`` inside ``spec`` (paths are prefixes: append)."""
+    return {**spec, "path": spec.get("path", "") + name + "/"}

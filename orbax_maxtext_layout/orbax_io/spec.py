@@ -15,7 +15,6 @@ from etils import epath
 from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import FlatTree, Path, flatten, norm_key
 from ..errors import CheckpointReadError
-from .chunks import check_zarr_metadata
 from .orbax_files import (
     ITEM_JSON_LIMIT,
     SHARDING_FILE,
@@ -30,6 +29,7 @@ from .orbax_files import (
     read_zarr_metadata,
     zarr_metadata_key,
 )
+from .zarr import check_zarr_metadata
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

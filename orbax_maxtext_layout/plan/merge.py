@@ -30,15 +30,16 @@ from ..model.lora import (
     model_paths,
     per_layer_shape,
 )
-from ..model.scan import stack_target, unroll_target
+from ..model.scan_targets import stack_target, unroll_target
 from ..model.target import PARAMS_ROOT, Dest, Target
-from ..orbax_io import stepmeta, tskv
+from ..orbax_io import stepmeta
 from ..orbax_io.layout import (
     MAXTEXT_ITEM,
     TUNIX_PARAMS_ITEM,
     Layout,
     detect_layout,
 )
+from ..orbax_io.ocdbt import check_contained
 from ..orbax_io.spec import LeafSpec, read_specs
 from ..storage.store import store_for
 from .moves import Drop, LoraFactor, Move, Op, Plan
@@ -132,7 +133,7 @@ def plan_merge(
         both shapes), or the step holds no LoRA adapters.
     """
     adapter_dir, params_dir = adapter_item(adapter_step)
-    tskv.check_contained(params_dir)  # both sources, before anything is written
+    check_contained(params_dir)  # both sources, before anything is written
     adapters = read_adapters(adapter_dir, params_dir)
     alpha = alpha if alpha is not None else adapters.alpha
     if alpha is None:
@@ -143,7 +144,7 @@ def plan_merge(
     if adapters.rank <= 0:
         raise LayoutMismatchError(f"{adapter_dir}: the LoRA factors have different ranks.")
     base_dir, item, item_dir = base_source(base)
-    tskv.check_contained(item_dir)
+    check_contained(item_dir)
     plan, base_target = params_plan(base_dir, item, item_dir, target, unnamed)
     merged, axis = _merge_moves(
         plan, adapters, alpha=alpha, target=base_target, scan_axis=scan_axis, base_dir=base_dir

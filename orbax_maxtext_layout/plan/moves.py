@@ -379,7 +379,7 @@ def merge_part(
     a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
     b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
     full = m.spec.shape if m.layers else _layer_shape(m)
-    boxes = factor_boxes(full, start, w.shape, a.shape, b.shape, f.layout)
+    boxes = factor_boxes(full, start, w.shape, a.shape, b.shape, layout=f.layout)
     if boxes is None:
         return None
     wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
@@ -399,7 +399,7 @@ def _layer_shape(m: Move) -> tuple[int, ...]:
     return s if m.axis is None else s[: m.axis] + s[m.axis + 1 :]
 
 
-def factor_boxes(full, start, shape, a_shape, b_shape, layout) -> tuple | None:
+def factor_boxes(full, start, shape, a_shape, b_shape, *, layout) -> tuple | None:
     """The boxes of factors ``a`` and ``b`` whose product is the box ``start`` (``shape``
     long) of a layer of ``full`` shape; None if there are none."""
     box = [(s, s + n) for s, n in zip(start, shape, strict=True)]

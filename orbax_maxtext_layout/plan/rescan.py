@@ -4,7 +4,7 @@ The step is planned against the model in the source's scan form (`forms`: MaxTex
 other form where the config is given, `maxtext_forms`); `unroll_plan` / `stack_plan` then
 turn each move of a scanned layer into per-layer ``slice`` moves, or each family of
 per-layer moves into one ``stack`` move, named as the model's `layermap.LayerMap` says and
-on the layer axis the model gives it (`scan.scan_axes`), never a rank rule. RNG state one
+on the layer axis the model gives it (`scan_axes`), never a rank rule. RNG state one
 form has and the other lacks is dropped with a reason (unroll) or initialised fresh (stack).
 """
 
@@ -18,8 +18,9 @@ from ..base.treepaths import Path, keystr
 from ..errors import LayoutMismatchError, UsageError
 from ..model import layermap as LM
 from ..model import rules as R
-from ..model import scan
+from ..model.layer_axes import layer_map, scan_axes
 from ..model.rng import is_rng
+from ..model.scan_targets import stack_target, unroll_target
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 from ..orbax_io.spec import LeafSpec
 from .moves import Drop, Move, Op, Plan
@@ -56,8 +57,8 @@ def named(target: Target) -> str:
 
 
 def is_scanned(target: Target) -> bool:
-    """Whether ``target`` holds scanned layers (`scan.layer_map`)."""
-    return bool(scan.layer_map(target, lengths=False).scans)
+    """Whether ``target`` holds scanned layers (`layer_map`)."""
+    return bool(layer_map(target, lengths=False).scans)
 
 
 def forms(
@@ -66,7 +67,7 @@ def forms(
     """``(scanned, unscanned)``: the model in both scan forms, ``target`` being either.
 
     The other form is MaxText's own where the target was built from its config
-    (`Target.twin`). Otherwise a scanned target is unrolled (`scan.unroll_target`), and an
+    (`Target.twin`). Otherwise a scanned target is unrolled (`unroll_target`), and an
     unscanned one stacked as the scanned ``source`` says (a scanned checkpoint's paths,
     `layermap.from_forms`: gemma3's block scans cannot be told from unscanned names), or as
     plain scans without one. ``axes`` (stacked model path -> layer axis, what a plan
@@ -74,13 +75,13 @@ def forms(
     """
     if is_scanned(target):
         target = with_scan_axes(target, axes or {})
-        return target, target.twin or scan.unroll_target(target)
+        return target, target.twin or unroll_target(target)
     if target.twin is not None:
         return target.twin, target
     source = list(source)
     layers = LM.from_forms(source, target.model_paths()) if _any_scan(source) else None
     target = with_scan_axes(target, axes or {}, layers)
-    return scan.stack_target(target, layers=layers), target
+    return stack_target(target, layers=layers), target
 
 
 def written_form(target: Target | None, scan: str) -> Target | None:
@@ -110,9 +111,9 @@ def maxtext_forms(argv: Sequence[str]) -> Target:
             "the same layers): there is no other form to convert to."
         )
     shapes = {p: tuple(s.shape) for p, s in scanned.params.items()}
-    axes = {p: scan.scan_axes(scanned)[PARAMS_ROOT + p] for p in scanned.params}
+    axes = {p: scan_axes(scanned)[PARAMS_ROOT + p] for p in scanned.params}
     LM.check(
-        scan.layer_map(scanned),
+        layer_map(scanned),
         shapes,
         {p: tuple(s.shape) for p, s in unscanned.params.items()},
         {p: a for p, a in axes.items() if a is not None},
@@ -146,9 +147,9 @@ def stored_layers(specs: Mapping[Path, LeafSpec], param_scan_axis: int = 1) -> L
     weights = {p: s for p, s in model.items() if not is_rng(p)}
     target = Target(weights, {p: s for p, s in model.items() if is_rng(p)})
     try:
-        return scan.layer_map(target, param_scan_axis=param_scan_axis)
+        return layer_map(target, param_scan_axis=param_scan_axis)
     except LayoutMismatchError:
-        return scan.layer_map(target, param_scan_axis=param_scan_axis, lengths=False)
+        return layer_map(target, param_scan_axis=param_scan_axis, lengths=False)
 
 
 def with_scan_axes(
@@ -172,7 +173,7 @@ def with_scan_axes(
 
 def _stacked_path(p: Path, layers: LM.LayerMap | None) -> Path:
     if layers is None:
-        return tuple(hit[0] if (hit := scan.layer_of(k)) else k for k in p)
+        return tuple(hit[0] if (hit := LM.layer_of(k)) else k for k in p)
     u = layers.find_unrolled(p)
     if u is None:
         return p
@@ -194,9 +195,9 @@ def _recorded_axes(axes: Mapping[Path, int | None]) -> tuple[tuple[str, int], ..
 
 
 def layer_axis(axes: Mapping[Path, int | None], dst: Path) -> int | None:
-    """The layer axis of the stacked leaf ``dst`` (`scan.scan_axes`). An optimizer moment the
+    """The layer axis of the stacked leaf ``dst`` (`scan_axes`). An optimizer moment the
     target does not name (a target without an optimizer: `Target.without_optimizer`, an NNX
-    model alone) takes the axis of the Param its path ends in, as `scan.scan_axes` gives a
+    model alone) takes the axis of the Param its path ends in, as `scan_axes` gives a
     moment the target names: a moment mirrors its Param (``mu/params/<model path>``)."""
     if dst in axes or dst[:1] != OPT_ROOT:
         return axes.get(dst)
@@ -238,7 +239,7 @@ def unroll_plan(plan: Plan, stacked: Target, out: Target) -> Plan:
     # What the output must hold: the model, and the optimizer if one is converted.
     converts_opt = any(m.dest is Dest.OPT_STATE for m in plan.moves)
     want = {p for p in _full_paths(out) if converts_opt or p[:1] != OPT_ROOT}
-    run = _Unroll(scan.layer_map(stacked), scan.scan_axes(stacked), want, out.opt_state is None)
+    run = _Unroll(layer_map(stacked), scan_axes(stacked), want, out.opt_state is None)
     for m in plan.moves:
         run.move(m)
     moves, problems, axes = run.moves, run.problems, run.axes
@@ -339,14 +340,34 @@ def _fresh_notes(layers: LM.LayerMap, dst: Path, indices: Iterable[int] | None) 
     ]
 
 
+def _never_had(
+    out: Target, axes: Mapping[Path, int | None], layers: LM.LayerMap, produced: set[Path]
+) -> tuple[list[Move], list[str]]:
+    """A ``fresh`` move and its notes (`fresh_note`) for each RNG leaf of ``out`` the
+    unscanned step never had (no move ``produced`` it)."""
+    moves: list[Move] = []
+    notes: list[str] = []
+    for p, spec in out.nnx_aux.items():
+        if AUX_ROOT + p not in produced and is_rng(p):
+            notes += _fresh_notes(layers, AUX_ROOT + p, None)
+            note = "initialised fresh (not in the unscanned checkpoint)"
+            a = axes.get(AUX_ROOT + p)
+            # In a block, each layer is derived as a missing layer of a stack is (and as
+            # `scan_trees.stack` derives it), unless the target holds one value for all layers.
+            a = a if a is not None and len(spec.shape) - bool(spec.key_impl) > a else None
+            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, axis=a, note=note)
+            moves.append(fresh)
+    return moves, notes
+
+
 def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
     """One ``stack`` move per family of per-layer moves of a plan made against ``unrolled``.
 
     Every RNG leaf or layer initialised fresh is in the plan's notes (`fresh_note`), once,
     whether ``unrolled`` held it (the plan noted it missing) or not (MaxText's own unscanned
     model keeps a shared stream at layer 0 only)."""
-    axes = scan.scan_axes(out)
-    layers = scan.layer_map(out)
+    axes = scan_axes(out)
+    layers = layer_map(out)
     families: dict[Path, dict[int, Move]] = defaultdict(dict)
     lengths: dict[Path, int] = {}
     moves: list[Move] = []
@@ -363,17 +384,8 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
         families[dst][la.index] = m
         lengths[dst] = la.scan.length
     produced = set(families) | {m.dst for m in moves}
-    fresh_notes: list[str] = []
-    for p, spec in out.nnx_aux.items():  # RNG state the unscanned step never had
-        if AUX_ROOT + p not in produced and is_rng(p):
-            fresh_notes += _fresh_notes(layers, AUX_ROOT + p, None)
-            note = "initialised fresh (not in the unscanned checkpoint)"
-            a = axes.get(AUX_ROOT + p)
-            # In a block, each layer is derived as a missing layer of a stack is (and as
-            # `scan.stack` derives it), unless the target holds one value for all layers.
-            a = a if a is not None and len(spec.shape) - bool(spec.key_impl) > a else None
-            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, axis=a, note=note)
-            moves.append(fresh)
+    fresh_moves, fresh_notes = _never_had(out, axes, layers, produced)
+    moves += fresh_moves
     problems = []
     for dst, got in families.items():
         a, n = layer_axis(axes, dst), lengths[dst]

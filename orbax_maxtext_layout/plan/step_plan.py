@@ -26,7 +26,6 @@ from ..model import rules as R
 from ..model.layermap import scanned_form
 from ..model.rng import is_rng
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
-from ..orbax_io import tskv
 from ..orbax_io.layout import (
     MAXTEXT_ITEM,
     TUNIX_OPT_ITEM,
@@ -34,6 +33,7 @@ from ..orbax_io.layout import (
     tunix_items,
     tunix_step_number,
 )
+from ..orbax_io.ocdbt import check_contained
 from ..orbax_io.spec import LeafSpec, read_specs
 from . import rescan
 from .moves import Drop, Move, Op, Plan
@@ -487,7 +487,7 @@ def plan_step(
     step_dir = epath.Path(step_dir)
     items = tunix_items(step_dir)
     for item_dir in items.values():  # before a plan lets anything move (B-tree nodes only)
-        tskv.check_contained(item_dir)
+        check_contained(item_dir)
     specs = {} if specs is None else specs
     for name in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM):
         if name not in specs and name in items and (read_optimizer or name == TUNIX_PARAMS_ITEM):
@@ -600,7 +600,7 @@ def plan_maxtext_step(
         raise LayoutMismatchError(f"scan must be 'unroll' or 'stack', not {scan!r}.")
     step_dir = epath.Path(step_dir)
     item = step_dir / MAXTEXT_ITEM
-    tskv.check_contained(item)  # before a plan lets anything be written from it
+    check_contained(item)  # before a plan lets anything be written from it
     specs = read_specs(item) if specs is None else specs
     held = scanned_form(p for p in specs if p[:2] == PARAMS_ROOT)
     if held is None or held is (scan == "stack"):

@@ -113,7 +113,10 @@ def test_the_largest_params_are_exported_first(steps, tmp_path):
     kernel last, for one worker alone (14 s of a 47 s export on one core of two)."""
     from etils import epath
 
-    from orbax_maxtext_layout.orbax_io import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import (
+        item_writer,
+    )
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
     with io_counts() as counts:
         export_hf(
@@ -125,8 +128,8 @@ def test_the_largest_params_are_exported_first(steps, tmp_path):
         )
     decoded = [k for kind, k in counts if kind == "chunk decoded"]
     started = list(dict.fromkeys(k.rsplit("/c/", 1)[0].rsplit("/", 1)[1] for k in decoded))
-    src = tskv.SourceItem.open(epath.Path(steps["fsdp"] / "items"), tskv.ts_context())
-    size = {name: chunks.layout(src, name).nbytes for name in started}
+    src = ItemReader.open(epath.Path(steps["fsdp"] / "items"), item_writer.ts_context())
+    size = {name: src.layout(name).nbytes for name in started}
     # The three MLP kernels (2 MiB each, the largest) start first: two workers take two, the
     # first free one the third, before any smaller param.
     first, rest = started[:3], started[3:]

@@ -30,8 +30,9 @@ import pytest
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.base.treepaths import flatten, unflatten
-from orbax_maxtext_layout.model import scan
-from orbax_maxtext_layout.plan.step_plan import rescan
+from orbax_maxtext_layout.model.layer_axes import layer_map
+from orbax_maxtext_layout.model.scan_trees import unstack_layer
+from orbax_maxtext_layout.plan import rescan
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:
@@ -69,7 +70,7 @@ def test_layer_map_is_read_off_maxtext_s_two_forms(family):
         assert rescan.is_scanned(target) is scanned
         assert target.twin is not None and rescan.is_scanned(target.twin) is not scanned
         stacked = target if scanned else target.twin
-        assert scan.layer_map(stacked).describe() == LAYERS[family]
+        assert layer_map(stacked).describe() == LAYERS[family]
         # MaxText's metadata says where each scanned weight keeps its layers.
         assert set(stacked.param_scan_axes.values()) == {1}, family
 
@@ -154,7 +155,7 @@ def test_unroll_is_maxtext_s_unscanned_layout_and_stack_undoes_it(family, tmp_pa
     assert differ == [], family
     # RNG state the unscanned step held (layer 0's shared stream) comes back to layer 0.
     aux = unflatten({p: v for p, v in got.items() if p[:1] == ("nnx_aux",)})
-    layer0 = flatten(scan.unstack_layer(aux, unscanned.twin, 0), is_leaf=_is_array)
+    layer0 = flatten(unstack_layer(aux, unscanned.twin, 0), is_leaf=_is_array)
     held = [q for q in layer0 if q[2:] in flat]
     assert held or not any(p[:2] == A for p in items), family
     assert all(raw(layer0[q]).tobytes() == raw(flat[q[2:]]).tobytes() for q in held)

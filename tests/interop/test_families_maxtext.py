@@ -59,7 +59,7 @@ import pytest
 
 from orbax_maxtext_layout import Target, cli, read_specs
 from orbax_maxtext_layout.base.treepaths import keystr
-from orbax_maxtext_layout.plan.step_plan import rescan
+from orbax_maxtext_layout.plan import rescan
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:

@@ -6,7 +6,7 @@ ends this process, which the parent sees. Each case is ``{"item", "key", "value"
 "array", "kind"}``: the stored value ``key`` of the item's database (OCDBT, or the directory
 of a Pathways-style item) is replaced by ``value``, then array ``array`` is read by
 `chunks.read_whole` and `chunks.pieces`, through tensorstore (as stored) and through the
-streamed path (`chunks.SMALL` set to 0, the path of every array past 1 MiB), and by stock
+streamed path (`zarr.SMALL` set to 0, the path of every array past 1 MiB), and by stock
 tensorstore where it is safe to (the library accepted the metadata); the value is then put
 back. Each read's outcome is ``refused`` (a `CheckpointReadError`), ``escaped: ...``, or the
 values' sha256, compared in the parent with the original's and stock's.
@@ -39,25 +39,22 @@ def _digest(a) -> str:
 
 
 def _whole(src, name: str, ctx) -> str:
-    from orbax_maxtext_layout.orbax_io import chunks
 
-    return _digest(chunks.read_whole(src, name, ctx))
+    return _digest(src.read_whole(name))
 
 
 def _pieces(src, name: str, ctx) -> str:
     """The pieces assembled (each box once, tiling the array), or ``wrong: ...``."""
     import numpy as np
 
-    from orbax_maxtext_layout.orbax_io import chunks
-
-    lay = chunks.layout(src, name)
+    lay = src.layout(name)
     if lay.nbytes > SAFE_BYTES:  # a walk may start; it must be refused before it ends
-        for _ in chunks.pieces(src, name, ctx, max_bytes=4096):
+        for _ in src.pieces(name, max_bytes=4096):
             pass
         return f"wrong: the walk of {lay.shape} ended"
     out = np.zeros(lay.shape, lay.dtype)
     seen = np.zeros(lay.shape, np.int8)
-    for p in chunks.pieces(src, name, ctx, max_bytes=4096):
+    for p in src.pieces(name, max_bytes=4096):
         out[p.box] = p.data
         seen[p.box] += 1
     if not (seen == 1).all():
@@ -93,14 +90,19 @@ def _outcome(fn, *args) -> str:
 def _reads(case: dict) -> dict:
     from etils import epath
 
-    from orbax_maxtext_layout.orbax_io import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import (
+        chunks,
+        item_writer,
+        zarr,
+    )
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
     out = {}
     for path, small in (("tensorstore", 1 << 20), ("streamed", 0)):
-        chunks.SMALL = small
-        ctx = tskv.ts_context()
+        zarr.SMALL = small
+        ctx = item_writer.ts_context()
         try:
-            src = tskv.SourceItem.open(epath.Path(case["item"]), ctx)
+            src = ItemReader.open(epath.Path(case["item"]), ctx)
         except Exception as e:  # the case's item is the parent's copy: it must open
             return {"open": f"escaped: {type(e).__name__}: {e}"[:400]}
         out[f"whole/{path}"] = _outcome(_whole, src, case["array"], ctx)
@@ -109,7 +111,7 @@ def _reads(case: dict) -> dict:
             lay = _outcome(chunks.layout, src, case["array"])
             safe = hasattr(lay, "nbytes") and max(lay.nbytes, lay.chunk_bytes) <= SAFE_BYTES
             out["stock"] = _stock(case["item"], case["array"], src.use_zarr3) if safe else None
-    chunks.SMALL = 1 << 20
+    zarr.SMALL = 1 << 20
     return out
 
 

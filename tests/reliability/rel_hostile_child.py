@@ -4,7 +4,7 @@
 tables, each ``{key (hex): [base, rel]}`` for the item's indirect values. For each table, in
 order: the item's B-tree is rewritten with it (`ocdbt_craft`), a marker path is stat'ed
 (``/omtl-hostile-fuzz/<i>``, so a system-call trace tells the tables apart), then
-`tskv.damaged_value_files`, `tskv.SourceItem.open` and `chunks.read_whole` of every array run.
+`ocdbt.damaged_value_files`, `ItemReader.open` and `chunks.read_whole` of every array run.
 Each outcome is recorded; anything other than `CheckpointReadError` is recorded as escaped.
 Run in its own process so that the parent can trace it (strace) and survive whatever it does.
 """
@@ -30,13 +30,17 @@ def run(item: Path, tables: list[dict], out: Path) -> int:
     from etils import epath
 
     from orbax_maxtext_layout import CheckpointReadError
-    from orbax_maxtext_layout.orbax_io import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import (
+        item_writer,
+        ocdbt,
+    )
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
-    ctx = tskv.ts_context()
+    ctx = item_writer.ts_context()
     pristine = C.leaf_entries(item)
-    src = tskv.SourceItem.open(epath.Path(item), ctx)
+    src = ItemReader.open(epath.Path(item), ctx)
     names = sorted({e.key.decode().rsplit("/", 1)[0] for e in pristine})
-    want = {n: chunks.read_whole(src, n, ctx) for n in names}
+    want = {n: src.read_whole(n) for n in names}
     results = []
     for i, table in enumerate(tables):
         entries = [
@@ -52,23 +56,23 @@ def run(item: Path, tables: list[dict], out: Path) -> int:
             pass
         rec: dict = {"escaped": []}
         try:
-            rec["damaged"] = tskv.damaged_value_files(epath.Path(item))
+            rec["damaged"] = ocdbt.damaged_value_files(epath.Path(item))
         except CheckpointReadError as e:
             rec["damaged_error"] = str(e)
         except BaseException as e:
             rec["escaped"].append(_escaped("damaged_value_files", e))
         try:
-            src = tskv.SourceItem.open(epath.Path(item), ctx)
+            src = ItemReader.open(epath.Path(item), ctx)
         except CheckpointReadError as e:
             rec["open"] = f"refused: {e}"
         except BaseException as e:
-            rec["escaped"].append(_escaped("SourceItem.open", e))
+            rec["escaped"].append(_escaped("ItemReader.open", e))
         else:
             rec["open"] = "ok"
             rec["reads"] = {}
             for n in names:
                 try:
-                    got = chunks.read_whole(src, n, ctx)
+                    got = src.read_whole(n)
                 except CheckpointReadError:
                     rec["reads"][n] = "refused"
                 except BaseException as e:

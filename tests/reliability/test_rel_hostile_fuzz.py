@@ -1,13 +1,13 @@
 """Fuzz (hypothesis, seeded) of the data-file paths an OCDBT item names (issue 46).
 
-An item written here by stock Orbax (two arrays past `chunks.SMALL`, which the fast reader
+An item written here by stock Orbax (two arrays past `zarr.SMALL`, which the fast reader
 streams from their data file, one read through tensorstore, one inline) has its B-tree
 rewritten (`ocdbt_craft`) with random data-file tables: each indirect value's (base path,
 relative path) built from ``""``, ``.``, ``..``, ``d``, the item's real file names, ``/``
 prefixes, NUL, percent-escapes (which are literal characters in a table), non-UTF-8 bytes,
 over-long components and paths, and ``../`` runs that lead to real copies of the data files
 planted outside (the bait). A child process (`rel_hostile_child`), under strace where there
-is one, then runs `tskv.damaged_value_files`, `tskv.SourceItem.open` and `chunks.read_whole`
+is one, then runs `ocdbt.damaged_value_files`, `ItemReader.open` and `chunks.read_whole`
 of every array for each table. The rule (the one tensorstore's file kvstore applies to keys):
 a path that is empty, absolute, holds NUL, or has an empty, ``.`` or ``..`` component leaves
 the item. Then:
@@ -292,15 +292,18 @@ def test_an_overlong_path_inside_the_item_is_a_read_error(world):
     from etils import epath
 
     from orbax_maxtext_layout import CheckpointReadError
-    from orbax_maxtext_layout.orbax_io import chunks, tskv
+    from orbax_maxtext_layout.orbax_io import (
+        item_writer,
+    )
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
     item = _item(world)
     entries = C.remapped(C.leaf_entries(item), lambda b, r: ("", "x" * 300 + "/" + r))
     C.write_tree(item, entries)
     assert not any(leaves(e.base + e.rel) for e in entries if e.inline is None)
-    src = tskv.SourceItem.open(epath.Path(item), tskv.ts_context())
+    src = ItemReader.open(epath.Path(item), item_writer.ts_context())
     with pytest.raises(CheckpointReadError):
-        chunks.read_whole(src, "params.params.big", tskv.ts_context())
+        src.read_whole("params.params.big")
 
 
 def _short(table: dict) -> str:

@@ -1,0 +1,196 @@
+"""The item reader: the one object every operation reads an Orbax item through.
+
+`ItemReader.open` is called once per item an operation reads. It parses the item's JSON
+files, opens its key-value store, and, for an OCDBT item, walks the latest version's B-tree
+(nodes only) so that a data file named outside the item is refused before anything is read
+(`containment`). The store the item lives on (`storage.store`) is handed in by the caller,
+which decided it once for its root, or decided here once. After that, the reader gives:
+
+- metadata: ``files`` (`orbax_files.ItemFiles`), each array's stored `zarr.Layout`
+  (`layout`, read once per array);
+- each stored chunk's pieces (`pieces`, `read_chunk`: the decoder in `chunks`);
+- whole values (`read_whole`, decoded by `chunks`; `read_array`, through tensorstore,
+  for what the decoder does not stream: PRNG keys' raw data, a layer of a small array);
+- stored bytes (`stored_value`, `same_stored`: a chunk read or compared without decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import tensorstore as ts
+from etils import epath
+
+from ..base.treepaths import Path
+from ..errors import CheckpointReadError
+from ..storage.store import StepStore, store_for
+from . import chunks
+from .ocdbt import value_locations
+from .orbax_files import ItemFiles, count, open_kvstore, param_name, read_context, sub_kv
+from .values import FileValue, KvValue, same_pieces
+from .zarr import Layout, read_layout
+
+# What decoding a whole array holds at its peak, in times the array's bytes: tensorstore
+# holds the stored chunk (at most the array's size) and the array; `read_whole` holds the
+# array and one piece. Both with a margin.
+TS_DECODING = 2.2
+FAST_DECODING = 1.2
+
+
+@dataclasses.dataclass
+class ItemReader:
+    """An Orbax item opened at the KvStore level, with its JSON files parsed."""
+
+    files: ItemFiles
+    kv: ts.KvStore
+    store: StepStore
+    context: ts.Context
+    # key -> (data file, offset, length) of its stored value (`value_file`), once read
+    _value_files: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    # array name -> its stored layout (`layout`), once read
+    _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def open(
+        cls,
+        item_dir: epath.PathLike,
+        context: ts.Context | None = None,
+        *,
+        store: StepStore | None = None,
+    ) -> ItemReader:
+        """The item at ``item_dir``, read with tensorstore ``context`` (None: Orbax's, its
+        caches off: every byte is read once) on ``store`` (None: the one its path names).
+        An OCDBT item's B-tree (nodes only) is walked here, before any data file is opened:
+        a data file named outside the item is refused (`containment`) whatever reads it
+        later, this package's decoder or tensorstore."""
+        files = ItemFiles.read(item_dir)
+        context = read_context(0) if context is None else context
+        kv = open_kvstore(files.dir, context, use_ocdbt=files.use_ocdbt)
+        item = cls(files, kv, store if store is not None else store_for(files.dir), context)
+        if item.is_ocdbt:
+            item._value_files = value_locations(files.dir)
+        return item
+
+    @property
+    def dir(self) -> epath.Path:
+        return self.files.dir
+
+    @property
+    def use_zarr3(self) -> bool:
+        return self.files.use_zarr3
+
+    @property
+    def is_ocdbt(self) -> bool:
+        return self.files.use_ocdbt
+
+    # -- metadata --------------------------------------------------------------------
+
+    def layout(self, name: str) -> Layout | None:
+        """The stored layout of array ``name`` from its zarr metadata (None: none is
+        stored), read once: a writer, its routing and its walk all ask for it."""
+        if name not in self._layouts:
+            self._layouts[name] = read_layout(self, name)
+        return self._layouts[name]
+
+    # -- arrays ------------------------------------------------------------------------
+
+    def pieces(self, name: str, *, max_bytes: int, reuse: bool = False) -> Iterator[chunks.Piece]:
+        """Every stored chunk of array ``name`` decoded once, as pieces (`chunks.pieces`)."""
+        return chunks.pieces(self, name, self.context, max_bytes=max_bytes, reuse=reuse)
+
+    def read_chunk(
+        self, name: str, start: tuple[int, ...], shape: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The box at ``start`` when it is exactly one stored chunk (`chunks.read_chunk`)."""
+        return chunks.read_chunk(self, name, start, shape)
+
+    def read_whole(self, name: str) -> np.ndarray:
+        """Array ``name`` decoded whole, each chunk once (`chunks.read_whole`)."""
+        return chunks.read_whole(self, name, self.context)
+
+    def read_array(self, path: Path, layer: tuple[int, int] | None = None) -> np.ndarray:
+        """Decodes one stored array through tensorstore (stored form: PRNG keys as their raw
+        data); the streaming operations read through `pieces` instead.
+
+        ``layer=(axis, i)`` reads only index ``i`` on ``axis`` (tensorstore decodes the
+        stored chunks that hold it, one at a time).
+        """
+        name = param_name(path)
+        count("array decoded" if layer is None else "layer decoded", f"{self.dir}/{name}")
+        driver = "zarr3" if self.use_zarr3 else "zarr"
+        spec = {"driver": driver, "kvstore": sub_kv(self.kv.spec().to_json(), name)}
+        # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
+        spec["fill_missing_data_reads"] = False
+        try:
+            array = ts.open(spec, open=True, context=self.context).result()
+            if layer is not None:
+                array = array[ts.d[layer[0]][layer[1]]]
+            return np.asarray(array.read().result())
+        except ValueError as e:
+            raise CheckpointReadError(f"{self.dir}: cannot read {name}: {e}") from e
+
+    # -- stored bytes -------------------------------------------------------------------
+
+    def value_file(self, key: str) -> tuple[str, int, int] | None:
+        """Where the stored value ``key`` lies, as ``(data file, offset, length)``, where it
+        can be read from that file directly (an OCDBT item on a local disk, the value not
+        inline); else None (then it is read through the kvstore).
+
+        The B-tree of the item's latest version is read once (nodes only, no value), when
+        the item is opened. Orbax never rewrites a data file, so a location stays valid.
+        """
+        if not self.is_ocdbt or not self.store.reads_files:
+            return None
+        if self._value_files is None:
+            self._value_files = value_locations(self.dir)
+        where = self._value_files.get(key.encode())
+        if where is None:
+            return None
+        rel, offset, length = where
+        return os.fspath(self.dir / rel), offset, length
+
+    def stored_value(self, key: str, scratch: str | None = None) -> FileValue | KvValue | None:
+        """The stored value ``key`` to read piece by piece: from its data file where it lies
+        in one on a local disk (`value_file`; tensorstore's kvstore reads cost as much as
+        the decode), into this thread's buffer ``scratch`` (None: one of its own), else
+        through the kvstore; None if it is not stored."""
+        where = self.value_file(key)
+        if where is not None:
+            path, offset, length = where
+            try:
+                return FileValue(path, offset, offset + length, scratch=scratch)
+            except OSError:  # gone or unreadable: the kvstore's read reports it
+                pass
+        value = KvValue(self.kv, key)
+        try:
+            return value if value.exists() else None
+        except ValueError as e:  # e.g. a data file the kvstore cannot open (a name too long)
+            raise CheckpointReadError(f"{self.dir}: cannot read {key}: {e}") from e
+
+
+def same_stored(a: ItemReader, a_key: str, b: ItemReader, b_key: str) -> bool | None:
+    """Whether stored values ``a_key`` of ``a`` and ``b_key`` of ``b`` hold the same bytes,
+    read from their data files piece by piece into this thread's two buffers; None where
+    either does not lie whole in a local data file (`ItemReader.value_file`; a file cut
+    short, even both names of one file: compare through the kvstore, which reports it). A
+    kvstore read makes a fresh buffer of each whole value, whose pages the kernel zeroes
+    first: most of the time of ``verify``'s copied arrays at 8B."""
+    wa, wb = a.value_file(a_key), b.value_file(b_key)
+    if wa is None or wb is None:
+        return None
+    if wa[2] != wb[2]:
+        return False
+    try:  # gone or unreadable: the kvstore's read reports it
+        va = FileValue(wa[0], wa[1], wa[1] + wa[2], scratch="same-a")
+    except OSError:
+        return None
+    with va:
+        try:
+            vb = FileValue(wb[0], wb[1], wb[1] + wb[2], scratch="same-b")
+        except OSError:
+            return None
+        with vb:
+            return same_pieces(va, vb, wa[2])
