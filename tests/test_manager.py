@@ -378,7 +378,7 @@ def _local_shards(items: Any, abstract: Any) -> dict:
     return shards
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the slow pass
 def test_processes_restore_sharded_migrate_and_restore_the_migrated_step(tmp_path, n):
     # At 4 processes the primary migrated after the save while the others still saw the
     # legacy items: its restore waited at Orbax's barrier, theirs did not, and the job hung.

@@ -329,7 +329,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the slow pass
 def test_processes_load_sharded_save_migrate_and_load_the_migrated_step(tmp_path, n):
     step = copy_fixture(RL, tmp_path)
     child = Path(__file__).parent / "training_child.py"

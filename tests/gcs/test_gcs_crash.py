@@ -40,6 +40,7 @@ def _legacy(gs_prefix, rel: str) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow  # the slow pass (.ci/run): a kill campaign against the emulator
 @pytest.mark.parametrize("mode", ["copy", "in_place"])
 def test_sigkill_during_a_gs_conversion(gcs_emulator, gs_prefix, tmp_path, mode):
     extra = ["--in-place"] if mode == "in_place" else []

@@ -251,6 +251,7 @@ def _after_kill(gs_prefix, rel: str, pristine: dict, reference: dict) -> str:
     return "+".join(holders)
 
 
+@pytest.mark.slow  # the slow pass (.ci/run): a kill campaign against the emulator
 def test_sigkill_during_the_manager_migration_on_gs(gcs_emulator, gs_prefix, reference):
     gs_prefix.upload(TUNIX_RUN, "pristine")
     pristine = _legacy_objects(gs_prefix, "pristine/" + ACTOR + "/2")
