@@ -1,12 +1,16 @@
-"""Real checkpoints of two more MaxText 0.2.5 model families (tests/fixtures/maxtext025).
+"""Real checkpoints of four more MaxText 0.2.5 model families (tests/fixtures/maxtext025).
 
 A tiny gemma3-4b (block-scanned: ``decoder/layers/layers_0 .. layers_5`` plus
 ``decoder/layers_remainder``) and a tiny mixtral-8x7b (mixture of experts:
 ``decoder/layers/MoeBlock_0``), written by MaxText's own pre-training loop and its Tunix-based
 SFT trainer, with and without qwix LoRA (tests/fixtures/generators/gen_maxtext025.py,
-``--only gemma3`` and ``--only mixtral``; facts in the fixture's README). These tests need no
-MaxText: stock Orbax/JAX/numpy and the package's public API only, and they read the fixtures
-from copies in tmp_path.
+``--only gemma3`` and ``--only mixtral``; facts in the fixture's README). Added later, the same
+way (``--only qwen3moe`` and ``--only gptoss``): a tiny qwen3-30b-a3b (mixture of experts with
+q/k norms: ``decoder/layers/moe_block``) and a tiny gpt-oss-20b (a block-scanned mixture of
+experts: ``decoder/layers/layers_0`` and ``layers_1``, attention with biases and sinks, expert
+biases); the conversions of these two (``convert``, ``--unroll``, ``--stack``, and MaxText's own
+steps into ``--out``) are tested here too. These tests need no MaxText: stock Orbax/JAX/numpy
+and the package's public API only, and they read the fixtures from copies in tmp_path.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import tree_digest
 from etils import epath
 
 import orbax_maxtext_layout as oml
@@ -106,6 +111,71 @@ MIXTRAL_UNSCANNED_WEIGHTS = {  # 23
     **{f"decoder/layers_{i}/{n}": s for i in range(2) for n, s in MIXTRAL_LAYER.items()},
 }
 
+# -- qwen3-30b-a3b and gpt-oss-20b, tiny: emb 16, 2 query heads and 1 kv head of 8, 4 experts of
+# mlp 8 (2 per token), vocab 64, untied logits --
+MOE16_TOP = {
+    "decoder/decoder_norm/scale": (16,),
+    "decoder/logits_dense/kernel": (16, 64),
+    "token_embedder/embedding": (64, 16),
+}
+QWEN3MOE_LAYER = {  # 12; the MoE module is moe_block (mixtral's is MoeBlock_0)
+    "moe_block/gate/kernel": (16, 4),
+    "moe_block/wi_0": (4, 16, 8),
+    "moe_block/wi_1": (4, 16, 8),
+    "moe_block/wo": (4, 8, 16),
+    "post_self_attention_layer_norm/scale": (16,),
+    "pre_self_attention_layer_norm/scale": (16,),
+    "self_attention/key/kernel": (16, 1, 8),
+    "self_attention/key_norm/scale": (8,),
+    "self_attention/out/kernel": (2, 8, 16),
+    "self_attention/query/kernel": (16, 2, 8),
+    "self_attention/query_norm/scale": (8,),
+    "self_attention/value/kernel": (16, 1, 8),
+}
+QWEN3MOE_WEIGHTS = {  # 15: 2 layers, one plain scan
+    **MOE16_TOP,
+    **{f"decoder/layers/{n}": _scanned(s, 2) for n, s in QWEN3MOE_LAYER.items()},
+}
+QWEN3MOE_UNSCANNED_WEIGHTS = {  # 27
+    **MOE16_TOP,
+    **{f"decoder/layers_{i}/{n}": s for i in range(2) for n, s in QWEN3MOE_LAYER.items()},
+}
+GPTOSS_LAYER = {  # 19: attention with biases and sinks, experts with biases, no q/k norms
+    "GptOssAttention/key/bias": (1, 8),
+    "GptOssAttention/key/kernel": (16, 1, 8),
+    "GptOssAttention/out/bias": (16,),
+    "GptOssAttention/out/kernel": (2, 8, 16),
+    "GptOssAttention/query/bias": (2, 8),
+    "GptOssAttention/query/kernel": (16, 2, 8),
+    "GptOssAttention/sinks": (2,),
+    "GptOssAttention/value/bias": (1, 8),
+    "GptOssAttention/value/kernel": (16, 1, 8),
+    "GptOssMlp/gate/bias": (4,),
+    "GptOssMlp/gate/kernel": (16, 4),
+    "GptOssMlp/wi_0": (4, 16, 8),
+    "GptOssMlp/wi_0_bias": (4, 8),
+    "GptOssMlp/wi_1": (4, 16, 8),
+    "GptOssMlp/wi_1_bias": (4, 8),
+    "GptOssMlp/wo": (4, 8, 16),
+    "GptOssMlp/wo_bias": (4, 16),
+    "post_self_attention_layer_norm/scale": (16,),
+    "pre_self_attention_layer_norm/scale": (16,),
+}
+# 4 layers, block-scanned by inhomogeneous_layer_cycle_interval 2 (a sliding-window and a global
+# attention layer): layers/layers_k (k = 0, 1) over 2 repetitions; unscanned layers_<2r+k>.
+GPTOSS_WEIGHTS = {  # 41
+    **MOE16_TOP,
+    **{
+        f"decoder/layers/layers_{k}/{n}": _scanned(s, 2)
+        for k in range(2)
+        for n, s in GPTOSS_LAYER.items()
+    },
+}
+GPTOSS_UNSCANNED_WEIGHTS = {  # 79
+    **MOE16_TOP,
+    **{f"decoder/layers_{i}/{n}": s for i in range(4) for n, s in GPTOSS_LAYER.items()},
+}
+
 
 def _rngs(groups: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """RNG leaves of MaxText's Rngs objects ``{group: batch shape}``; unsafe_rbg keys are (4,)."""
@@ -125,6 +195,11 @@ GEMMA3_REMAINDER_RNGS = _rngs(
 GEMMA3_UNSCANNED_RNGS = _rngs({"decoder/layers_0/rngs": ()})
 MIXTRAL_RNGS = _rngs({"decoder/rngs": (), "decoder/layers/MoeBlock_0/rngs": (2,)})
 MIXTRAL_UNSCANNED_RNGS = _rngs({"decoder/layers_0/MoeBlock_0/rngs": ()})
+QWEN3MOE_RNGS = _rngs({"decoder/rngs": (), "decoder/layers/moe_block/rngs": (2,)})
+QWEN3MOE_UNSCANNED_RNGS = _rngs({"decoder/layers_0/moe_block/rngs": ()})
+# gpt-oss: a stream in the first block's attention only (none in layers_1).
+GPTOSS_RNGS = _rngs({"decoder/rngs": (), "decoder/layers/layers_0/GptOssAttention/rngs": (2,)})
+GPTOSS_UNSCANNED_RNGS = _rngs({"decoder/layers_0/GptOssAttention/rngs": ()})
 
 # run -> (weights, RNG leaves, scan_layers)
 PRETRAIN_RUNS = {
@@ -132,6 +207,14 @@ PRETRAIN_RUNS = {
     "gemma3_pretrain_unscanned_run": (GEMMA3_UNSCANNED_WEIGHTS, GEMMA3_UNSCANNED_RNGS, False),
     "mixtral_pretrain_run": (MIXTRAL_WEIGHTS, MIXTRAL_RNGS, True),
     "mixtral_pretrain_unscanned_run": (MIXTRAL_UNSCANNED_WEIGHTS, MIXTRAL_UNSCANNED_RNGS, False),
+    "qwen3moe_pretrain_run": (QWEN3MOE_WEIGHTS, QWEN3MOE_RNGS, True),
+    "qwen3moe_pretrain_unscanned_run": (
+        QWEN3MOE_UNSCANNED_WEIGHTS,
+        QWEN3MOE_UNSCANNED_RNGS,
+        False,
+    ),
+    "gptoss_pretrain_run": (GPTOSS_WEIGHTS, GPTOSS_RNGS, True),
+    "gptoss_pretrain_unscanned_run": (GPTOSS_UNSCANNED_WEIGHTS, GPTOSS_UNSCANNED_RNGS, False),
 }
 # run -> (weights, RNG leaves, the pre-training run it started from, or None)
 SFT_RUNS = {
@@ -147,6 +230,18 @@ SFT_RUNS = {
         MIXTRAL_UNSCANNED_WEIGHTS,
         MIXTRAL_UNSCANNED_RNGS,
         "mixtral_pretrain_unscanned_run",
+    ),
+    "qwen3moe_sft_run": (QWEN3MOE_WEIGHTS, QWEN3MOE_RNGS, "qwen3moe_pretrain_run"),
+    "qwen3moe_sft_unscanned_run": (
+        QWEN3MOE_UNSCANNED_WEIGHTS,
+        QWEN3MOE_UNSCANNED_RNGS,
+        "qwen3moe_pretrain_unscanned_run",
+    ),
+    "gptoss_sft_run": (GPTOSS_WEIGHTS, GPTOSS_RNGS, "gptoss_pretrain_run"),
+    "gptoss_sft_unscanned_run": (
+        GPTOSS_UNSCANNED_WEIGHTS,
+        GPTOSS_UNSCANNED_RNGS,
+        "gptoss_pretrain_unscanned_run",
     ),
 }
 
@@ -181,7 +276,25 @@ MIXTRAL_LORA = {  # 16: attention, the router gate and the three expert weights
     }.items()
     for ab, shape in zip("ab", shapes, strict=True)
 }
-LORA_RUNS = {"gemma3_lora_run": GEMMA3_LORA, "mixtral_lora_run": MIXTRAL_LORA}
+QWEN3MOE_LORA = {  # 16: as mixtral's, at emb 16, mlp 8, under moe_block
+    f"decoder/layers/{weight}_lora_{ab}": shape
+    for weight, shapes in {
+        "self_attention/query/kernel": ((16, 2, 4), (4, 2, 16)),
+        "self_attention/key/kernel": ((16, 2, 4), (4, 2, 8)),
+        "self_attention/value/kernel": ((16, 2, 4), (4, 2, 8)),
+        "self_attention/out/kernel": ((16, 2, 4), (4, 2, 16)),
+        "moe_block/gate/kernel": ((16, 2, 4), (4, 2, 4)),
+        "moe_block/wi_0": ((16, 2, 4), (4, 2, 4, 8)),
+        "moe_block/wi_1": ((16, 2, 4), (4, 2, 4, 8)),
+        "moe_block/wo": ((4, 2, 8, 4), (4, 2, 16)),
+    }.items()
+    for ab, shape in zip("ab", shapes, strict=True)
+}
+LORA_RUNS = {
+    "gemma3_lora_run": GEMMA3_LORA,
+    "mixtral_lora_run": MIXTRAL_LORA,
+    "qwen3moe_lora_run": QWEN3MOE_LORA,
+}
 TUNIX_RUNS = (*SFT_RUNS, *LORA_RUNS)
 
 
@@ -391,25 +504,26 @@ def test_gemma3_lora_factors_have_the_scan_length_on_axis_1(tmp_path):
             assert a[-1] == b[0] == RANK
 
 
-def test_mixtral_expert_adapters_follow_the_expert_einsums(tmp_path):
+@pytest.mark.parametrize(("family", "moe"), [("mixtral", "MoeBlock_0"), ("qwen3moe", "moe_block")])
+def test_expert_adapters_follow_the_expert_einsums(tmp_path, family, moe):
     """wi_0/wi_1: A (emb, L, r) shared, B (r, L, experts, mlp); wo: A (experts, L, mlp, r), B shared."""
-    fx = _copy(tmp_path, "mixtral_lora_run", "mixtral_pretrain_run")
-    lora = _metadata(fx / "mixtral_lora_run/checkpoints/2/model_params")
-    base = _metadata(fx / "mixtral_pretrain_run/checkpoints/0/items")
-    experts, layers, emb, mlp = base["params/params/decoder/layers/MoeBlock_0/wi_0"].shape
+    fx = _copy(tmp_path, f"{family}_lora_run", f"{family}_pretrain_run")
+    lora = _metadata(fx / f"{family}_lora_run/checkpoints/2/model_params")
+    base = _metadata(fx / f"{family}_pretrain_run/checkpoints/0/items")
+    experts, layers, emb, mlp = base[f"params/params/decoder/layers/{moe}/wi_0"].shape
     for w in ("wi_0", "wi_1"):
-        assert lora[f"decoder/layers/MoeBlock_0/{w}_lora_a/value"].shape == (emb, layers, RANK)
-        assert lora[f"decoder/layers/MoeBlock_0/{w}_lora_b/value"].shape == (
+        assert lora[f"decoder/layers/{moe}/{w}_lora_a/value"].shape == (emb, layers, RANK)
+        assert lora[f"decoder/layers/{moe}/{w}_lora_b/value"].shape == (
             RANK,
             layers,
             experts,
             mlp,
         )
-    assert base["params/params/decoder/layers/MoeBlock_0/wo"].shape == (experts, layers, mlp, emb)
-    assert lora["decoder/layers/MoeBlock_0/wo_lora_a/value"].shape == (experts, layers, mlp, RANK)
-    assert lora["decoder/layers/MoeBlock_0/wo_lora_b/value"].shape == (RANK, layers, emb)
+    assert base[f"params/params/decoder/layers/{moe}/wo"].shape == (experts, layers, mlp, emb)
+    assert lora[f"decoder/layers/{moe}/wo_lora_a/value"].shape == (experts, layers, mlp, RANK)
+    assert lora[f"decoder/layers/{moe}/wo_lora_b/value"].shape == (RANK, layers, emb)
     # The expert adapters are named after the Param itself (no kernel level).
-    assert not any("MoeBlock_0/wi_0/" in p or "MoeBlock_0/wo/" in p for p in lora)
+    assert not any(f"{moe}/wi_0/" in p or f"{moe}/wo/" in p for p in lora)
 
 
 # -- the same model, scanned and unscanned -----------------------------------------------------------
@@ -418,11 +532,15 @@ def test_mixtral_expert_adapters_follow_the_expert_einsums(tmp_path):
     [
         (GEMMA3_WEIGHTS, GEMMA3_UNSCANNED_WEIGHTS),
         (MIXTRAL_WEIGHTS, MIXTRAL_UNSCANNED_WEIGHTS),
+        (QWEN3MOE_WEIGHTS, QWEN3MOE_UNSCANNED_WEIGHTS),
+        (GPTOSS_WEIGHTS, GPTOSS_UNSCANNED_WEIGHTS),
     ],
 )
 def test_scanned_weights_are_the_unscanned_ones_stacked_on_axis_1(scanned, unscanned):
     """The tables above, as MaxText's trees: every scanned weight stacks its layers on axis 1."""
-    pattern = 6 if any("/layers_5/" in p for p in scanned) else 1
+    # A block scan's layers/layers_<k> (gemma3: 6, gpt-oss: 2); a plain scan has none.
+    pattern = len({p.split("/")[2] for p in scanned if p.startswith("decoder/layers/layers_")})
+    pattern = pattern or 1
     stacked = {}
     for path, shape in unscanned.items():
         if not path.startswith("decoder/layers_"):
@@ -433,3 +551,175 @@ def test_scanned_weights_are_the_unscanned_ones_stacked_on_axis_1(scanned, unsca
         n = sum(1 for p in unscanned if p.endswith(f"/{name}") and p.startswith("decoder/layers_"))
         stacked[f"decoder/{group}/{name}"] = _scanned(shape, n // pattern)
     assert stacked == scanned
+
+
+# -- qwen3-moe and gpt-oss: the real runs converted (the public API) -------------------------------
+# family -> layers per scan step of a block (gpt-oss's inhomogeneous_layer_cycle_interval), 0 for
+# a plain scan
+CONVERTED_FAMILIES = {"qwen3moe": 0, "gptoss": 2}
+# family -> (scanned weights, unscanned weights)
+FAMILY_WEIGHTS = {
+    "qwen3moe": (QWEN3MOE_WEIGHTS, QWEN3MOE_UNSCANNED_WEIGHTS),
+    "gptoss": (GPTOSS_WEIGHTS, GPTOSS_UNSCANNED_WEIGHTS),
+}
+
+
+def _raw(x) -> np.ndarray:
+    """The stored values; typed PRNG keys as their uint32 data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
+def _unrolled(path: str, block: int, r: int) -> str:
+    """MaxText's unscanned name of scan step ``r`` of a stacked leaf (any items path: params,
+    nnx_aux or an Adam moment): ``decoder/layers/<rest>`` -> ``decoder/layers_<r>/<rest>``; a
+    block's ``decoder/layers/layers_<k>/<rest>`` -> ``decoder/layers_<r*block+k>/<rest>``."""
+    head, sep, rest = path.partition("decoder/layers/")
+    assert sep, path
+    if block:
+        k, rest = rest.split("/", 1)
+        return f"{head}decoder/layers_{r * block + int(k.removeprefix('layers_'))}/{rest}"
+    return f"{head}decoder/layers_{r}/{rest}"
+
+
+def _tunix_to_items(path: str) -> str:
+    """A Tunix SFT leaf's MaxText items path (``value`` level dropped; Adam's state from
+    ``opt_state/1/0`` to the Linen ``opt_state/0``)."""
+    path = path.removesuffix("/value")
+    for moment in ("mu", "nu"):
+        if path.startswith(f"opt_state/1/0/{moment}/"):
+            return f"opt_state/0/{moment}/params/" + path.removeprefix(f"opt_state/1/0/{moment}/")
+    return ("nnx_aux/model/" if "/rngs/" in path else "params/params/") + path
+
+
+def _tunix_as_items(step: Path) -> dict[str, np.ndarray]:
+    """A Tunix step's weights, RNG state and Adam moments under their MaxText items names."""
+    out = {}
+    for item in ("model_params", "optimizer_state"):
+        for path, x in _restore(step / item).items():
+            if "/mu/" in path or "/nu/" in path or item == "model_params":
+                out[_tunix_to_items(path)] = _raw(x)
+    return out
+
+
+def _check_unrolled(stacked: dict, flat: dict, block: int) -> set[str]:
+    """Every leaf of ``flat`` (unscanned) that ``stacked`` holds, compared byte for byte: weights
+    and moments sliced on axis 1 (``param_scan_axis``), RNG state on 0; returns those checked."""
+    checked = set()
+    for path, x in stacked.items():
+        if "decoder/layers/" not in path:
+            if path in flat:  # outside the layers: the same bytes
+                assert _raw(flat[path]).tobytes() == _raw(x).tobytes(), path
+                checked.add(path)
+            continue
+        axis = 0 if path.startswith("nnx_aux/") else 1
+        for r in range(_raw(x).shape[axis]):
+            q = _unrolled(path, block, r)
+            if q in flat:  # MaxText's unscanned model keeps its one RNG stream at layers_0
+                layer = np.take(_raw(x), r, axis=axis)
+                assert _raw(flat[q]).tobytes() == layer.tobytes(), (path, r)
+                checked.add(q)
+    return checked
+
+
+def _trained(flat: dict) -> set[str]:
+    """The weights and Adam moments of an items tree (no RNG state, no counts)."""
+    return {p for p in flat if p.startswith(("params/", "opt_state/0/mu/", "opt_state/0/nu/"))}
+
+
+@pytest.mark.parametrize("run", [r for r in SFT_RUNS if r.startswith(tuple(CONVERTED_FAMILIES))])
+def test_new_family_sft_step_converts_into_its_pretraining_step_s_layout(run, tmp_path):
+    """``convert`` of the Tunix SFT step against MaxText's own step of the same form: exactly
+    MaxText's tree, every weight, RNG leaf and Adam moment the Tunix step's bytes, ``verify``."""
+    base = SFT_RUNS[run][2]
+    fx = _copy(tmp_path, run, base)
+    step = fx / run / "checkpoints" / str(UPDATES)
+    target = fx / base / "checkpoints" / "0"
+    report = oml.convert_step(step, oml.Target.from_checkpoint(target))
+    assert report.status == "converted"
+    assert oml.read_specs(step / "items") == oml.read_specs(target / "items")
+    items = {p: _raw(x) for p, x in _restore(step / "items").items()}
+    source = _tunix_as_items(step)
+    assert set(source) == _trained(items) | {p for p in items if p.startswith("nnx_aux/")}
+    for path, x in source.items():
+        assert items[path].tobytes() == x.tobytes(), path
+    assert int(items["step"]) == UPDATES
+    assert oml.verify_step(step).ok
+
+
+@pytest.mark.parametrize("family", CONVERTED_FAMILIES)
+def test_new_family_unroll_is_maxtext_s_unscanned_step_and_stack_gives_it_back(family, tmp_path):
+    """The scanned SFT step ``--unroll``-ed against MaxText's unscanned step: its tree exactly
+    (gpt-oss: scan step r of ``layers/layers_k`` is ``layers_<2r+k>``), every weight and moment
+    the source's slice; then MaxText-layout ``--stack --out`` back onto the scanned step: every
+    weight and moment the Tunix step's, bit for bit."""
+    block = CONVERTED_FAMILIES[family]
+    run, scanned_run = f"{family}_sft_run", f"{family}_pretrain_run"
+    unscanned_run = f"{family}_pretrain_unscanned_run"
+    fx = _copy(tmp_path, run, scanned_run, unscanned_run)
+    step = fx / run / "checkpoints" / str(UPDATES)
+    scanned = fx / scanned_run / "checkpoints" / "0"
+    unscanned = fx / unscanned_run / "checkpoints" / "0"
+
+    report = oml.convert_step(step, oml.Target.from_checkpoint(unscanned), rescan="unroll")
+    assert report.status == "converted"
+    assert oml.read_specs(step / "items") == oml.read_specs(unscanned / "items")
+    assert oml.converted_provenance(step)["scan"] == "unroll"
+    assert oml.verify_step(step).ok
+    source = _tunix_as_items(step)
+    unrolled = _restore(step / "items")
+    checked = _check_unrolled(source, unrolled, block)
+    assert _trained(unrolled) <= checked, sorted(_trained(unrolled) - checked)[:5]
+    assert len(_trained(unrolled)) == 3 * len(FAMILY_WEIGHTS[family][1])
+    # The unscanned model's one RNG stream is scan step 0's (layers_0 is in the first block).
+    assert {p for p in checked if p.startswith("nnx_aux/")} == {
+        p for p in unrolled if p.startswith("nnx_aux/")
+    }
+
+    out = tmp_path / "stacked" / str(UPDATES)
+    report = oml.convert_step(step, oml.Target.from_checkpoint(scanned), rescan="stack", out=out)
+    assert report.status == "converted"
+    assert oml.read_specs(out / "items") == oml.read_specs(scanned / "items")
+    assert json.loads((out / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]["scan_layers"]
+    assert oml.verify_step(out).ok
+    back = _restore(out / "items")
+    assert _trained(back) == {p for p in source if not p.startswith("nnx_aux/")}
+    for path in _trained(back):
+        assert _raw(back[path]).tobytes() == source[path].tobytes(), path
+
+
+# gpt-oss's --stack of a MaxText-layout step into --out is the second half of the test above
+# (2 s a gpt-oss conversion: its 246 unscanned leaves); MaxText's exporter judges both of its
+# directions through the command line in tests/interop/test_families_real_rescan.py.
+@pytest.mark.parametrize(
+    ("family", "scan"), [("qwen3moe", "unroll"), ("qwen3moe", "stack"), ("gptoss", "unroll")]
+)
+def test_new_family_maxtext_step_changes_scan_form_into_out(family, scan, tmp_path):
+    """MaxText's own pre-training step of one form, converted into ``--out`` against its step of
+    the other (``convert STEP --unroll|--stack --target-from OTHER --out DIR``): that step's
+    tree, ``scan_layers`` recorded, every weight and Adam moment the source's (sliced or
+    stacked on its axis), ``verify``; the source untouched."""
+    block = CONVERTED_FAMILIES[family]
+    scanned_run, unscanned_run = f"{family}_pretrain_run", f"{family}_pretrain_unscanned_run"
+    fx = _copy(tmp_path, scanned_run, unscanned_run)
+    scanned = fx / scanned_run / "checkpoints" / "0"
+    unscanned = fx / unscanned_run / "checkpoints" / "0"
+    src, other = (scanned, unscanned) if scan == "unroll" else (unscanned, scanned)
+    before = tree_digest(src)
+    out = tmp_path / "out" / "0"
+    report = oml.convert_step(src, oml.Target.from_checkpoint(other), rescan=scan, out=out)
+    assert report.status == "converted"
+    assert tree_digest(src) == before
+    assert oml.read_specs(out / "items") == oml.read_specs(other / "items")
+    meta = json.loads((out / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]
+    assert meta["scan_layers"] is (scan == "stack")
+    assert oml.converted_provenance(out)["scan"] == scan
+    assert oml.verify_step(out).ok
+    got = _restore(out / "items")
+    stacked, flat = (
+        (_restore(src / "items"), got) if scan == "unroll" else (got, _restore(src / "items"))
+    )
+    checked = _check_unrolled(stacked, flat, block)
+    unscanned_trained = _trained(got if scan == "unroll" else flat)
+    assert unscanned_trained <= checked, sorted(unscanned_trained - checked)[:5]
