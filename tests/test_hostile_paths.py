@@ -194,7 +194,9 @@ READER = textwrap.dedent(
     """
     import sys
     from etils import epath
-    from orbax_maxtext_layout import CheckpointReadError; from orbax_maxtext_layout.orbax_io import chunks
+    from orbax_maxtext_layout import CheckpointReadError
+    from orbax_maxtext_layout.orbax_io import item_writer, ocdbt
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
     item, name = epath.Path(sys.argv[1]), sys.argv[2]
     print("damaged:", ocdbt.damaged_value_files(item))
     try:

@@ -91,7 +91,6 @@ def _reads(case: dict) -> dict:
     from etils import epath
 
     from orbax_maxtext_layout.orbax_io import (
-        chunks,
         item_writer,
         zarr,
     )
@@ -108,7 +107,7 @@ def _reads(case: dict) -> dict:
         out[f"whole/{path}"] = _outcome(_whole, src, case["array"], ctx)
         out[f"pieces/{path}"] = _outcome(_pieces, src, case["array"], ctx)
         if path == "tensorstore":
-            lay = _outcome(chunks.layout, src, case["array"])
+            lay = _outcome(lambda s, n: s.layout(n), src, case["array"])
             safe = hasattr(lay, "nbytes") and max(lay.nbytes, lay.chunk_bytes) <= SAFE_BYTES
             out["stock"] = _stock(case["item"], case["array"], src.use_zarr3) if safe else None
     zarr.SMALL = 1 << 20
