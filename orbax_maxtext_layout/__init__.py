@@ -1,4 +1,5 @@
-"""orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout."""
+"""orbax-maxtext-layout: read and convert Tunix-layout checkpoints into MaxText's layout, and
+bridge MaxText steps to and from Hugging Face."""
 
 from ._version import EXAMPLES_DIR, __version__
 from .errors import (
@@ -23,6 +24,7 @@ from .execute.verify import VerifyResult, replay_plan, verify_step
 from .hf.export_adapter import AdapterReport
 from .hf.export_hf import export_hf
 from .hf.export_plan import ExportReport, plan_export
+from .hf.import_hf import ImportReport, import_hf
 from .integration.handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
@@ -56,6 +58,7 @@ __all__ = [
     "Dest",
     "Drop",
     "ExportReport",
+    "ImportReport",
     "LayerMap",
     "Layout",
     "LayoutMismatchError",
@@ -86,6 +89,7 @@ __all__ = [
     "detect_layout",
     "export_hf",
     "find_steps",
+    "import_hf",
     "layer_map",
     "load_params_from_path",
     "make_plan",

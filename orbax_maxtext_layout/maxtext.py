@@ -18,7 +18,9 @@ LoRA adapter step resumed as a model) is printed as the CLI prints it, one ``err
   MaxText's own resume (``load_state_if_possible``) lists and restores a Tunix run's
   steps, and its saves migrate them;
 * ``load_params_from_path`` reads a Tunix-layout path (``<step>/model_params``, or a
-  Tunix step) through this package; every other path goes to MaxText's own function.
+  Tunix step) through this package, and a Hugging Face directory (``config.json`` and
+  safetensors: ``load_parameters_path=HF_DIR``), converted on read for the trainer's own
+  config as ``import-hf`` writes it; every other path goes to MaxText's own function.
 
 `target_from_config(argv)` builds the `Target` MaxText's own pre-training loop restores, from
 MaxText's own config (the arguments its commands take), with MaxText's own code.
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from etils import epath
 
 from .errors import OrbaxMaxTextLayoutError, print_error
+from .hf.import_hf import is_hf_dir
 from .orbax_io.layout import MAXTEXT_ITEM, Layout, detect_layout, step_dir_of
 
 if TYPE_CHECKING:
@@ -48,6 +51,9 @@ __all__ = ["install", "main", "run"]
 
 logger = logging.getLogger(__name__)
 _MARK = "_orbax_maxtext_layout_original"
+# The trainer's own arguments (its config file, then KEY=VALUE), set by `run`: the model a
+# Hugging Face ``load_parameters_path`` is converted for.
+RUN_ARGS: list[str] = []
 
 
 def install() -> None:
@@ -103,6 +109,8 @@ def _reading_tunix_paths(load: Callable) -> Callable:
     from .integration.handler import load_params_from_path as ours
 
     def load_params_from_path(load_parameters_from_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_hf_dir(load_parameters_from_path):  # converted on read, with the run's config
+            return ours(load_parameters_from_path, *args, maxtext_config=RUN_ARGS, **kwargs)
         fn = ours if is_tunix_path(load_parameters_from_path) else load
         return fn(load_parameters_from_path, *args, **kwargs)
 
@@ -159,6 +167,7 @@ def run(module: str, args: Sequence[str]) -> None:
     the process exits 1; any other exception keeps its traceback.
     """
     sys.argv = [module, *args]
+    RUN_ARGS[:] = list(args)  # the trainer's config, for a Hugging Face load_parameters_path
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except OrbaxMaxTextLayoutError as e:

@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PACKAGE_ALL = [
     "EXAMPLES_DIR", "KNOWN_INTERMEDIATES", "SCAN_GROUPS", "TUNIX_STEP_KEY", "AdapterReport",
-    "CheckpointManager", "CheckpointReadError", "Dest", "Drop", "ExportReport", "LayerMap",
+    "CheckpointManager", "CheckpointReadError", "Dest", "Drop", "ExportReport", "ImportReport", "LayerMap",
     "Layout", "LayoutMismatchError", "LeafSpec", "LoraAdapterStepError", "LoraAdapters",
     "MaxTextLayoutHandler", "MaxTextLayoutRestore", "MaxTextLayoutSave", "MergeReport", "Move",
     "Op", "OrbaxMaxTextLayoutError", "Plan", "ReadOnlyStepError", "StackReport",
     "StepExistsError", "StepInfo", "StepLocked", "StepReport", "Target", "UsageError",
     "VerifyResult", "__version__", "apply_op", "convert_step", "converted_provenance",
-    "detect_layout", "export_hf", "find_steps", "layer_map", "load_params_from_path",
+    "detect_layout", "export_hf", "find_steps", "import_hf", "layer_map", "load_params_from_path",
     "make_plan", "maxtext_forms", "maxtext_opt_state", "merge_lora", "narrow", "plan_export",
     "plan_maxtext_step", "plan_merge", "plan_step", "read_specs", "replay_plan",
     "restore_as_items", "scan_axes", "stack", "stack_target", "to_maxtext_items",
@@ -55,6 +55,10 @@ COMMANDS = {
         "--adapter", "--alpha", "--base", "--base-model-name-or-path", "--dry-run", "--help",
         "--hf-model-path", "--json", "--max-shard-size", "--maxtext-config", "--memory-budget",
         "--out", "--override-model-architecture", "--process-count", "--process-index", "-h",
+    ]),
+    "import-hf": (["hf_dir"], [
+        "--dry-run", "--help", "--json", "--maxtext-config", "--memory-budget", "--out",
+        "--save-dtype", "-h",
     ]),
     "inspect": (["path"], [
         "--help", "--json", "--maxtext-config", "--target", "--target-from", "-h",

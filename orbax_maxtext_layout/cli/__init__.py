@@ -1,11 +1,12 @@
-"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify,merge-lora,export-hf}``.
+"""Command line: ``orbax-maxtext-layout {demo,inspect,convert,verify,merge-lora,export-hf,import-hf}``.
 
-A thin layer over `find_steps`, `plan_step`, `convert_step`, `merge_lora` and `export_hf`.
+A thin layer over `find_steps`, `plan_step`, `convert_step`, `merge_lora`, `export_hf` and
+`import_hf`.
 Exit codes: 0 all steps converted or skipped, 1 a step failed, 2 usage error (`verify`: 3
 when nothing was verified).
 
 One module per command, each holding its ``cmd_*`` and its parser (``add_*``): `convert`,
-`verify`, `inspect_steps`, `merge_lora`, `export_hf`, `demo`; `common` holds what several
+`verify`, `inspect_steps`, `merge_lora`, `export_hf`, `import_hf`, `demo`; `common` holds what several
 share (the target options, sizes, the option adders, the CPU backend).
 
 Imports: every folder below it (the top of the house, docs/design.md); nothing imports it
@@ -23,6 +24,7 @@ from .common import on_cpu, parse_size, positionals_first
 from .convert import add_convert
 from .demo import add_demo
 from .export_hf import add_export_hf
+from .import_hf import add_import_hf
 from .inspect_steps import add_inspect
 from .merge_lora import add_merge_lora
 from .verify import NOTHING_VERIFIED, add_verify
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_inspect,
         add_merge_lora,
         add_export_hf,
+        add_import_hf,
         add_demo,
     ):
         add(sub)

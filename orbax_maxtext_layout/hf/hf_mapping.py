@@ -220,6 +220,39 @@ def load_model(config: Any, *, override_model_architecture: bool = False) -> HfM
     )
 
 
+def load_import(config: Any) -> HfModel:
+    """The mapping MaxText's ``to_maxtext`` builds, for an import: MaxText's Hugging Face
+    config of ``model_name`` given the MaxText config's sizes first (``to_huggingface``'s
+    ``_validate_or_update_architecture(..., override=True)``: ``to_maxtext`` itself maps with
+    the full-size config, so a resized model fails or is scaled wrongly), then its
+    ``PARAM_MAPPING`` and ``HOOK_FNS`` with ``saving_to_hf=False`` (the hooks run backwards)
+    and its ``HF_SHAPE``."""
+    th, _, _, _ = _maxtext()
+    from maxtext.checkpoint_conversion.utils.param_mapping import HOOK_FNS, PARAM_MAPPING
+
+    name = config.model_name
+    if name not in supported_models() or name not in PARAM_MAPPING:
+        raise LayoutMismatchError(
+            f"MaxText 0.2.5 cannot convert model_name={name} from Hugging Face; it converts:",
+            supported_models(),
+            hint="Pass the --maxtext-config of a model it supports.",
+        )
+    hf_config = copy.deepcopy(th.HF_MODEL_CONFIGS[name])  # MaxText's is a module global
+    with contextlib.redirect_stdout(sys.stderr):
+        th._validate_or_update_architecture(hf_config, config, True)
+    if getattr(config, "rope_type", None) == "yarn":
+        th._apply_yarn_rope_config(hf_config, config)
+    d = hf_config.to_dict()
+    return HfModel(
+        config,
+        hf_config,
+        PARAM_MAPPING[name](d, config, config.scan_layers),
+        th.HF_SHAPE[name](d),
+        HOOK_FNS[name](d, config, config.scan_layers, saving_to_hf=False),
+        np.dtype(config.weight_dtype),
+    )
+
+
 # -- units ----------------------------------------------------------------------------------
 def plan_units(model: HfModel, shapes: Mapping[str, tuple[int, ...]]) -> list[Unit]:
     """The units of a step whose MaxText params are ``shapes`` (key -> stored shape).

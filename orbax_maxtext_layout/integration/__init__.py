@@ -3,5 +3,6 @@
 and `legacy_steps.LegacySteps` (what a manager does with Tunix-layout steps). The v1
 `training.Checkpointer` and the MaxText runner (`maxtext`) sit at the top, on these.
 
-Imports: `execute`, `plan`, `model`, `orbax_io`, `storage`, `base`, `errors`; not `hf`.
+Imports: `hf` (a Hugging Face directory read as a checkpoint), `execute`, `plan`, `model`,
+`orbax_io`, `storage`, `base`, `errors`.
 """

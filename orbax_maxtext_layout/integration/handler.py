@@ -11,7 +11,7 @@ function of the same name that works on either layout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,6 +21,7 @@ from etils import epath
 from ..base.treepaths import flatten, keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
 from ..execute.restore import RestoreRequest, asks_for_items, is_request_leaf
+from ..hf.import_hf import is_hf_dir, load_params
 from ..model.target import PARAMS_ROOT
 from ..orbax_io.layout import (
     MAXTEXT_ITEM,
@@ -181,8 +182,10 @@ def load_params_from_path(
     enable_single_replica_ckpt_restoring: bool = False,
     *,
     handler: ocp.PyTreeCheckpointHandler | None = None,
+    maxtext_config: Sequence[str] | None = None,
 ) -> Any:
-    """Drop-in for MaxText's ``load_params_from_path`` that reads either layout.
+    """Drop-in for MaxText's ``load_params_from_path`` that reads either layout, and a
+    Hugging Face directory.
 
     The signature is MaxText 0.2.5's (``maxtext.common.checkpointing``), positional
     and keyword alike, plus ``handler``.
@@ -202,6 +205,10 @@ def load_params_from_path(
         reads its own shards (no load-and-broadcast).
       handler: the handler to use; by default a `MaxTextLayoutHandler` built
         like MaxText's (the concurrency, OCDBT and zarr3 arguments apply only then).
+      maxtext_config: MaxText's config (the file, then ``KEY=VALUE`` overrides) of the model,
+        for a Hugging Face directory (``config.json`` and safetensors): its params are
+        converted on read as ``import-hf`` writes them (`hf.import_hf.load_params`). The
+        runner (``python -m orbax_maxtext_layout.maxtext``) passes its trainer's own.
 
     Returns:
       The restored params, of the kind given (dict, or an ``nnx.State`` copy).
@@ -212,6 +219,10 @@ def load_params_from_path(
     """
     del enable_single_replica_ckpt_restoring  # a plain sharded restore on every host
     collection, rewrap = _as_collection(abstract_unboxed_params)
+    if is_hf_dir(load_parameters_from_path):
+        return rewrap(
+            load_params(load_parameters_from_path, collection, maxtext_config=maxtext_config)
+        )
     directory, layout = _resolve(epath.Path(load_parameters_from_path))
     if layout is Layout.MAXTEXT:
         _check_items(directory, collection)  # stock Orbax would not name the paths

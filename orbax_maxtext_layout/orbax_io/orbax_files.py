@@ -355,12 +355,14 @@ def write_metadata(
     *,
     use_zarr3: bool,
     gaps: Iterable[Path] = (),
+    others: Mapping[Path, dict] | None = None,
 ) -> None:
     """Writes ``array_metadatas``, ``_sharding`` and, last, ``_METADATA`` for a new item.
 
     ``_METADATA`` goes last: stock Orbax trusts it, so an item must not have it
     before the files it relies on (keys would restore as raw uint32). ``gaps`` are
-    ``None`` entries of lists (EmptyState slots of a Linen chain).
+    ``None`` entries of lists (EmptyState slots of a Linen chain); ``others`` the value
+    metadata of leaves that are not arrays (a ``scalar`` step, an empty ``Dict``).
     """
     tree: dict[str, Any] = {}
     shardings: dict[str, str] = {}
@@ -378,6 +380,11 @@ def write_metadata(
         tree[str(tuple(str(k) for k in g))] = {
             "key_metadata": _key_meta(g),
             "value_metadata": {"value_type": "None", "skip_deserialize": True},
+        }
+    for path, value_meta in (others or {}).items():
+        tree[str(tuple(str(k) for k in path))] = {
+            "key_metadata": _key_meta(path),
+            "value_metadata": value_meta,
         }
     meta = {
         "tree_metadata": tree,

@@ -1,0 +1,71 @@
+"""``import-hf``: a Hugging Face directory written as a MaxText step (`hf.import_hf`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import MaxTextConfigValues, Subparsers, add_json, parse_size
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from ..hf.import_hf import import_hf
+
+    def progress(done: int, total: int) -> None:
+        if not args.json and sys.stderr.isatty():
+            print(f"\rimport-hf: {done}/{total} slices", end="", file=sys.stderr, flush=True)
+
+    report = import_hf(
+        args.hf_dir,
+        args.out,
+        maxtext_config=args.maxtext_config,
+        save_dtype=args.save_dtype,
+        memory_budget=args.memory_budget,
+        dry_run=args.dry_run,
+        progress=progress,
+    )
+    if sys.stderr.isatty() and not args.json and not args.dry_run:
+        print(file=sys.stderr)
+    print(report.to_json() if args.json else report)
+    return 0
+
+
+def add_import_hf(sub: Subparsers) -> None:
+    from ..hf.import_hf import DEFAULT_SAVE_DTYPE, SAVE_DTYPES
+
+    i = sub.add_parser(
+        "import-hf",
+        help="write a Hugging Face directory as a MaxText step, as MaxText's to_maxtext does "
+        "(streaming, in bounded memory)",
+    )
+    i.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="a Hugging Face directory (config.json and model.safetensors or its index), "
+        "local, gs://, or a Hub cache snapshot",
+    )
+    i.add_argument("--out", required=True, metavar="DIR", help="where the step goes (DIR/0)")
+    i.add_argument(
+        "--save-dtype",
+        choices=sorted(SAVE_DTYPES),
+        default=DEFAULT_SAVE_DTYPE,
+        help=f"the params' dtype (default {DEFAULT_SAVE_DTYPE}, as to_maxtext's --save_dtype)",
+    )
+    i.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        metavar="SIZE",
+        help="bytes of slices held at once, e.g. 2GiB (default 2GiB)",
+    )
+    i.add_argument(
+        "--maxtext-config",
+        nargs="+",
+        required=True,
+        action=MaxTextConfigValues,
+        metavar=("CONFIG", "KEY=VALUE"),
+        help="the model's MaxText config: the config file, then KEY=VALUE overrides "
+        "(scan_layers picks the form written)",
+    )
+    i.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
+    add_json(i)
+    i.set_defaults(fn=cmd_import_hf)

@@ -1,0 +1,645 @@
+"""``import-hf``: a Hugging Face directory written as the step MaxText's own ``to_maxtext``
+writes (``<out>/0/items``, ``params/params/...``, ``step`` 0, an empty ``opt_state``, and
+``scan_layers`` in the step's custom metadata), streaming, within a memory budget.
+
+MaxText's mapping decides everything (`hf_mapping.load_import`: ``PARAM_MAPPING``,
+``HOOK_FNS`` with ``saving_to_hf=False``, ``HF_SHAPE``, and ``to_maxtext``'s abstract model),
+as ``to_maxtext`` runs it, with four differences (docs/import-hf.md):
+
+- the Hugging Face config is resized to the MaxText config first, so a resized model maps;
+- a scanned MoE param stacks on its layer axis (``to_maxtext`` stacks MaxText 0.2.5's
+  scanned mixtral router on the expert axis and crashes);
+- ``--save-dtype`` means what ``to_maxtext``'s means with torch installed, with or without
+  it: every source tensor cast first (float32 to bfloat16 rounds to nearest even), then
+  MaxText's hooks;
+- the Hugging Face ``config.json`` must agree with the MaxText config; and the directory is
+  read as untrusted input (`safetensors_in`).
+
+The unit of work is one slice: one HF tensor (or a fused group) of one layer (and expert),
+read with one range read, cast, put through MaxText's hooks and written as its own chunk
+of the stacked MaxText array. Slices run on a worker per core, the bytes in flight held
+within the budget (`budget.Budget`). The step is built in a work directory beside
+``<out>/0`` and appears only once complete (`stepdir.publish_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+from etils import epath
+
+from .._version import __version__
+from ..base.treepaths import Path
+from ..errors import LayoutMismatchError, StepExistsError, UsageError
+from ..orbax_io import item_writer, orbax_files, stepdir
+from ..plan.provenance import SCAN_LAYERS_KEY
+from . import hf_mapping
+from .budget import Budget
+from .hf_mapping import HfModel
+from .safetensors_in import HfDir
+
+SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DEFAULT_SAVE_DTYPE = "bfloat16"  # to_maxtext's default
+DEFAULT_BUDGET = 2 << 30
+HOLD = 3  # a slice is held read, cast and hooked: three times its bytes at most
+CHUNK_BYTES = 64 << 20  # a written chunk at most this (a slice larger is cut in row blocks)
+SOURCE_LAYOUT = "huggingface"
+
+# config.json fields that must agree with the MaxText config (through MaxText's own resized
+# Hugging Face config of the model): the model's kind and every size.
+CHECKED_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "head_dim",
+    "vocab_size",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "tie_word_embeddings",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One MaxText param (or a composite group of them, fused in one HF tensor) and where it
+    comes from: ``hf`` as MaxText's mapping names it (a name, a tuple of names a hook fuses,
+    or lists of those, one level per stacked axis), stacked on ``axes`` (outermost first)."""
+
+    keys: tuple[str, ...]
+    paths: tuple[Path, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    hf: Any
+    axes: tuple[int, ...]
+    hooks: Any
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        """What MaxText's hooks make of one slice (its ``target_shape``)."""
+        shape = self.shapes[0]
+        return tuple(d for i, d in enumerate(shape) if i not in self.axes)
+
+    def slices(self) -> Iterator[tuple[tuple[int, ...], Any]]:
+        """``(index on axes, the HF name(s) of that slice)``, every slice."""
+
+        def walk(node: Any, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Any]]:
+            if isinstance(node, list):
+                for i, sub in enumerate(node):
+                    yield from walk(sub, (*idx, i))
+            else:
+                yield idx, node
+
+        yield from walk(self.hf, ())
+
+
+@dataclasses.dataclass
+class ImportPlan:
+    """The import as planned from metadata only: every MaxText leaf and its HF sources."""
+
+    hf: HfDir
+    model: HfModel
+    leaves: list[Leaf]
+    save_dtype: np.dtype
+    budget: int
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(math.prod(s) * self.save_dtype.itemsize for lf in self.leaves for s in lf.shapes)
+
+    @property
+    def largest_slice(self) -> int:
+        return max(
+            (_slice_bytes(self, lf, hf) for lf in self.leaves for _, hf in lf.slices()), default=0
+        )
+
+    @property
+    def memory(self) -> int:
+        """Bytes held at the peak: the budget's worth of slices in flight (one slice over it
+        runs alone), each held read, cast and hooked."""
+        return max(
+            min(self.budget, HOLD * self.largest_slice * _workers()), HOLD * self.largest_slice
+        )
+
+
+@dataclasses.dataclass
+class ImportReport:
+    """What `import_hf` did (or, ``dry_run``, would do)."""
+
+    hf_dir: str
+    out: str
+    model_name: str
+    scan_layers: bool
+    save_dtype: str
+    params: int
+    hf_tensors: int
+    bytes_read: int
+    bytes_written: int
+    memory: int
+    dry_run: bool
+    seconds: float = 0.0
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def __str__(self) -> str:
+        did = "would write" if self.dry_run else "wrote"
+        return (
+            f"{self.hf_dir}: {did} {self.out}/0 ({self.model_name}, scan_layers="
+            f"{str(self.scan_layers).lower()}, {self.save_dtype}): {self.params} params from "
+            f"{self.hf_tensors} Hugging Face tensors, {self.bytes_read:,} bytes read, "
+            f"{self.bytes_written:,} bytes of values written, about {self.memory:,} bytes "
+            f"held at once" + (f", {self.seconds:.1f} s" if self.seconds else "")
+        )
+
+
+def import_hf(
+    hf_dir: epath.PathLike,
+    out: epath.PathLike,
+    *,
+    maxtext_config: Sequence[str],
+    save_dtype: str = DEFAULT_SAVE_DTYPE,
+    memory_budget: int | None = None,
+    dry_run: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> ImportReport:
+    """Writes the Hugging Face directory ``hf_dir`` as ``<out>/0`` (MaxText's layout), as
+    MaxText's ``to_maxtext`` does for the model of ``maxtext_config`` (its config file, then
+    ``KEY=VALUE`` overrides; ``scan_layers`` picks the form). Nothing is written before the
+    whole directory was read as metadata and checked against the model.
+
+    Raises:
+      HfInputError: the directory is malformed or names anything outside itself.
+      LayoutMismatchError: ``config.json`` or a tensor disagrees with the MaxText config
+        (every mismatch named).
+      StepExistsError: ``<out>/0`` exists.
+      UsageError: an unknown ``save_dtype``.
+    """
+    start = time.monotonic()
+    if save_dtype not in SAVE_DTYPES:
+        raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
+    hf = HfDir.open(hf_dir)
+    config = hf_mapping.load_config(maxtext_config)
+    model = hf_mapping.load_import(config)
+    check_config(hf, model)
+    budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
+    plan = plan_import(hf, model, SAVE_DTYPES[save_dtype], budget)
+    dest = epath.Path(out) / "0"
+    if dest.exists():
+        raise StepExistsError(f"{dest} exists; import-hf writes a new step: pass another --out.")
+    if not dry_run:
+        _write_step(plan, dest, progress)
+    return ImportReport(
+        str(hf_dir),
+        str(out),
+        config.model_name,
+        bool(config.scan_layers),
+        save_dtype,
+        sum(len(lf.paths) for lf in plan.leaves),
+        len({n for lf in plan.leaves for n in _names(lf.hf)}),
+        plan.bytes_read if dry_run else hf.bytes_read,
+        plan.bytes_written,
+        plan.memory,
+        dry_run,
+        0.0 if dry_run else time.monotonic() - start,
+    )
+
+
+# -- checks and the plan -------------------------------------------------------------------
+def check_config(hf: HfDir, model: HfModel) -> None:
+    """``config.json`` against MaxText's Hugging Face config of the model, resized to the
+    MaxText config: every field of `CHECKED_FIELDS` either holds, the MaxText value
+    differing is a `LayoutMismatchError` naming each (field, HF value, MaxText value)."""
+    mine = model.hf_config.to_dict()
+    theirs = hf.config
+    if "text_config" in mine and theirs.get("model_type") != mine.get("model_type"):
+        mine = {**mine["text_config"], "tie_word_embeddings": mine.get("tie_word_embeddings")}
+    problems = []
+    for field in CHECKED_FIELDS:
+        want = mine.get(field)
+        got = theirs.get(field, _derived(theirs, field))
+        if want is None or got is None:
+            continue
+        if field == "model_type" and _same_kind(got, want):
+            continue
+        if got != want:
+            problems.append(f"{field} (HF={got!r} vs MaxText={want!r})")
+    if problems:
+        raise LayoutMismatchError(
+            f"{hf.dir}/config.json does not describe the MaxText model "
+            f"{model.model_name} of the config:",
+            problems,
+            hint="Pass the --maxtext-config (model_name and sizes) of this checkpoint.",
+        )
+
+
+def _derived(cfg: dict, field: str) -> Any:
+    if field == "head_dim" and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return cfg["hidden_size"] // cfg["num_attention_heads"]
+    if field == "tie_word_embeddings":
+        return False  # transformers' default
+    return None
+
+
+def _same_kind(got: str, want: str) -> bool:
+    """A text-only checkpoint of a multimodal family (``gemma3_text`` for ``gemma3``)."""
+    return got.removesuffix("_text") == want.removesuffix("_text")
+
+
+def plan_import(hf: HfDir, model: HfModel, save_dtype: np.dtype, budget: int) -> ImportPlan:
+    """Every MaxText param of the model with its HF sources, from metadata only: each HF
+    tensor named must be in the directory with the shape MaxText's ``HF_SHAPE`` gives it,
+    and every param of MaxText's abstract model must have a source."""
+    from maxtext.checkpoint_conversion.utils.utils import validate_and_filter_param_map_keys
+
+    abstract = _abstract_params(model.config)
+    keys = validate_and_filter_param_map_keys(model.param_map.keys(), abstract.keys())
+    leaves, problems = [], []
+    for key in keys:
+        leaf = _leaf(model, key, abstract)
+        problems += _missing(hf, model, leaf)
+        leaves.append(leaf)
+    mapped = {k for lf in leaves for k in lf.keys}
+    problems += [
+        f"{k}: MaxText's mapping gives it no Hugging Face source"
+        for k in abstract
+        if k not in mapped
+    ]
+    if problems:
+        raise LayoutMismatchError(
+            f"{hf.dir} does not hold the tensors MaxText's {model.model_name} is made of:",
+            problems,
+            hint="Pass the --maxtext-config (model_name and sizes) of this checkpoint.",
+        )
+    return ImportPlan(hf, model, leaves, save_dtype, budget)
+
+
+def _abstract_params(config: Any) -> dict[str, tuple[int, ...]]:
+    """MaxText key (``params-decoder-...``) -> shape, from ``to_maxtext``'s own abstract model."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        from maxtext.checkpoint_conversion import to_maxtext
+
+        abstract, _ = to_maxtext.get_maxtext_model_info(config)
+    return {k: tuple(shape) for k, (_, shape) in abstract.items()}
+
+
+def _leaf(model: HfModel, key: Any, abstract: dict[str, tuple[int, ...]]) -> Leaf:
+    from maxtext.checkpoint_conversion.utils.tensor_handling import nesting_depth, stacked_axes
+
+    keys = key if isinstance(key, tuple) else (key,)
+    hf = model.param_map[key]
+    shapes = tuple(abstract[k] for k in keys)
+    depth = nesting_depth(hf) if isinstance(hf, list) else 0
+    if depth == 0:
+        axes: tuple[int, ...] = ()
+    elif depth == 1:
+        axes = (_single_axis(model.config, keys[0], shapes[0]),)
+    else:
+        axes = tuple(stacked_axes(keys[0], model.config, depth))
+    paths = tuple(("params", *k.split("-")) for k in keys)
+    return Leaf(keys, paths, shapes, hf, axes, model.hook_map.get(key))
+
+
+def _single_axis(config: Any, key: str, shape: tuple[int, ...]) -> int:
+    """The axis a one-level list of HF tensors stacks on: the layer axis of a scanned
+    model (``param_scan_axis``, or 0 for a rank it exceeds), the expert axis (0) of an
+    unscanned MoE param. ``to_maxtext`` also stacks a scanned ``MoeBlock`` param that is a
+    list of layers on 0, and crashes on MaxText's own scanned mixtral: its layers are on
+    ``param_scan_axis`` there as everywhere."""
+    if not config.scan_layers or "MoEBiasVar" in key or "Tid2EidVar" in key:
+        return 0
+    return config.param_scan_axis if len(shape) > config.param_scan_axis else 0
+
+
+def _names(hf: Any) -> Iterator[str]:
+    if isinstance(hf, (list, tuple)):
+        for sub in hf:
+            yield from _names(sub)
+    elif hf is not None:
+        yield hf
+
+
+def _missing(hf: HfDir, model: HfModel, leaf: Leaf) -> list[str]:
+    """The problems of ``leaf``'s sources: HF tensors absent, or of the wrong shape."""
+    out = []
+    for name in _names(leaf.hf):
+        info = hf.tensors.get(name)
+        want = model.shape_map.get(name)
+        if info is None:
+            out.append(f"{leaf.keys[0]}: no tensor {name}")
+        elif want is not None and math.prod(info.shape) != math.prod(want):
+            out.append(f"{name}: {list(info.shape)}, MaxText's {model.model_name} has {list(want)}")
+    return out
+
+
+def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
+    read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
+    made = math.prod(leaf.slice_shape) * plan.save_dtype.itemsize * len(leaf.keys)
+    return max(read, made)
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+# -- writing ----------------------------------------------------------------------------------
+def _write_step(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> None:
+    """``dest`` built in a work directory beside it and published whole; on any failure the
+    work directory goes, and so does ``dest``'s parent if this call made it."""
+    made_parent = not dest.parent.exists()
+    work = stepdir.new_step_dir(dest)
+    try:
+        tmp = stepdir.new_tmp_dir(work)
+        _write_items(plan, tmp, progress)
+        provenance = {
+            "source_layout": SOURCE_LAYOUT,
+            "converter": f"orbax-maxtext-layout {__version__}",
+            "hf_dir": str(plan.hf.dir),
+            "save_dtype": plan.save_dtype.name,
+            "bytes_read": plan.hf.bytes_read,
+        }
+        custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
+        stepdir.commit(work, tmp, provenance, meta={}, custom=custom)
+        if not stepdir.publish_step(work, dest):
+            raise StepExistsError(f"{dest} appeared while this import ran; nothing replaced.")
+    except BaseException:
+        stepdir.discard_step_dir(work)
+        work.rmtree(missing_ok=True)
+        if made_parent:
+            dest.parent.rmtree(missing_ok=True)
+        raise
+
+
+def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -> None:
+    """Every param's arrays made (each slice its own chunk), every slice written, then
+    ``step`` and the item's JSON files, ``_METADATA`` last."""
+    ctx = item_writer.ts_context()
+    zarr3 = bool(getattr(plan.model.config, "checkpoint_storage_use_zarr3", True))
+    kv = orbax_files.open_kvstore(tmp, ctx, use_ocdbt=True)
+    dst = kv.spec().to_json()
+    arrays: dict[Path, ts.TensorStore] = {}
+    chunks: dict[Path, list[int]] = {}
+    for leaf in plan.leaves:
+        for path, shape in zip(leaf.paths, leaf.shapes, strict=True):
+            chunk = chunk_shape(shape, leaf.axes, plan.save_dtype.itemsize)
+            name = orbax_files.param_name(path)
+            arrays[path] = item_writer.create_array(
+                dst, name, shape, plan.save_dtype, chunk, use_zarr3=zarr3, context=ctx
+            )
+            chunks[path] = chunk
+    _run_slices(plan, arrays, chunks, progress)
+    item_writer.write_array(dst, "step", np.asarray(0, np.int64), use_zarr3=zarr3, context=ctx)
+    leaves = {
+        path: orbax_files.leaf_files(None, None, list(shape), None)
+        for lf in plan.leaves
+        for path, shape in zip(lf.paths, lf.shapes, strict=True)
+    }
+    for path, files in leaves.items():
+        files.array_meta["chunk_shape"] = chunks[path]
+    others = {
+        ("step",): {"value_type": "scalar", "skip_deserialize": False},
+        ("opt_state",): {"value_type": "Dict", "skip_deserialize": True},
+    }
+    orbax_files.write_metadata(tmp, leaves, use_zarr3=zarr3, others=others)
+
+
+def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable | None) -> None:
+    """Every slice read, cast, hooked and written, a worker per core, within the budget."""
+    jobs = [(lf, idx, hf) for lf in plan.leaves for idx, hf in lf.slices()]
+    jobs.sort(key=lambda j: -_slice_bytes(plan, j[0], j[2]))  # the largest first
+    gate = Budget(plan.budget)
+    done, lock = [0], threading.Lock()
+
+    def one(job: tuple[Leaf, tuple[int, ...], Any]) -> None:
+        leaf, idx, hf = job
+        held = gate.take(HOLD * _slice_bytes(plan, leaf, hf))
+        try:
+            for path, data in zip(leaf.paths, _slice(plan, leaf, hf), strict=True):
+                _write_slice(arrays[path], leaf.axes, idx, data, chunks[path])
+        finally:
+            gate.give(held)
+        if progress is not None:
+            with lock:
+                done[0] += 1
+                progress(done[0], len(jobs))
+
+    with ThreadPoolExecutor(_workers()) as pool:
+        for f in [pool.submit(one, j) for j in jobs]:
+            f.result()
+
+
+def chunk_shape(shape: Sequence[int], axes: tuple[int, ...], itemsize: int) -> list[int]:
+    """The chunks of a written param: one slice each (1 on every stacked axis), a slice over
+    `CHUNK_BYTES` cut on its first other axis into row blocks under it."""
+    chunk = [1 if i in axes else d for i, d in enumerate(shape)]
+    free = [i for i in range(len(shape)) if i not in axes and shape[i] > 1]
+    if free and math.prod(chunk) * itemsize > CHUNK_BYTES:
+        row = math.prod(chunk) // chunk[free[0]] * itemsize
+        chunk[free[0]] = max(1, CHUNK_BYTES // row)
+    return chunk
+
+
+def _write_slice(
+    array: ts.TensorStore, axes: tuple[int, ...], idx: tuple[int, ...], data, chunk: list[int]
+) -> None:
+    """``data`` written at index ``idx`` on ``axes`` of ``array`` (the whole array for none),
+    a chunk's row block at a time: tensorstore holds one block's copy and encoding, never a
+    second copy of the slice."""
+    box = [slice(None)] * array.rank
+    for axis, i in zip(axes, idx, strict=True):
+        box[axis] = i
+    array = array[tuple(box)]
+    kept = [d for i, d in enumerate(chunk) if i not in axes]  # the chunk on the slice's axes
+    cut = next((k for k, (c, n) in enumerate(zip(kept, data.shape, strict=True)) if c < n), None)
+    if cut is None:
+        array.write(data).result()
+        return
+    step = kept[cut]
+    for lo in range(0, data.shape[cut], step):
+        part = (slice(None),) * cut + (slice(lo, lo + step),)
+        array[part].write(np.ascontiguousarray(data[part])).result()
+
+
+def _slice(plan: ImportPlan, leaf: Leaf, hf: Any) -> list[np.ndarray]:
+    """One slice of ``leaf`` (per MaxText param of it), as ``to_maxtext`` makes it: its HF
+    tensors read and cast (`cast`), then MaxText's hooks for the slice's shape."""
+    from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
+
+    if hf is None:
+        raw = None
+    elif isinstance(hf, tuple):
+        raw = tuple(cast(plan.hf.read(n), plan.save_dtype) for n in hf)
+    else:
+        raw = cast(plan.hf.read(hf), plan.save_dtype)
+    made = np.asarray(apply_hook_fns(raw, leaf.slice_shape, leaf.hooks))
+    if len(leaf.keys) == 1:
+        return [made.reshape(leaf.slice_shape)]
+    # a composite key: the hook's output split on its last axis, as to_maxtext splits it
+    return [made[..., i] for i in range(len(leaf.keys))]
+
+
+def cast(x: np.ndarray, save_dtype: np.dtype) -> np.ndarray:
+    """A source tensor as ``to_maxtext``'s ``_convert_tensor_to_numpy`` gives it with torch
+    installed: float32 for a float32 save; for a bfloat16 save a bfloat16 tensor as it is and
+    any other through float32 to bfloat16 (round to nearest even)."""
+    if save_dtype == np.float32:
+        return x if x.dtype == np.float32 else x.astype(np.float32)
+    if x.dtype == save_dtype:
+        return x
+    return x.astype(np.float32).astype(save_dtype)
+
+
+# -- a Hugging Face directory read as a checkpoint ----------------------------------------------
+def is_hf_dir(path: epath.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face directory (``config.json`` and safetensors)."""
+    d = epath.Path(str(path).rstrip("/"))
+    try:
+        has_weights = (d / "model.safetensors").exists() or (
+            d / "model.safetensors.index.json"
+        ).exists()
+        return has_weights and (d / "config.json").exists()
+    except OSError:
+        return False
+
+
+def load_params(
+    hf_dir: epath.PathLike, collection: Any, *, maxtext_config: Sequence[str] | None
+) -> Any:
+    """MaxText's params (``collection``: the abstract ``items/params`` tree, ``{"params":
+    {...}}``) read from the Hugging Face directory ``hf_dir``, converted on read exactly as
+    `import_hf` writes them (the same slices, casts to each leaf's dtype, MaxText's hooks).
+    Each leaf comes with its abstract sharding (none: a host array); each process reads only
+    the slices (layers, experts) its addressable shards hold, each once.
+
+    Raises:
+      UsageError: no MaxText config to map with (``maxtext_config`` None).
+      HfInputError, LayoutMismatchError: as `import_hf`, and a leaf whose shape differs.
+    """
+    if not maxtext_config:
+        raise UsageError(
+            f"{hf_dir} is a Hugging Face directory: reading it as MaxText params needs the "
+            "model's MaxText config. Run the trainer through `python -m "
+            "orbax_maxtext_layout.maxtext MODULE CONFIG KEY=VALUE...` (it passes its own), or "
+            "call load_params_from_path(..., maxtext_config=[CONFIG, 'KEY=VALUE', ...])."
+        )
+    import jax
+
+    hf = HfDir.open(hf_dir)
+    model = hf_mapping.load_import(hf_mapping.load_config(maxtext_config))
+    check_config(hf, model)
+    flat = {
+        tuple(str(k.key) for k in p): v
+        for p, v in jax.tree_util.tree_flatten_with_path(collection)[0]
+    }
+    plan = plan_import(hf, model, np.dtype(np.float32), DEFAULT_BUDGET)
+    out = {}
+    problems = []
+    for leaf in plan.leaves:
+        for k, (path, shape) in enumerate(zip(leaf.paths, leaf.shapes, strict=True)):
+            want = flat.get(path[1:])
+            if want is None:
+                continue  # a partial restore: only the leaves asked for
+            if tuple(want.shape) != tuple(shape):
+                problems.append(
+                    f"{'/'.join(path[1:])}: asked {tuple(want.shape)}, the model has {shape}"
+                )
+                continue
+            out[path[1:]] = _leaf_array(plan, leaf, k, want)
+    missing = sorted("/".join(p) for p in flat if p not in out)
+    if problems or missing:
+        raise LayoutMismatchError(
+            f"{hf_dir} cannot give the params asked for:",
+            problems + [f"{p}: not in MaxText's mapping of {model.model_name}" for p in missing],
+            hint="Pass the --maxtext-config of the model being trained.",
+        )
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(collection), [out[p] for p in flat]
+    )
+
+
+def _leaf_array(plan: ImportPlan, leaf: Leaf, k: int, want: Any) -> Any:
+    """Part ``k`` of ``leaf`` as an array like ``want`` (shape, dtype, sharding): each
+    addressable shard filled from the slices it holds, then put on its device."""
+    import jax
+
+    dtype = np.dtype(want.dtype)
+    sharding = getattr(want, "sharding", None)
+    shape = tuple(want.shape)
+    if sharding is None:
+        boxes = {None: tuple(slice(0, n) for n in shape)}
+    else:
+        boxes = {
+            d: _box(idx, shape)
+            for d, idx in sharding.addressable_devices_indices_map(shape).items()
+        }
+    bufs = {b: np.empty([s.stop - s.start for s in b], dtype) for b in set(boxes.values())}
+    for idx, hf in leaf.slices():
+        held = [
+            b
+            for b in bufs
+            if all(b[a].start <= i < b[a].stop for a, i in zip(leaf.axes, idx, strict=True))
+        ]
+        if not held:
+            continue  # no shard of this process holds this slice: not read
+        data = _slice(dataclasses.replace(plan, save_dtype=_cast_dtype(dtype)), leaf, hf)[k]
+        for b in held:
+            _fill(bufs[b], b, leaf.axes, idx, np.asarray(data).astype(dtype, copy=False))
+    if sharding is None:
+        return bufs[boxes[None]]
+    arrays = [jax.device_put(bufs[b], d) for d, b in boxes.items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _cast_dtype(dtype: np.dtype) -> np.dtype:
+    """The cast a leaf's slices get: to its own dtype where `cast` knows it (float32,
+    bfloat16), else float32 (then converted as stock Orbax converts a float32 step)."""
+    return dtype if dtype in SAVE_DTYPES.values() else np.dtype(np.float32)
+
+
+def _box(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def _fill(
+    buf: np.ndarray,
+    box: tuple[slice, ...],
+    axes: tuple[int, ...],
+    idx: tuple[int, ...],
+    data: np.ndarray,
+) -> None:
+    """The part of slice ``data`` (index ``idx`` on ``axes``) inside ``box`` copied into
+    ``buf`` (the shard at ``box``)."""
+    dst: list[Any] = []
+    src: list[Any] = []
+    rest = iter(range(data.ndim))
+    for a, s in enumerate(box):
+        if a in axes:
+            dst.append(idx[axes.index(a)] - s.start)
+        else:
+            d = next(rest)
+            dst.append(slice(None))
+            src.append(slice(s.start, s.stop))
+            del d
+    buf[tuple(dst)] = data[tuple(src)]

@@ -1,0 +1,527 @@
+"""A Hugging Face directory read as untrusted input: `HfDir`, its config and its tensors.
+
+A directory holds ``config.json`` and either ``model.safetensors`` or
+``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file) with its
+shards, on a local disk or under a ``gs://`` prefix. A Hub cache snapshot
+(``<repo>/snapshots/<rev>/``, every file a symlink ``-> ../../blobs/<hash>``) reads too.
+
+As transformers does, ``model.safetensors`` is read where there is one, else the index.
+
+It usually comes from the internet, so every byte of it is hostile until checked, and
+`HfDir.open` checks all of it (the config, the index, every shard's header) before it
+reads a byte of tensor data; anything wrong is an `HfInputError`, one line naming the
+file and, where there is one, the tensor:
+
+- a file named by the index (or this module) must stay inside the directory:
+  `containment`'s rule (no absolute path, no empty, ``.`` or ``..`` component, no NUL),
+  and on a disk its real path (symlinks resolved) inside the directory, or, in a Hub
+  cache snapshot, a file of the repo's own ``blobs/``; it must be a regular file;
+- ``config.json`` and the index are read only below a size (`CONFIG_LIMIT`,
+  `INDEX_LIMIT`), must be JSON objects, and ``weight_map`` a str -> str mapping, no name
+  twice;
+- a safetensors header (an 8-byte little-endian length, then that much JSON) is read
+  only once its length is checked against `HEADER_LIMIT` and the file's size; it must be
+  UTF-8 JSON, an object whose entries are ``__metadata__`` (str -> str, optional) and
+  tensors of exactly ``dtype`` (one of `DTYPES`), ``shape`` (at most 64 non-negative ints)
+  and ``data_offsets`` (``[begin, end]`` inside the data), each dtype's itemsize times the
+  shape's product equal to ``end - begin``, no two tensors overlapping, no name twice;
+- each tensor lies in exactly one shard: the one the index maps it to (a tensor the index
+  does not list is refused too).
+
+Nothing is allocated from a size the input declares before it is checked against the
+file's real size: a tensor's buffer is allocated only for its checked bytes, and a header
+is read only for the bytes the file really holds. Parsing those costs memory in proportion
+to them: a real header is a few KiB per hundred tensors, while a forged one of the whole
+`HEADER_LIMIT`, made of empty lists, costs Python's JSON parser 2.3 GiB and 12 s here
+before it is refused (measured; the safetensors library accepts headers that large).
+
+Reads (`HfDir.read`, `HfDir.read_rows`) are one range read each (in `REMOTE_PIECE` parts
+on an object store), from a file opened once, safe from several threads at once:
+``os.preadv`` on a local file descriptor; on ``gs://`` ranged reads of exactly the bytes
+asked for (fsspec's ``cat_file``; no read-ahead). Each byte is read once, and
+`HfDir.bytes_read` counts every byte read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import stat
+import struct
+import threading
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from etils import epath
+
+from ..errors import UsageError
+from ..orbax_io.orbax_files import CheckpointRefusedError
+from ..storage.containment import escape
+from ..storage.objstore import is_remote
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_LIMIT = 16 << 20  # config.json; real ones are a few KiB
+INDEX_LIMIT = 64 << 20  # the index: ~100 bytes a tensor, so room for over 600k tensors
+HEADER_LIMIT = 100_000_000  # a safetensors header: the safetensors library's own limit
+MAX_NDIM = 64  # NumPy's
+REMOTE_PIECE = 64 << 20  # an object-store read is made of ranged reads of this size
+SNAPSHOTS, BLOBS = "snapshots", "blobs"  # a Hub cache repo: snapshots/<rev>/ -> blobs/
+_NAME_SHOWN = 160  # a name from the input is shown (repr) up to this many characters
+
+# safetensors' dtype names; the sub-byte ones (F4, F6_*) are not read
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "C64": np.dtype(np.complex64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+class HfInputError(CheckpointRefusedError):
+    """A Hugging Face directory refused as damaged or forged (or a file of it missing or
+    unreadable): one line naming the file and, where there is one, the tensor. Raised by
+    `HfDir.open`, before any tensor data is read; by a read only for a file that shrank
+    since."""
+
+
+def _q(value: object) -> str:
+    """A value taken from the input, shown safely: its repr, cut short."""
+    r = repr(value)
+    return r if len(r) <= _NAME_SHOWN else r[: _NAME_SHOWN - 3] + "..."
+
+
+def _refuse(where: object, what: str, *, forged: bool = True) -> HfInputError:
+    """The refusal of ``where`` for ``what``; ``forged``: it says what the input is, not
+    merely missing or unreadable."""
+    why = "; refused (a damaged or forged Hugging Face directory)" if forged else ""
+    return HfInputError(" ".join(f"{where}: {what}{why}.".splitlines()))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the directory, as its checked header says."""
+
+    name: str
+    file: str  # relative to the directory, as the index names it (or "model.safetensors")
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file: 8 + header length + data_offsets[0]
+    nbytes: int
+
+
+class _Short(Exception):
+    """A file gave fewer bytes than its checked size promised (it shrank meanwhile)."""
+
+
+class _LocalFile:
+    """A regular file on a disk, opened once; `read_into` is ``os.preadv`` (thread-safe)."""
+
+    def __init__(self, real: str) -> None:
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        self.fd = os.open(real, flags)
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IsADirectoryError("not a regular file")
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = st.st_size
+
+    def read_into(self, buf: np.ndarray, at: int) -> None:
+        view, done = memoryview(buf).cast("B"), 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], at + done)
+            if got <= 0:
+                raise _Short(f"{done} of {len(view)} bytes at offset {at}")
+            done += got
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:  # an HfDir dropped unclosed leaves no descriptor open
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _RemoteFile:
+    """An object (``gs://``): ranged reads through the handle's file system where it has
+    one (fsspec's ``cat_file``: exactly the bytes asked for, no read-ahead), else a fresh
+    handle per read, seeked. Thread-safe."""
+
+    def __init__(self, path: epath.Path) -> None:
+        st = path.stat()
+        if st.is_directory or st.length is None:
+            raise IsADirectoryError("not a regular file")
+        self.path, self.size = path, int(st.length)
+        with path.open("rb") as fh:
+            fs, key = getattr(fh, "fs", None), getattr(fh, "path", None)
+        self._cat = getattr(fs, "cat_file", None) if isinstance(key, str) else None
+        self._key = key
+
+    def read_into(self, buf: np.ndarray, at: int) -> None:
+        view = memoryview(buf).cast("B")
+        for lo in range(0, len(view), REMOTE_PIECE):
+            n = min(REMOTE_PIECE, len(view) - lo)
+            if self._cat is not None:
+                data = self._cat(self._key, start=at + lo, end=at + lo + n)
+            else:
+                with self.path.open("rb") as fh:
+                    fh.seek(at + lo)
+                    data = fh.read(n)
+            if len(data) != n:
+                raise _Short(f"{len(data)} of {n} bytes at offset {at + lo}")
+            view[lo : lo + n] = data
+
+    def close(self) -> None:
+        pass
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+def _parse(data: np.ndarray, where: object, what: str, *, unique: bool) -> Any:
+    """``data`` (bytes) as UTF-8 JSON; ``unique``: a key named twice in an object is refused
+    (Python's parser would keep the last silently)."""
+    try:
+        return json.loads(
+            str(memoryview(data), "utf-8"), object_pairs_hook=_unique if unique else None
+        )
+    except _Duplicate as e:
+        raise _refuse(where, f"{_q(e.key)} is named twice in the {what}") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # UnicodeDecodeError is one
+        why = {RecursionError: "nested too deeply", MemoryError: "too large to parse"}
+        raise _refuse(where, f"the {what} is not valid JSON ({why.get(type(e), e)})") from None
+
+
+class HfDir:
+    """A Hugging Face directory, every header checked (module docstring): `open` it, then
+    `read` tensors whole or `read_rows` of them. `close` (or ``with``) closes its files."""
+
+    dir: epath.Path
+    config: dict
+    tensors: dict[str, TensorInfo]
+
+    def __init__(self, hf_dir: epath.PathLike) -> None:
+        self.dir = epath.Path(hf_dir)
+        self.remote = is_remote(hf_dir)
+        self.config = {}
+        self.tensors = {}
+        self._files: dict[str, _LocalFile | _RemoteFile] = {}
+        self._sizes: dict[str, int] = {}  # each safetensors file's size
+        self._index: dict[str, str] = {}  # the index's weight_map, once checked
+        self._bytes_read = 0
+        self._lock = threading.Lock()
+        self._root = self._blobs = ""
+        if not self.remote:
+            self._root = os.path.realpath(os.fspath(hf_dir))
+            parent = os.path.dirname(self._root)
+            if os.path.basename(parent) == SNAPSHOTS:  # <repo>/snapshots/<rev>
+                self._blobs = os.path.realpath(os.path.join(os.path.dirname(parent), BLOBS))
+
+    # -- opening: everything checked, no tensor data read ------------------------------
+    @classmethod
+    def open(cls, hf_dir: epath.PathLike) -> HfDir:
+        """The directory ``hf_dir`` (a local path or ``gs://``), its config, index and every
+        shard's header read and checked; `HfInputError` for anything wrong."""
+        self = cls(hf_dir)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _open(self) -> None:
+        if not self.remote and not os.path.isdir(self._root):
+            raise _refuse(self.dir, "no such directory", forged=False)
+        config = self._read_json(CONFIG_FILE, CONFIG_LIMIT, "config", unique=False)
+        if not isinstance(config, dict):
+            raise _refuse(self._where(CONFIG_FILE), "the config is not a JSON object")
+        self.config = config
+        if self._exists(WEIGHTS_FILE):
+            self._add_shard(WEIGHTS_FILE, None)
+        elif self._exists(INDEX_FILE):
+            shards = self._read_index()
+            for rel in sorted(shards):
+                self._add_shard(rel, shards[rel])
+        else:
+            raise _refuse(self.dir, f"neither {WEIGHTS_FILE} nor {INDEX_FILE} is here")
+        self.tensors = dict(sorted(self.tensors.items()))
+
+    def _where(self, rel: str) -> str:
+        shown = rel if len(rel) <= _NAME_SHOWN and rel.isprintable() else _q(rel)
+        return f"{self.dir}/{shown}"
+
+    def _exists(self, rel: str) -> bool:
+        if self.remote:
+            return (self.dir / rel).exists()
+        return os.path.lexists(os.path.join(self._root, rel))
+
+    def _read_json(self, rel: str, limit: int, what: str, *, unique: bool) -> Any:
+        f = self._file(rel, None, None)
+        try:
+            if f.size > limit:
+                raise _refuse(
+                    self._where(rel),
+                    f"the {what} is {f.size:,} bytes, more than the {limit:,} read",
+                )
+            data = self._read(f, rel, None, 0, f.size)
+        finally:
+            f.close()
+        return _parse(data, self._where(rel), what, unique=unique)
+
+    def _read_index(self) -> dict[str, list[str]]:
+        """The index's shards: each file name -> the tensors it maps there; every name
+        checked to stay inside the directory before any shard is opened."""
+        where = self._where(INDEX_FILE)
+        index = self._read_json(INDEX_FILE, INDEX_LIMIT, "index", unique=True)
+        if not isinstance(index, dict):
+            raise _refuse(where, "the index is not a JSON object")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise _refuse(where, f"its weight_map is {_q(weight_map)}, not an object of files")
+        shards: dict[str, list[str]] = {}
+        for name, rel in weight_map.items():
+            if not isinstance(rel, str):
+                raise _refuse(where, f"tensor {_q(name)}: its file is {_q(rel)}, not a string")
+            why = escape(rel)
+            if why is not None:
+                raise _refuse(where, f"tensor {_q(name)}: file {_q(rel)} leaves {self.dir} ({why})")
+            shards.setdefault(rel, []).append(name)
+        self._index = weight_map
+        return shards
+
+    def _file(self, rel: str, tensor: str | None, named_by: str | None) -> _LocalFile | _RemoteFile:
+        """File ``rel`` opened, once it is shown to be a regular file inside the directory
+        (or in its Hub cache repo's ``blobs/``). ``named_by``: the file naming it."""
+        where = self._where(rel)
+        about = f"tensor {_q(tensor)}: " if tensor is not None else ""
+        if named_by is not None:
+            about += f"named by {named_by}: "
+        why = escape(rel)
+        if why is not None:  # the names of this module pass; the index's were checked
+            raise _refuse(where, f"{about}the path leaves {self.dir} ({why})")
+        try:
+            if self.remote:
+                return _RemoteFile(self.dir / rel)
+            path = os.path.join(self._root, rel)
+            os.lstat(path)
+            real = os.path.realpath(path)
+            inside = real.startswith(self._root.rstrip("/") + "/")
+            blob = bool(self._blobs) and os.path.dirname(real) == self._blobs
+            if not (inside or blob):
+                raise _refuse(
+                    where,
+                    f"{about}a link to {_q(real)}, outside {self.dir} (only a Hub cache "
+                    f"snapshot's links into its repo's {BLOBS}/ are followed)",
+                )
+            if not stat.S_ISREG(os.stat(real).st_mode):
+                raise IsADirectoryError("not a regular file")
+            return _LocalFile(real)
+        except FileNotFoundError:
+            raise _refuse(where, f"{about}missing", forged=False) from None
+        except IsADirectoryError:
+            raise _refuse(where, f"{about}not a regular file") from None
+        except OSError as e:
+            raise _refuse(
+                where, f"{about}cannot be read ({e.strerror or e})", forged=False
+            ) from None
+
+    def _add_shard(self, rel: str, listed: list[str] | None) -> None:
+        """Shard ``rel`` opened and its header checked; its tensors added. ``listed``: the
+        tensors the index maps to it (None: the single ``model.safetensors``)."""
+        named_by = INDEX_FILE if listed is not None else None
+        f = self._file(rel, listed[0] if listed else None, named_by)
+        self._files[rel] = f
+        self._sizes[rel] = f.size
+        where = self._where(rel)
+        found = self._header(f, rel, where)
+        wanted = set(listed) if listed is not None else None
+        for info in found:
+            other = self.tensors.get(info.name)
+            if other is not None:
+                raise _refuse(where, f"tensor {_q(info.name)} is also in {_q(other.file)}")
+            if wanted is not None and info.name not in wanted:
+                there = self._index.get(info.name)
+                said = f"maps it to {_q(there)}" if there is not None else "does not list it"
+                raise _refuse(where, f"tensor {_q(info.name)} is here, but {INDEX_FILE} {said}")
+            self.tensors[info.name] = info
+        if wanted is not None:
+            missing = sorted(wanted - {i.name for i in found})
+            if missing:
+                raise _refuse(
+                    where, f"tensor {_q(missing[0])}: {INDEX_FILE} maps it here, but it is not here"
+                )
+
+    def _header(self, f: _LocalFile | _RemoteFile, rel: str, where: str) -> list[TensorInfo]:
+        """The tensors of ``f``'s header, every entry checked against the file's size."""
+        if f.size < 8:
+            raise _refuse(where, f"{f.size} bytes, shorter than a safetensors header length")
+        (n,) = struct.unpack("<Q", self._read(f, rel, None, 0, 8).tobytes())
+        if n > HEADER_LIMIT:
+            raise _refuse(where, f"its header length {n} is over the limit ({HEADER_LIMIT})")
+        if n > f.size - 8:
+            raise _refuse(where, f"its header length {n} runs past the end ({f.size} bytes)")
+        header = _parse(self._read(f, rel, None, 8, n), where, "header", unique=True)
+        if not isinstance(header, dict):
+            raise _refuse(where, "the header is not a JSON object")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (
+            isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+        ):
+            raise _refuse(where, "its __metadata__ is not a mapping of strings to strings")
+        data_len = f.size - 8 - n
+        found = [_entry(name, e, rel, 8 + n, data_len, where) for name, e in header.items()]
+        spans = sorted((i.start, i.start + i.nbytes, i.name) for i in found if i.nbytes)
+        for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
+            if begin < end:
+                raise _refuse(where, f"tensor {_q(b)} overlaps tensor {_q(a)}")
+        return found
+
+    # -- reading ----------------------------------------------------------------------
+    def _read(
+        self, f: _LocalFile | _RemoteFile, rel: str, tensor: str | None, at: int, n: int
+    ) -> np.ndarray:
+        """Bytes ``[at, at + n)`` of ``f`` (``n`` checked against its size by the caller)."""
+        buf = np.empty(n, np.uint8)
+        try:
+            if n:
+                f.read_into(buf, at)
+        except _Short as e:
+            about = f"tensor {_q(tensor)}: " if tensor is not None else ""
+            raise _refuse(
+                self._where(rel), f"{about}the file is shorter than it was ({e})"
+            ) from None
+        except OSError as e:
+            about = f"tensor {_q(tensor)}: " if tensor is not None else ""
+            what = f"{about}cannot be read ({e.strerror or e})"
+            raise _refuse(self._where(rel), what, forged=False) from None
+        with self._lock:
+            self._bytes_read += n
+        return buf
+
+    @property
+    def bytes_read(self) -> int:
+        """Every byte read so far: the config, the index, headers and tensor data."""
+        return self._bytes_read
+
+    @property
+    def safetensors_bytes(self) -> int:
+        """The sizes of the safetensors files, added up."""
+        return sum(self._sizes.values())
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.dir}: no tensor {name!r}") from None
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor ``name`` whole: one range read, a C-order array of its dtype."""
+        t = self._info(name)
+        return self._array(t, 0, t.nbytes, t.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""
+        t = self._info(name)
+        if not t.shape or not 0 <= start <= stop <= t.shape[0]:
+            raise UsageError(
+                f"{self.dir}: tensor {name!r} is {list(t.shape)}: it has no rows [{start}, {stop})"
+            )
+        row = t.nbytes // t.shape[0] if t.shape[0] else 0
+        return self._array(t, start * row, (stop - start) * row, (stop - start, *t.shape[1:]))
+
+    def _array(self, t: TensorInfo, offset: int, n: int, shape: tuple[int, ...]) -> np.ndarray:
+        f = self._files.get(t.file)
+        if f is None:
+            raise UsageError(f"{self.dir}: read after close")
+        buf = self._read(f, t.file, t.name, t.start + offset, n)
+        if t.dtype == np.bool_:
+            np.minimum(buf, 1, out=buf)  # any other byte would be a bool NumPy misreads
+        return buf.view(t.dtype).reshape(shape)
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+    def __enter__(self) -> HfDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HfDir({str(self.dir)!r}, {len(self.tensors)} tensors in {len(self._sizes)} files)"
+
+
+def _entry(name: str, e: Any, rel: str, data_start: int, data_len: int, where: str) -> TensorInfo:
+    """Header entry ``name`` checked: its keys, dtype, shape and byte range (inside the
+    ``data_len`` bytes of data, matching dtype x shape, in Python ints: no overflow)."""
+
+    def bad(what: str) -> HfInputError:
+        return _refuse(where, f"tensor {_q(name)}: {what}")
+
+    if not isinstance(e, dict) or set(e) != _ENTRY_KEYS:
+        keys = sorted(e) if isinstance(e, dict) else type(e).__name__
+        raise bad(f"its entry is {_q(keys)}, not exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"dtype {_q(dtype)} is not one this library reads ({', '.join(DTYPES)})")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise bad(f"shape {_q(shape)} is not a list of at most {MAX_NDIM} sizes")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"shape {_q(shape)} holds something other than non-negative integers")
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+    ):
+        raise bad(f"data_offsets {_q(offsets)} is not [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_len:
+        raise bad(f"data_offsets {_q(offsets)} are not a range of its {data_len} bytes of data")
+    itemsize, span = DTYPES[dtype].itemsize, end - begin
+    if 0 in shape:
+        size = 0
+    else:  # stops as soon as the product passes the span: a forged shape costs no big ints
+        size = itemsize
+        for d in shape:
+            size *= d
+            if size > span:
+                break
+    if size != span:
+        raise bad(f"{dtype}{_q(shape)} is not the {span} bytes its data_offsets span")
+    return TensorInfo(name, rel, DTYPES[dtype], tuple(shape), data_start + begin, span)

@@ -1,0 +1,142 @@
+"""`import-hf` refuses a hostile Hugging Face directory before anything else (no MaxText
+needed: the directory is read, as metadata, first): exit 1, one ``error:`` line naming the
+file and the tensor, nothing written under ``--out`` and nothing beside it, the directory
+unchanged. The conversion itself runs MaxText's mapping: tests/interop/test_import_hf.py."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tree_digest
+from safetensors.numpy import save_file
+
+from orbax_maxtext_layout import cli
+
+CONFIG = {"model_type": "llama", "hidden_size": 4, "num_attention_heads": 1}
+
+
+def _hf(root: Path) -> Path:
+    """A small, valid sharded Hugging Face directory."""
+    d = root / "hf"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    save_file({"a": np.ones((2, 4), np.float32)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.zeros((4,), np.float32)}, str(d / "model-00002-of-00002.safetensors"))
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d
+
+
+def _escape(d: Path) -> str:
+    """An index entry naming a real, readable file outside the directory."""
+    secret = d.parent / "secret.safetensors"
+    save_file({"b": np.full((4,), 7, np.float32)}, str(secret))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["b"] = "../secret.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "secret.safetensors"
+
+
+def _overlap(d: Path) -> str:
+    """Two tensors of one file sharing bytes."""
+    header = {
+        "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    raw = json.dumps(header).encode()
+    body = struct.pack("<Q", len(raw)) + raw + bytes(12)
+    (d / "model-00002-of-00002.safetensors").write_bytes(body)
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "x": "model-00002-of-00002.safetensors",
+            "y": "model-00002-of-00002.safetensors",
+        }
+    }
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "model-00002-of-00002.safetensors"
+
+
+def _huge_header(d: Path) -> str:
+    """A header length far past the file (and past any memory)."""
+    f = d / "model-00001-of-00002.safetensors"
+    f.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
+    return f.name
+
+
+def _twice(d: Path) -> str:
+    """Tensor ``a`` in both shards."""
+    save_file(
+        {"a": np.ones((2, 4), np.float32), "b": np.zeros((4,), np.float32)},
+        str(d / "model-00002-of-00002.safetensors"),
+    )
+    return "'a'"
+
+
+CASES = {"escape": _escape, "overlap": _overlap, "huge-header": _huge_header, "twice": _twice}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hostile_directory_is_refused_and_nothing_is_written(tmp_path, capsys, case):
+    hf = _hf(tmp_path)
+    named = CASES[case](hf)
+    before = tree_digest(tmp_path)
+    out = tmp_path / "out"
+    code = cli.main(
+        [
+            "import-hf",
+            str(hf),
+            "--out",
+            str(out),
+            "--maxtext-config",
+            "base.yml",
+            "model_name=llama3.1-8b",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert named in lines[0] and "Traceback" not in err
+    assert not out.exists()
+    assert tree_digest(tmp_path) == before  # the directory as it was, nothing beside it
+
+
+def test_an_unknown_save_dtype_is_a_usage_error(tmp_path):
+    hf = _hf(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "orbax_maxtext_layout", "import-hf", str(hf), "--out", str(tmp_path / "o"),
+         "--save-dtype", "float16", "--maxtext-config", "base.yml"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--save-dtype" in done.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_valid_directory_without_maxtext_says_what_to_install(tmp_path, capsys):
+    """Past the directory's checks, the mapping is MaxText's: without it, exit 2 naming it."""
+    pytest.importorskip("orbax_maxtext_layout")
+    try:
+        import maxtext  # noqa: F401
+
+        pytest.skip("MaxText is installed here: the interop suite runs the import")
+    except ImportError:
+        pass
+    hf = _hf(tmp_path)
+    code = cli.main(
+        ["import-hf", str(hf), "--out", str(tmp_path / "o"), "--maxtext-config", "base.yml"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "maxtext" in err.lower()
+    assert not (tmp_path / "o").exists()
