@@ -54,6 +54,15 @@ DEFAULT_BUDGET = 2 << 30
 HOLD = 3  # a slice is held read, cast and hooked: three times its bytes at most
 CHUNK_BYTES = 64 << 20  # a written chunk at most this (a slice larger is cut in row blocks)
 SOURCE_LAYOUT = "huggingface"
+# Where MaxText's mapping names a tensor as a model class holds it in memory and the files
+# name it otherwise: MaxText 0.2.5's gemma3 reads ``model.language_model.*``
+# (``Gemma3ForConditionalGeneration`` in memory); ``Gemma3ForCausalLM`` saves ``model.*``
+# and older multimodal files ``language_model.model.*``. The name MaxText gives is used
+# when the directory has it, else the first of these that it has.
+NAME_ALIASES = (
+    ("model.language_model.", "model."),
+    ("model.language_model.", "language_model.model."),
+)
 
 # config.json fields that must agree with the MaxText config (through MaxText's own resized
 # Hugging Face config of the model): the model's kind and every size.
@@ -277,7 +286,7 @@ def plan_import(hf: HfDir, model: HfModel, save_dtype: np.dtype, budget: int) ->
     for key in keys:
         leaf = _leaf(model, key, abstract)
         problems += _missing(hf, model, leaf)
-        leaves.append(leaf)
+        leaves.append(dataclasses.replace(leaf, hf=_as_stored(hf, leaf.hf)))
     mapped = {k for lf in leaves for k in lf.keys}
     problems += [
         f"{k}: MaxText's mapping gives it no Hugging Face source"
@@ -345,13 +354,32 @@ def _missing(hf: HfDir, model: HfModel, leaf: Leaf) -> list[str]:
     """The problems of ``leaf``'s sources: HF tensors absent, or of the wrong shape."""
     out = []
     for name in _names(leaf.hf):
-        info = hf.tensors.get(name)
+        info = hf.tensors.get(_stored_name(hf, name))
         want = model.shape_map.get(name)
         if info is None:
             out.append(f"{leaf.keys[0]}: no tensor {name}")
         elif want is not None and math.prod(info.shape) != math.prod(want):
             out.append(f"{name}: {list(info.shape)}, MaxText's {model.model_name} has {list(want)}")
     return out
+
+
+def _stored_name(hf: HfDir, name: str) -> str:
+    """The name the directory stores MaxText's tensor ``name`` under (`NAME_ALIASES`)."""
+    if name in hf.tensors:
+        return name
+    for theirs, ours in NAME_ALIASES:
+        if name.startswith(theirs) and ours + name[len(theirs) :] in hf.tensors:
+            return ours + name[len(theirs) :]
+    return name
+
+
+def _as_stored(hf: HfDir, node: Any) -> Any:
+    """MaxText's nested names with each name as the directory stores it."""
+    if isinstance(node, list):
+        return [_as_stored(hf, n) for n in node]
+    if isinstance(node, tuple):
+        return tuple(_as_stored(hf, n) for n in node)
+    return None if node is None else _stored_name(hf, node)
 
 
 def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:

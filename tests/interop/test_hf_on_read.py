@@ -1,0 +1,131 @@
+"""A Hugging Face directory read as a checkpoint, and `import-hf`'s refusals and kills, with
+MaxText 0.2.5's mapping (issue 43, parts 1 and 2):
+
+- `load_params_from_path(HF_DIR, abstract, maxtext_config=...)` onto an 8-device fsdp target
+  gives exactly the arrays a stock restore of `import-hf`'s output gives, with the same
+  shardings (llama3.1 scanned, mixtral both forms);
+- a MaxText config of another size is refused with every mismatch named (field, HF value,
+  MaxText value), exit 1, nothing under --out;
+- an import killed mid-write leaves no step a reader would take for complete, and the next
+  run writes it.
+
+The tiny checkpoints are import_hf_support's (transformers' save_pretrained, hf venv).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import import_hf_support as H
+import maxtext_loop_support as L
+import pytest
+
+pytestmark = pytest.mark.skipif(not H.hf_python(), reason="needs the hf venv (OMTL_HF_PYTHON)")
+
+CHILD = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import orbax_maxtext_layout as oml
+hf_dir, step, keys = sys.argv[1], sys.argv[2], sys.argv[3:]
+tree = ocp.PyTreeCheckpointer().metadata(step + "/items").item_metadata.tree
+mesh = Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
+def target(m):  # fsdp: each leaf cut 8 ways on its largest axis that divides by 8
+    shape, spec = tuple(m.shape), [None] * len(m.shape)
+    for a, n in sorted(enumerate(shape), key=lambda t: -t[1]):
+        if n % 8 == 0:
+            spec[a] = "fsdp"
+            break
+    return jax.ShapeDtypeStruct(shape, m.dtype, sharding=NamedSharding(mesh, P(*spec)))
+abstract = jax.tree.map(target, tree["params"])
+got = oml.load_params_from_path(hf_dir, abstract, maxtext_config=keys)
+want = oml.load_params_from_path(step + "/items", abstract)
+flat = jax.tree_util.tree_flatten_with_path(got)[0]
+have = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+assert len(flat) == len(have) and len(flat) > 0
+cut = 0
+for p, a in flat:
+    b = have[p]
+    assert a.sharding == b.sharding and a.dtype == b.dtype and a.shape == b.shape, p
+    assert np.array_equal(np.asarray(a), np.asarray(b)), p
+    cut += len({s.index for s in a.addressable_shards}) > 1
+print("equal", len(flat), "cut", cut)
+"""
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{H.REPO}{os.pathsep}{H.HERE}", JAX_PLATFORMS="cpu")
+
+
+def _import(hf_dir: Path, out: Path, family: str, scan: bool, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "orbax_maxtext_layout", "import-hf", str(hf_dir), "--out", str(out),
+        "--save-dtype", "float32", "--maxtext-config", str(L.base_yml()),
+        *H.FAMILY_KEYS[family], H.scan_key(scan), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    return H.write_hf(tmp_path_factory.mktemp("hf"), ["llama_f32", "mixtral"])
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "scan"),
+    [("llama_f32", "llama3.1", True), ("mixtral", "mixtral", True), ("mixtral", "mixtral", False)],
+    ids=["llama31-scanned", "mixtral-scanned", "mixtral-unscanned"],
+)
+def test_a_hf_directory_restores_as_the_import_s_params_on_a_sharded_target(
+    hf_dirs, tmp_path, name, family, scan
+):
+    out = tmp_path / "run"
+    done = subprocess.run(
+        _import(hf_dirs[name], out, family, scan), env=_env(), capture_output=True, text=True,
+        timeout=H.CHILD_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = [str(L.base_yml()), *H.FAMILY_KEYS[family], H.scan_key(scan)]
+    child = [sys.executable, "-c", CHILD, str(hf_dirs[name]), str(out / "0"), *keys]
+    ran = subprocess.run(child, env=_env(), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    equal, cut = ran.stdout.split()[1::2]
+    assert int(equal) > 10 and int(cut) > 0  # every leaf, most of them cut 8 ways
+
+
+def test_a_config_of_another_size_is_refused_naming_every_mismatch(hf_dirs, tmp_path):
+    out = tmp_path / "run"
+    argv = _import(hf_dirs["llama_f32"], out, "llama3.1", True)
+    argv = [a if not a.startswith("base_mlp_dim=") else "base_mlp_dim=48" for a in argv]
+    argv = [a if not a.startswith("vocab_size=") else "vocab_size=128" for a in argv]
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "intermediate_size (HF=32 vs MaxText=48)" in done.stderr
+    assert "vocab_size (HF=64 vs MaxText=128)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_a_killed_import_leaves_no_step_and_the_next_run_writes_it(hf_dirs, tmp_path):
+    out = tmp_path / "run"
+    argv = _import(hf_dirs["mixtral"], out, "mixtral", True)
+    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and any(".orbax-checkpoint-tmp" in p.name for p in out.iterdir()):
+            break  # the work directory is there: the step is being written
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (out / "0").exists() or proc.returncode == 0  # never a half-written step
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "0" / "items" / "_METADATA").is_file()
+    assert [p.name for p in out.iterdir()] == ["0"]  # the dead run's work directory swept
