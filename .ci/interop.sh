@@ -143,7 +143,7 @@ log "interop suite (python -m pytest -q tests/interop), OMTL_HF_PYTHON=$OMTL_HF_
 # interop suite; the rest of tests/gcs runs in .ci/run's own core pass. Like every pass here
 # it runs on pyproject's pytest-xdist workers (-n auto), by file (--dist loadfile): each
 # module's MaxText and Tunix fixtures are built once, on the worker that runs its tests.
-pytest_in "$INTEROP_VENV" --dist loadfile tests/interop tests/gcs/test_gcs_export_hf.py || status=1
+pytest_in "$INTEROP_VENV" --dist loadfile tests/interop tests/gcs/test_gcs_export_hf.py tests/gcs/test_gcs_import_hf.py || status=1
 
 if [[ "$RUN_CORE" == 1 ]]; then
   # -- 2. core suite at the newest pinned orbax-checkpoint (the interop venv) ---------------

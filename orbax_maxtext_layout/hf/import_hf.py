@@ -24,6 +24,7 @@ within the budget (`budget.Budget`). The step is built in a work directory besid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -43,6 +44,8 @@ from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
+from ..storage.lock import step_lock
+from ..storage.store import store_for
 from . import hf_mapping
 from .budget import Budget
 from .hf_mapping import HfModel
@@ -394,9 +397,24 @@ def _workers() -> int:
 
 # -- writing ----------------------------------------------------------------------------------
 def _write_step(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> None:
-    """``dest`` built in a work directory beside it and published whole; on any failure the
-    work directory goes, and so does ``dest``'s parent if this call made it."""
+    """``dest`` built where its store builds a new step (a work directory beside it on a disk;
+    in place, under the step's lock, on an object store) and published whole, as `merge-lora`
+    publishes; on any failure the work goes, and so does ``dest``'s parent if this call made
+    it."""
     made_parent = not dest.parent.exists()
+    store = store_for(dest)
+    try:
+        with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():
+            if store.dest_taken(dest):
+                raise StepExistsError(f"{dest} exists; nothing was written: pass another --out.")
+            _build(plan, dest, progress)
+    except BaseException:
+        if made_parent:
+            dest.parent.rmtree(missing_ok=True)
+        raise
+
+
+def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> None:
     work = stepdir.new_step_dir(dest)
     try:
         tmp = stepdir.new_tmp_dir(work)
@@ -414,9 +432,6 @@ def _write_step(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -
             raise StepExistsError(f"{dest} appeared while this import ran; nothing replaced.")
     except BaseException:
         stepdir.discard_step_dir(work)
-        work.rmtree(missing_ok=True)
-        if made_parent:
-            dest.parent.rmtree(missing_ok=True)
         raise
 
 
