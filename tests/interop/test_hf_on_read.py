@@ -129,3 +129,37 @@ def test_a_killed_import_leaves_no_step_and_the_next_run_writes_it(hf_dirs, tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "0" / "items" / "_METADATA").is_file()
     assert [p.name for p in out.iterdir()] == ["0"]  # the dead run's work directory swept
+
+
+def test_import_of_an_export_gives_back_the_step_s_params(tmp_path):
+    """export-hf of MaxText's own step, then import-hf: every param bit for bit, but llama's
+    query kernel (scaled by 1/sqrt(head_dim) out and sqrt(head_dim) in): at most 1 ulp."""
+    import numpy as np
+    from conftest import restore_flat
+
+    step = H.REPO / "tests/fixtures/maxtext025/pretrain_run/checkpoints/1"
+    config = ["--maxtext-config", str(L.base_yml()), *H.FAMILY_KEYS["llama3.1"]]
+    out = [sys.executable, "-m", "orbax_maxtext_layout"]
+    exported = subprocess.run(
+        [*out, "export-hf", str(step), "--out", str(tmp_path / "hf"),
+         "--override-model-architecture", *config],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    imported = subprocess.run(
+        [*out, "import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"),
+         "--save-dtype", "float32", *config, "scan_layers=true"],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    want = {k: v for k, v in restore_flat(step / "items").items() if k[0] == "params"}
+    got = {k: v for k, v in restore_flat(tmp_path / "run/0/items").items() if k[0] == "params"}
+    assert sorted(got) == sorted(want)
+    inexact = []
+    for path, value in want.items():
+        a, b = np.asarray(value), np.asarray(got[path])
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        if not np.array_equal(a, b):
+            inexact.append(path[-2])
+            assert np.all(np.abs(a - b) <= np.spacing(np.abs(a).astype(a.dtype))), path
+    assert inexact in ([], ["query"])
