@@ -596,6 +596,7 @@ def _merge_child(a, b, out):
     return proc
 
 
+@pytest.mark.slow  # the slow pass (.ci/run): a kill campaign
 def test_sigkill_during_merge_leaves_nothing_listed(tmp_path):
     """A merge killed at a seeded random moment of its work leaves no listable step under
     --out (only a complete one); a rerun completes."""

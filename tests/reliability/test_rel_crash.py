@@ -325,6 +325,7 @@ FULL_RUN_HITS_EMPTY_LOCK = pytest.mark.xfail(
 )
 
 
+@pytest.mark.slow  # the slow pass (.ci/run): a kill campaign
 @FULL_RUN_HITS_EMPTY_LOCK
 def test_sigkill_default(base, base1, reference, tmp_path):
     """The default conversion: the data files shared with the legacy items."""
@@ -343,6 +344,7 @@ def test_sigkill_copy(base, base1, reference, tmp_path):
     assert not violations, _report(violations)
 
 
+@pytest.mark.slow  # the slow pass (.ci/run): a kill campaign
 def test_sigkill_in_place(base, base1, reference, tmp_path):
     violations = _random_campaign("in_place", base, reference, tmp_path)
     violations += _boundary_campaign("in_place", base1, reference, tmp_path, REMOVAL_POINTS)
@@ -449,6 +451,7 @@ def _manager_job(base1: Path):
     return job
 
 
+@pytest.mark.slow  # the slow pass (.ci/run): a kill campaign
 @FULL_RUN_HITS_EMPTY_LOCK
 def test_sigkill_manager_migration(mbase, mreference, tmp_path):
     """20 random kills of restore + save + migrate, then boundary kills in every phase."""
