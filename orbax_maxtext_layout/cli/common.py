@@ -214,3 +214,18 @@ def on_cpu() -> None:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+
+
+def add_model_config(sp: argparse.ArgumentParser, note: str = "") -> None:
+    """The required ``--maxtext-config`` of the Hugging Face commands, then ``--dry-run`` and
+    ``--json`` (export-hf, import-hf)."""
+    sp.add_argument(
+        "--maxtext-config",
+        nargs="+",
+        required=True,
+        action=MaxTextConfigValues,
+        metavar=("CONFIG", "KEY=VALUE"),
+        help=f"the model's MaxText config: the config file, then KEY=VALUE overrides{note}",
+    )
+    sp.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
+    add_json(sp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import MaxTextConfigValues, Subparsers, add_json, add_memory_budget, parse_size
+from .common import Subparsers, add_memory_budget, add_model_config, parse_size
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
@@ -75,14 +75,5 @@ def add_export_hf(sub: Subparsers) -> None:
     )
     e.add_argument("--process-index", type=int, help="this process (several-process export)")
     e.add_argument("--process-count", type=int, help="how many processes share the export")
-    e.add_argument(
-        "--maxtext-config",
-        nargs="+",
-        required=True,
-        action=MaxTextConfigValues,
-        metavar=("CONFIG", "KEY=VALUE"),
-        help="the model's MaxText config: the config file, then KEY=VALUE overrides",
-    )
-    e.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
-    add_json(e)
+    add_model_config(e)
     e.set_defaults(fn=cmd_export_hf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import MaxTextConfigValues, Subparsers, add_json, parse_size
+from .common import Subparsers, add_model_config, parse_size
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
@@ -57,15 +57,5 @@ def add_import_hf(sub: Subparsers) -> None:
         metavar="SIZE",
         help="bytes of slices held at once, e.g. 2GiB (default 2GiB)",
     )
-    i.add_argument(
-        "--maxtext-config",
-        nargs="+",
-        required=True,
-        action=MaxTextConfigValues,
-        metavar=("CONFIG", "KEY=VALUE"),
-        help="the model's MaxText config: the config file, then KEY=VALUE overrides "
-        "(scan_layers picks the form written)",
-    )
-    i.add_argument("--dry-run", action="store_true", help="report only; reads metadata")
-    add_json(i)
+    add_model_config(i, " (scan_layers picks the form written)")
     i.set_defaults(fn=cmd_import_hf)

@@ -129,3 +129,20 @@ def restored_leaves(item_dir) -> dict:
         data = np.asarray(jax.random.key_data(x) if key else x)
         out[jax.tree_util.keystr(p)] = (str(x.dtype), data.shape, data.tobytes())
     return out
+
+
+def tiny_llama_config() -> list[str]:
+    """``--maxtext-config`` of the maxtext025 fixtures' tiny llama (without ``scan_layers``):
+    MaxText's base.yml and the fixture generator's keys (the export-hf and import-hf tests)."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tests" / "fixtures" / "generators"))
+    try:
+        import gen_maxtext025 as g
+    finally:
+        sys.path.pop(0)
+    import maxtext
+
+    base = Path(maxtext.__file__).parent / "configs" / "base.yml"
+    return [str(base), *(k for k in g.MODEL_KEYS if not k.startswith("scan_layers="))]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ import pytest
 from orbax_maxtext_layout.hf.export_hf import export_hf
 from orbax_maxtext_layout.storage import objstore
 from orbax_maxtext_layout.storage.store import EXPORT_WORK_SUFFIX
+
+from .conftest import tiny_llama_config
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("maxtext") is None, reason="export-hf runs MaxText 0.2.5's mappings"
@@ -24,25 +25,15 @@ FIX = ROOT / "tests" / "fixtures" / "maxtext025"
 TOKENIZER = ROOT / "tests" / "fixtures" / "hf_tokenizer"
 
 
-def _config() -> list[str]:
-    sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "generators"))
-    try:
-        import gen_maxtext025 as g
-    finally:
-        sys.path.pop(0)
-    import maxtext
-
-    base = Path(maxtext.__file__).parent / "configs" / "base.yml"
-    return [str(base), *(k for k in g.MODEL_KEYS if not k.startswith("scan_layers="))]
-
-
 def _files(directory) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
 def test_export_from_and_to_gs_equals_disk(gs_prefix, tmp_path):
     step = gs_prefix.upload(FIX / "sft_run", "sft") / "checkpoints" / "2"
-    kw = dict(maxtext_config=_config(), override_model_architecture=True, max_shard_size=8 << 10)
+    kw = dict(
+        maxtext_config=tiny_llama_config(), override_model_architecture=True, max_shard_size=8 << 10
+    )
     local = export_hf(
         FIX / "sft_run/checkpoints/2", tmp_path / "hf", hf_model_path=str(TOKENIZER), **kw
     )
@@ -62,7 +53,7 @@ def test_a_refusal_on_gs_leaves_nothing(gs_prefix):
     from orbax_maxtext_layout.errors import LayoutMismatchError
 
     with pytest.raises(LayoutMismatchError, match="--base"):
-        export_hf(lora, gs_prefix.path("hf"), maxtext_config=_config())
+        export_hf(lora, gs_prefix.path("hf"), maxtext_config=tiny_llama_config())
     assert not gs_prefix.objects("hf") and not gs_prefix.objects(f"hf{EXPORT_WORK_SUFFIX}")
 
 
@@ -70,7 +61,9 @@ def test_a_publish_cut_short_is_completed_by_a_rerun(gs_prefix, tmp_path):
     """A kill inside the publish (server-side copies) leaves some files under out without
     config.json, and the work objects: the rerun publishes again; config.json comes last."""
     step = FIX / "pretrain_run/checkpoints/1"
-    kw = dict(maxtext_config=_config(), override_model_architecture=True, max_shard_size=8 << 10)
+    kw = dict(
+        maxtext_config=tiny_llama_config(), override_model_architecture=True, max_shard_size=8 << 10
+    )
     want = export_hf(step, tmp_path / "hf", **kw)
     out = gs_prefix.path("hf")
     work = gs_prefix.path(f"hf{EXPORT_WORK_SUFFIX}")
@@ -91,7 +84,7 @@ def test_a_published_export_on_gs_is_not_replaced(gs_prefix, tmp_path):
     from orbax_maxtext_layout.errors import StepExistsError
 
     step = FIX / "pretrain_run/checkpoints/1"
-    kw = dict(maxtext_config=_config(), override_model_architecture=True)
+    kw = dict(maxtext_config=tiny_llama_config(), override_model_architecture=True)
     export_hf(step, gs_prefix.path("hf"), **kw)
     before = gs_prefix.objects("hf")
     with pytest.raises(StepExistsError):
@@ -104,7 +97,9 @@ def test_adapter_export_from_and_to_gs_equals_disk(gs_prefix, tmp_path):
     published last; a publish cut short (no config under out, the work objects there) is
     completed by a rerun."""
     lora = gs_prefix.upload(FIX / "lora_run", "lora") / "checkpoints" / "2"
-    kw = dict(maxtext_config=_config(), override_model_architecture=True, alpha=8, adapter=True)
+    kw = dict(
+        maxtext_config=tiny_llama_config(), override_model_architecture=True, alpha=8, adapter=True
+    )
     local = export_hf(FIX / "lora_run/checkpoints/2", tmp_path / "ad", **kw)
     out = gs_prefix.path("ad")
     remote = export_hf(lora, out, **kw)

@@ -16,6 +16,8 @@ from orbax_maxtext_layout.hf.export_hf import export_hf
 from orbax_maxtext_layout.hf.import_hf import import_hf
 from orbax_maxtext_layout.hf.safetensors_in import HfInputError
 
+from .conftest import tiny_llama_config
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("maxtext") is None, reason="import-hf runs MaxText 0.2.5's mappings"
 )
@@ -28,29 +30,19 @@ from conftest import restore_flat  # noqa: E402
 sys.path.pop(0)
 
 
-def _config() -> list[str]:
-    sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "generators"))
-    try:
-        import gen_maxtext025 as g
-    finally:
-        sys.path.pop(0)
-    import maxtext
-
-    base = Path(maxtext.__file__).parent / "configs" / "base.yml"
-    return [str(base), *(k for k in g.MODEL_KEYS if not k.startswith("scan_layers="))]
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """The tiny llama's pre-training step as Hugging Face safetensors (export-hf, sharded)."""
     out = tmp_path_factory.mktemp("hf") / "hf"
-    kw = dict(maxtext_config=_config(), override_model_architecture=True, max_shard_size=8 << 10)
+    kw = dict(
+        maxtext_config=tiny_llama_config(), override_model_architecture=True, max_shard_size=8 << 10
+    )
     export_hf(FIX / "pretrain_run/checkpoints/1", out, **kw)
     return out
 
 
 def test_import_from_and_to_gs_equals_disk(gs_prefix, hf_dir, tmp_path):
-    keys = [*_config(), "scan_layers=true"]
+    keys = [*tiny_llama_config(), "scan_layers=true"]
     local = import_hf(hf_dir, tmp_path / "run", maxtext_config=keys, save_dtype="float32")
     remote_hf = gs_prefix.upload(hf_dir, "hf")
     remote = import_hf(remote_hf, gs_prefix.path("run"), maxtext_config=keys, save_dtype="float32")
@@ -78,5 +70,7 @@ def test_a_hostile_directory_on_gs_is_refused_and_nothing_is_written(gs_prefix, 
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     remote = gs_prefix.upload(bad, "bad")
     with pytest.raises(HfInputError, match="elsewhere"):
-        import_hf(remote, gs_prefix.path("run"), maxtext_config=[*_config(), "scan_layers=true"])
+        import_hf(
+            remote, gs_prefix.path("run"), maxtext_config=[*tiny_llama_config(), "scan_layers=true"]
+        )
     assert not gs_prefix.objects("run")
