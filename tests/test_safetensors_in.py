@@ -18,6 +18,7 @@ import json
 import os
 import struct
 import tracemalloc
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -304,7 +305,7 @@ def test_remote_reads_through_epath(tmp_path, monkeypatch):
     ``epath`` with a seek per read (what a handle without a ranged ``cat_file`` gets)."""
     hf = new_dir(tmp_path)
     want = sharded(hf)
-    monkeypatch.setattr(si, "is_remote", lambda p: True)
+    monkeypatch.setattr(si, "store_for", lambda p: types.SimpleNamespace(reads_files=False))
     monkeypatch.setattr(si, "REMOTE_PIECE", 100)  # several ranged reads per tensor
     with HfDir.open(hf) as d:
         assert all(isinstance(f, si._RemoteFile) for f in d._files.values())

@@ -61,7 +61,7 @@ from etils import epath
 from ..errors import UsageError
 from ..orbax_io.orbax_files import CheckpointRefusedError
 from ..storage.containment import escape
-from ..storage.objstore import is_remote
+from ..storage.store import store_for
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -237,7 +237,7 @@ class HfDir:
 
     def __init__(self, hf_dir: epath.PathLike) -> None:
         self.dir = epath.Path(hf_dir)
-        self.remote = is_remote(hf_dir)
+        self.remote = not store_for(hf_dir).reads_files  # an object store: range reads
         self.config = {}
         self.tensors = {}
         self._files: dict[str, _LocalFile | _RemoteFile] = {}
@@ -405,7 +405,7 @@ class HfDir:
         ):
             raise _refuse(where, "its __metadata__ is not a mapping of strings to strings")
         data_len = f.size - 8 - n
-        found = [_entry(name, e, rel, 8 + n, data_len, where) for name, e in header.items()]
+        found = [_entry(name, e, rel, (8 + n, data_len), where) for name, e in header.items()]
         spans = sorted((i.start, i.start + i.nbytes, i.name) for i in found if i.nbytes)
         for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
             if begin < end:
@@ -489,9 +489,11 @@ class HfDir:
         return f"HfDir({str(self.dir)!r}, {len(self.tensors)} tensors in {len(self._sizes)} files)"
 
 
-def _entry(name: str, e: Any, rel: str, data_start: int, data_len: int, where: str) -> TensorInfo:
+def _entry(name: str, e: Any, rel: str, region: tuple[int, int], where: str) -> TensorInfo:
     """Header entry ``name`` checked: its keys, dtype, shape and byte range (inside the
-    ``data_len`` bytes of data, matching dtype x shape, in Python ints: no overflow)."""
+    data region, ``region`` = (its first byte, its length), matching dtype x shape, in
+    Python ints: no overflow)."""
+    data_start, data_len = region
 
     def bad(what: str) -> HfInputError:
         return _refuse(where, f"tensor {_q(name)}: {what}")
