@@ -140,3 +140,22 @@ def test_a_valid_directory_without_maxtext_says_what_to_install(tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 2 and "maxtext" in err.lower()
     assert not (tmp_path / "o").exists()
+
+
+def test_a_slice_is_written_in_row_blocks_the_last_one_short(tmp_path):
+    """A row block past the array's end (an 8B embedding: 128,256 rows in blocks of 8,192)
+    is cut at the end: tensorstore refuses an out-of-range write, numpy would clip it."""
+    import tensorstore as ts
+
+    from orbax_maxtext_layout.hf.import_hf import _write_slice, chunk_shape
+
+    spec = {"driver": "zarr3", "kvstore": f"file://{tmp_path}/a"}
+    spec["metadata"] = {
+        "shape": [10, 4],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
+    }
+    arr = ts.open(spec, create=True, dtype=ts.float32).result()
+    data = np.arange(40, dtype=np.float32).reshape(10, 4)
+    _write_slice(arr, (), (), data, [4, 4])
+    assert np.array_equal(arr.read().result(), data)
+    assert chunk_shape([3, 1 << 20, 64], (0,), 2)[0] == 1  # one layer a chunk, rows cut
