@@ -643,6 +643,7 @@ def _leaf_array(plan: ImportPlan, leaf: Leaf, k: int, want: Any) -> Any:
             for d, idx in sharding.addressable_devices_indices_map(shape).items()
         }
     bufs = {b: np.empty([s.stop - s.start for s in b], dtype) for b in set(boxes.values())}
+    cast_plan = dataclasses.replace(plan, save_dtype=_cast_dtype(dtype))  # once per leaf
     for idx, hf in leaf.slices():
         held = [
             b
@@ -651,7 +652,7 @@ def _leaf_array(plan: ImportPlan, leaf: Leaf, k: int, want: Any) -> Any:
         ]
         if not held:
             continue  # no shard of this process holds this slice: not read
-        data = _slice(dataclasses.replace(plan, save_dtype=_cast_dtype(dtype)), leaf, hf)[k]
+        data = _slice(cast_plan, leaf, hf)[k]
         for b in held:
             _fill(bufs[b], b, leaf.axes, idx, np.asarray(data).astype(dtype, copy=False))
     if sharding is None:
@@ -681,13 +682,10 @@ def _fill(
     ``buf`` (the shard at ``box``)."""
     dst: list[Any] = []
     src: list[Any] = []
-    rest = iter(range(data.ndim))
     for a, s in enumerate(box):
         if a in axes:
             dst.append(idx[axes.index(a)] - s.start)
         else:
-            d = next(rest)
             dst.append(slice(None))
             src.append(slice(s.start, s.stop))
-            del d
     buf[tuple(dst)] = data[tuple(src)]
