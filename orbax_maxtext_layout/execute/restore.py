@@ -24,9 +24,11 @@ from ..base.treepaths import FlatTree, Path, flatten, keystr, norm_key, unflatte
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
 from ..orbax_io.layout import tunix_items
-from ..orbax_io.orbax_files import absolute
+from ..orbax_io.orbax_files import absolute, param_name
+from ..orbax_io.reader import ItemReader
 from ..plan.moves import Op, Plan, apply_op
 from ..plan.step_plan import OptimizerMode, narrow, plan_step
+from . import parallel_read
 
 logger = logging.getLogger(__name__)
 RestoreFn = Callable[[epath.Path, ocp.args.PyTreeRestore], Any]
@@ -51,7 +53,8 @@ def read_leaves(
     abstract: Mapping[Path, Any] | None = None,
     restore: RestoreFn | None = None,
 ) -> FlatTree:
-    """Reads only ``paths`` of an item with Orbax (a partial restore).
+    """Reads only ``paths`` of an item (a partial restore): through the restore engine
+    (`parallel_read`) where it takes a leaf, with Orbax for the rest.
 
     Without an ``abstract`` leaf (``{src path: abstract leaf}``) a leaf comes back as
     a host numpy array in its stored form (PRNG keys as raw data), independent of
@@ -62,6 +65,78 @@ def read_leaves(
     if not paths:
         return {}
     abstract = abstract or {}
+    out, stock = _engine_reads(item_dir, {p: _request(abstract.get(p)) for p in paths})
+    if stock:
+        out.update(_stock_leaves(item_dir, stock, abstract, restore))
+    return out
+
+
+def _request(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
+    """``(shape, dtype, sharding)`` a leaf is asked for in (None: as stored, on the host)."""
+    sharding = getattr(abstract, "sharding", None)
+    if sharding is None:
+        return None, None, None
+    return tuple(abstract.shape), abstract.dtype, sharding
+
+
+def _engine_reads(
+    item_dir: epath.Path, asked: Mapping[Path, tuple[Any, Any, Any]]
+) -> tuple[FlatTree, set[Path]]:
+    """The leaves ``asked`` (``{path: (shape, dtype, sharding)}``, each None for the stored
+    form on the host) that the engine takes, read; and the paths it leaves to Orbax."""
+    if not parallel_read.enabled():
+        _log_split(item_dir, 0, 0, {parallel_read.ENV + "=stock": len(asked)})
+        return {}, set(asked)
+    return _engine_reads_from(ItemReader.open(absolute(item_dir)), item_dir, asked)
+
+
+def _engine_reads_from(
+    reader: ItemReader, item_dir: epath.Path, asked: Mapping[Path, tuple[Any, Any, Any]]
+) -> tuple[FlatTree, set[Path]]:
+    """`_engine_reads` with the item opened. One debug line counts both ways."""
+    requests, stock, why = {}, set(), {}
+    for p, (shape, dtype, sharding) in asked.items():
+        name = param_name(p)
+        lay = reader.layout(name)
+        if lay is None:
+            stock.add(p)
+            why["no zarr metadata"] = why.get("no zarr metadata", 0) + 1
+            continue
+        req = parallel_read.ArrayRequest(
+            name,
+            lay.shape if shape is None else shape,
+            lay.dtype if dtype is None else dtype,
+            sharding,
+        )
+        reason = parallel_read.why_not(reader, req)
+        if reason is None:
+            requests[p] = req
+        else:
+            stock.add(p)
+            why[reason] = why.get(reason, 0) + 1
+    got = parallel_read.read_arrays(reader, requests) if requests else {}
+    _log_split(item_dir, len(got), sum(r.nbytes for r in requests.values()), why)
+    return got, stock
+
+
+def _log_split(item_dir: epath.Path, n: int, nbytes: int, why: Mapping[str, int]) -> None:
+    logger.debug(
+        "%s: %d arrays (%.1f MiB) read by the restore engine, %d the stock way%s",
+        item_dir,
+        n,
+        nbytes / 2**20,
+        sum(why.values()),
+        f" ({', '.join(f'{k}: {v}' for k, v in sorted(why.items()))})" if why else "",
+    )
+
+
+def _stock_leaves(
+    item_dir: epath.Path,
+    paths: set[Path],
+    abstract: Mapping[Path, Any],
+    restore: RestoreFn | None,
+) -> FlatTree:
+    """``paths`` read with Orbax (a partial restore)."""
     # The restore args are the item: Orbax takes a leaf's args from an item leaf that is
     # one, so it trims only its metadata tree to the request, not a second tree of args.
     item = unflatten({p: _restore_arg(abstract.get(p)) for p in paths})
@@ -104,6 +179,95 @@ def read_sources(
         paths = {p for m in moves for p in m.sources}
         out[name] = read_leaves(item_dir, paths, placed, restore)
     return out
+
+
+# -- a MaxText (or any PyTree) item, as stock restores it --------------------------------
+_ARRAY_VALUES = frozenset({"jax.Array", "np.ndarray"})
+
+
+def restore_pytree(item_dir: epath.Path, args: ocp.args.PyTreeRestore, stock: RestoreFn) -> Any:
+    """What ``stock(item_dir, args)`` (a PyTreeCheckpointHandler's restore) returns, its
+    arrays read by the restore engine where the request says exactly how to place them.
+
+    A leaf goes to the engine when its restore args say where it goes: an
+    ``ArrayRestoreArgs`` with a ``sharding`` (a jax.Array), or ``RestoreArgs`` with
+    ``restore_type=np.ndarray`` (a host array), and the engine takes its stored array
+    (`parallel_read.why_not`). Everything else (scalars, PRNG keys, leaves placed from the
+    recorded sharding, transforms, items that do not match the stored tree) is read by
+    ``stock``, with the engine's leaves skipped (``ocp.PLACEHOLDER``).
+    """
+    item = args.item
+    plain = args.transforms is None and not args.partial_restore
+    if (
+        item is None
+        or args.legacy_transform_fn is not None
+        or args.transforms not in (None, {})
+        or not parallel_read.enabled()
+    ):
+        return stock(item_dir, args)
+    leaves = flatten(item, is_leaf=is_request_leaf)
+    rargs = flatten(args.restore_args, is_leaf=is_request_leaf) if args.restore_args else {}
+    reader = ItemReader.open(absolute(item_dir))
+    if plain and {param_name(p) for p in leaves} != set(reader.files.value_meta):
+        return stock(item_dir, args)  # stock refuses a tree that is not the stored one
+    asked = {}
+    for p, leaf in leaves.items():
+        want = _placed(leaf, rargs.get(p), reader.files.value_meta.get(param_name(p)))
+        if want is not None:
+            asked[p] = want
+    got, rest = _engine_reads_from(reader, item_dir, asked)
+    rest |= {p for p, leaf in leaves.items() if p not in got and leaf is not ocp.PLACEHOLDER}
+    if not got:
+        return stock(item_dir, args)
+    if rest and not plain:
+        # Orbax takes placeholders only in a restore of the whole stored tree: a subtree
+        # or partial request that the engine cannot read whole goes stock.
+        return stock(item_dir, args)
+    restored = None
+    if rest:
+        skip = lambda kp, x: ocp.PLACEHOLDER if _path(kp) in got else x  # noqa: E731
+        restored = stock(
+            item_dir,
+            dataclasses.replace(
+                args,
+                item=jax.tree_util.tree_map_with_path(skip, item, is_leaf=is_request_leaf),
+                restore_args=jax.tree_util.tree_map_with_path(
+                    skip, args.restore_args, is_leaf=is_request_leaf
+                )
+                if args.restore_args is not None
+                else None,
+            ),
+        )
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: got.get(_path(kp), x),
+        item if restored is None else restored,
+        is_leaf=is_request_leaf,
+    )
+
+
+def _path(kp: tuple) -> Path:
+    return tuple(norm_key(k) for k in kp)
+
+
+def _placed(leaf: Any, arg: Any, value_meta: Any) -> tuple | None:
+    """``(shape, dtype, sharding)`` the request places a stored array leaf in, when its
+    restore args say exactly that (else None: the stock way)."""
+    if leaf is ocp.PLACEHOLDER or not isinstance(value_meta, Mapping):
+        return None
+    if value_meta.get("value_type") not in _ARRAY_VALUES or value_meta.get("skip_deserialize"):
+        return None
+    if isinstance(arg, ocp.ArrayRestoreArgs):
+        if arg.sharding is None or not isinstance(arg.sharding, jax.sharding.Sharding):
+            return None
+        if arg.restore_type not in (None, jax.Array) or arg.mesh is not None:
+            return None
+        shape = arg.global_shape if arg.global_shape is not None else getattr(leaf, "shape", None)
+        if shape is None:
+            return None
+        return tuple(shape), arg.dtype, arg.sharding
+    if type(arg) is ocp.RestoreArgs and arg.restore_type is np.ndarray:
+        return None, arg.dtype, None
+    return None
 
 
 # -- assembling the items tree ----------------------------------------------------------

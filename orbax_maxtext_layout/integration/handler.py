@@ -20,7 +20,7 @@ from etils import epath
 
 from ..base.treepaths import flatten, keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
-from ..execute.restore import RestoreRequest, asks_for_items, is_request_leaf
+from ..execute.restore import RestoreRequest, asks_for_items, is_request_leaf, restore_pytree
 from ..hf.import_hf import is_hf_dir, load_params
 from ..model.target import PARAMS_ROOT
 from ..orbax_io.layout import (
@@ -107,7 +107,8 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
                 and detect_layout(directory) is Layout.MAXTEXT
             ):
                 directory = directory / MAXTEXT_ITEM  # a MaxText step: read its items
-            return super().restore(directory, args=args)
+            # What stock returns, its arrays through the restore engine (`restore_pytree`).
+            return restore_pytree(directory, args, self._stock_restore)
         if args.legacy_transform_fn is not None or args.transforms:
             # `transforms={}` is MaxText's idiom for "restore a subtree" and is honoured;
             # real transforms describe a stored tree this layout does not have.
@@ -115,11 +116,6 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
                 f"{step_dir}: transforms and legacy_transform_fn are not supported for a "
                 "Tunix-layout step; pass the MaxText-layout item to restore into instead."
             )
-
-        def restore(d: epath.Path, a: ocp.args.PyTreeRestore) -> Any:
-            # Reads through this handler, so its constructor options (restore_concurrent_gb,
-            # multiprocessing_options, type registry) apply.
-            return ocp.PyTreeCheckpointHandler.restore(self, d, args=a)
 
         request = RestoreRequest.of(
             args.item,
@@ -129,7 +125,12 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
             optimizer=getattr(args, "optimizer", None),
             ignore=getattr(args, "ignore", ()),
         )
-        return request.restore(step_dir, restore=restore)
+        return request.restore(step_dir, restore=self._stock_restore)
+
+    def _stock_restore(self, directory: epath.Path, args: ocp.args.PyTreeRestore) -> Any:
+        # Reads through this handler, so its constructor options (restore_concurrent_gb,
+        # multiprocessing_options, type registry) apply.
+        return ocp.PyTreeCheckpointHandler.restore(self, directory, args=args)
 
 
 @ocp.args.register_with_handler(MaxTextLayoutHandler, for_save=True)

@@ -18,6 +18,7 @@ weight) and drop it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -254,8 +255,7 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, *, scratch_ki
     # that declares another size is refused before it is decoded (`_Framed`), and one that
     # decodes past the chunk's last row (more frames, or a frame that declares no size) too.
     stream = _Framed(frame, lay.chunk_bytes)
-    where = f"{what}: {_chunk_name(lay, origin)} at {origin}"
-    try:
+    with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
         with zstd.ZstdDecompressor().stream_reader(
             stream, read_size=values.PIECE, read_across_frames=True
         ) as r:
@@ -273,6 +273,13 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, *, scratch_ki
                         yield got
             if r.read(1):
                 raise _Long
+
+
+@contextlib.contextmanager
+def _decoding(where: str, lay: Layout) -> Iterator[None]:
+    """Every way a stored chunk fails to decode as a `CheckpointReadError` naming it."""
+    try:
+        yield
     except (zstd.ZstdError, OSError, ValueError, MemoryError) as e:
         raise CheckpointReadError(f"{where}: {e}") from e
     except Short as e:
@@ -286,6 +293,46 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, *, scratch_ki
             f"{where}: its zstd frame declares {e.size} bytes, the chunk holds "
             f"{lay.chunk_bytes}: damaged or forged."
         ) from e
+
+
+# -- one stored chunk at a time (the restore engine's tasks) -----------------------------
+def cells(lay: Layout, start: tuple[int, ...], stop: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """The grid cells of the stored chunks that hold any of the box ``[start, stop)``."""
+    return itertools.product(
+        *(range(a // c, -(-b // c)) for a, b, c in zip(start, stop, lay.chunk, strict=True))
+    )
+
+
+def cell_origin(lay: Layout, cell: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(c * n for c, n in zip(cell, lay.chunk, strict=True))
+
+
+def decode_cell(
+    src: Stored, name: str, cell: tuple[int, ...], *, max_bytes: int
+) -> Iterator[Piece]:
+    """The stored chunk at grid ``cell`` of a plain-zstd array (`Layout.plain`) decoded once,
+    as pieces of at most ``max_bytes`` in this thread's scratch buffer ``engine`` (valid
+    until the next piece), cropped to the array."""
+    lay = src.layout(name)
+    what = f"{src.dir}: cannot read {name}"
+    for origin, frame in _frames(src, name, lay, what, only=cell, scratch="engine"):
+        yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind="engine")
+
+
+def decode_cell_into(src: Stored, name: str, cell: tuple[int, ...], out: np.ndarray) -> None:
+    """The stored chunk at grid ``cell`` decoded straight into ``out`` (C-contiguous, the
+    chunk's whole stored shape and dtype): no piece is held, nothing copied."""
+    lay = src.layout(name)
+    what = f"{src.dir}: cannot read {name}"
+    for origin, frame in _frames(src, name, lay, what, only=cell, scratch="engine"):
+        with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
+            stream = _Framed(frame, lay.chunk_bytes)
+            with zstd.ZstdDecompressor().stream_reader(
+                stream, read_size=values.PIECE, read_across_frames=True
+            ) as r:
+                read_exactly(r, out)
+                if r.read(1):
+                    raise _Long
 
 
 class _Long(Exception):

@@ -1,0 +1,383 @@
+"""The restore engine: arrays of an Orbax item read straight into their shardings, every
+stored chunk decoded once, in parallel, across all chunks of all arrays.
+
+Stock Orbax reads each target shard through tensorstore, which decodes a stored chunk's
+zstd frame on one thread and into fresh memory (the kernel zeroes each page on first
+touch). Here each array's target shards become *boxes* (one per distinct index: replicas
+share one), each box needs the stored chunks it overlaps, and one task per stored chunk
+(`chunks.decode_cell`) decodes it once and copies what it holds into every box that needs
+it, cast to the box's dtype as Orbax casts (numpy's ``astype``). A chunk that is exactly one
+box, in the box's dtype, is decoded straight into the box (`chunks.decode_cell_into`). A
+pool sized to the cores runs the tasks, the largest first. A box is placed on its devices
+(`jax.device_put`, one copy per device as Orbax makes them) by the task that completes it,
+so transfers overlap decoding; its host buffer then goes back to a pool of buffers, reused
+by later boxes within ``budget`` bytes: the whole model is never held twice on the host.
+Host arrays (a request without a sharding) are decoded into their own fresh buffers, which
+are the result.
+
+What it does not take (`why_not`) goes the stock way, by the caller: an object store, a
+codec other than plain zstd, a shape other than the stored one (Orbax pads or truncates),
+scalars, PRNG key dtypes, a sharding without a per-device index, another memory kind.
+``OMTL_RESTORE_ENGINE=stock`` sends everything the stock way.
+
+Imports: `orbax_io`, `errors`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import math
+import os
+import threading
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..errors import CheckpointReadError
+from ..orbax_io import chunks
+from ..orbax_io.reader import ItemReader
+from ..orbax_io.values import PIECE
+from ..orbax_io.zarr import Layout, np_dtype
+
+logger = logging.getLogger(__name__)
+
+ENV = "OMTL_RESTORE_ENGINE"  # "stock": every array the stock way
+DEFAULT_BUDGET = 1 << 30  # host staging buffers of boxes being filled, at most
+_STREAM_PIECE = 4 * PIECE  # a chunk that is not one box is streamed in pieces this large
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRequest:
+    """One array to restore: item array ``name`` (Orbax's dotted name) as ``shape`` and
+    ``dtype``, placed with ``sharding`` (None: a host ``np.ndarray``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() not in ("stock", "0", "off")
+
+
+def why_not(reader: ItemReader, req: ArrayRequest) -> str | None:
+    """Why the engine leaves ``req`` to stock Orbax, or None when it reads it."""
+    if not enabled():
+        return f"{ENV}=stock"
+    if not reader.store.reads_files:
+        return "an object store"
+    lay = reader.layout(req.name)
+    if lay is None:
+        return "no zarr metadata"
+    if not lay.plain:
+        return "a codec other than plain zstd"
+    if tuple(req.shape) != lay.shape:
+        return "a shape other than the stored one"
+    if not lay.shape or 0 in lay.shape:
+        return "a scalar or empty array"
+    if _is_key(req.dtype):
+        return "a PRNG key"
+    if np_dtype(np.dtype(req.dtype).name) is None:
+        return f"dtype {req.dtype}"
+    if req.sharding is not None:
+        if getattr(req.sharding, "memory_kind", None) not in (None, "device"):
+            return f"memory kind {req.sharding.memory_kind}"
+        try:
+            req.sharding.addressable_devices_indices_map(lay.shape)
+        except Exception:  # any sharding jax cannot index goes stock
+            return "a sharding without per-device indices"
+    return None
+
+
+def _is_key(dtype: Any) -> bool:
+    try:
+        return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:
+        return False
+
+
+# -- the work: boxes and chunk tasks -------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Box:
+    """One distinct index of an array's target shards, and the devices that hold it."""
+
+    array: _Array
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    devices: list  # jax devices; [None] for a host array
+    waiting: int = 0  # stored chunks not yet copied in
+    buf: np.ndarray | None = None
+    pooled: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.array.dtype.itemsize
+
+
+@dataclasses.dataclass(eq=False)
+class _Array:
+    key: Hashable
+    req: ArrayRequest
+    lay: Layout
+    boxes: list[_Box] = dataclasses.field(default_factory=list)
+    placed: list = dataclasses.field(default_factory=list)  # single-device jax arrays
+    waiting: int = 0  # boxes not yet placed
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.req.dtype)
+
+
+def _boxes(arr: _Array) -> list[_Box]:
+    shape, sharding = arr.lay.shape, arr.req.sharding
+    if sharding is None:
+        return [_Box(arr, (0,) * len(shape), shape, [None])]
+    by_index: dict[tuple, _Box] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        start = tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
+        stop = tuple(s.indices(n)[1] for s, n in zip(index, shape, strict=True))
+        box = by_index.setdefault((start, stop), _Box(arr, start, stop, []))
+        box.devices.append(device)
+    return list(by_index.values())
+
+
+@dataclasses.dataclass(eq=False)
+class _Task:
+    """One stored chunk of an array, and the boxes it fills."""
+
+    array: _Array
+    cell: tuple[int, ...]
+    boxes: list[_Box]
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.lay.chunk_bytes
+
+
+def _tasks(arrays: list[_Array]) -> list[_Task]:
+    out = []
+    for arr in arrays:
+        by_cell: dict[tuple, _Task] = {}
+        for box in arr.boxes:
+            for cell in chunks.cells(arr.lay, box.start, box.stop):
+                by_cell.setdefault(cell, _Task(arr, cell, [])).boxes.append(box)
+                box.waiting += 1
+        out.extend(by_cell.values())
+    # The largest chunks first (fewest idle cores at the end), then storage order.
+    out.sort(key=lambda t: -t.nbytes)
+    return out
+
+
+# -- host buffers ------------------------------------------------------------------------------
+class _Buffers:
+    """Reused host buffers of boxes on their way to devices, at most ``budget`` bytes in use
+    while any task runs (one box larger than the budget is made alone)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.used, self.free = budget, 0, []
+        self.cond = threading.Condition()
+        self.running = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self.cond:
+            while self.used and self.used + nbytes > self.budget and self.running:
+                self.cond.wait()
+            self.used += nbytes
+            fits = [b for b in self.free if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self.free.remove(best)
+                return best
+        return _aligned(nbytes)
+
+    def give(self, buf: np.ndarray, nbytes: int) -> None:
+        with self.cond:
+            self.used -= nbytes
+            self.free.append(buf)
+            # Never keep more than the budget of idle buffers: drop the smallest.
+            while sum(b.nbytes for b in self.free) > self.budget and len(self.free) > 1:
+                self.free.remove(min(self.free, key=lambda b: b.nbytes))
+            self.cond.notify_all()
+
+    def started(self, n: int) -> None:
+        with self.cond:
+            self.running += n
+            self.cond.notify_all()
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` fresh bytes at a 64-byte boundary (XLA's alignment for host buffers)."""
+    raw = np.empty(nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off : off + nbytes]
+
+
+def _aliases(device: Any) -> bool:
+    """Whether ``jax.device_put`` of an aligned host buffer onto ``device`` may keep using
+    that buffer instead of copying it: JAX's CPU client does (even with
+    ``may_alias=False``, JAX 0.10), so a CPU box's buffer must never be reused."""
+    return getattr(device, "platform", "cpu") == "cpu"
+
+
+def _own(x: np.ndarray) -> np.ndarray:
+    out = _aligned(x.nbytes).view(x.dtype).reshape(x.shape)
+    np.copyto(out, x)
+    return out
+
+
+def _view(buf: np.ndarray, box: _Box) -> np.ndarray:
+    return buf[: box.nbytes].view(box.array.dtype).reshape(box.shape)
+
+
+# -- the engine --------------------------------------------------------------------------------
+def read_arrays(
+    reader: ItemReader,
+    requests: Mapping[Hashable, ArrayRequest],
+    *,
+    workers: int | None = None,
+    budget: int = DEFAULT_BUDGET,
+) -> dict[Hashable, Any]:
+    """Reads every request (each one `why_not` accepts) of the item ``reader`` opened:
+    ``{key: jax.Array}`` with the request's sharding, or ``{key: np.ndarray}`` without one.
+
+    Raises `CheckpointReadError` naming the array for a chunk that is missing, truncated or
+    corrupt; then nothing is returned (what was placed is dropped).
+    """
+    arrays = []
+    for key, req in requests.items():
+        arr = _Array(key, req, reader.layout(req.name))
+        arr.boxes = _boxes(arr)
+        arr.waiting = len(arr.boxes)
+        arrays.append(arr)
+    tasks = _tasks(arrays)
+    if not tasks:
+        return {}
+    workers = workers or len(os.sched_getaffinity(0))
+    run = _Run(reader, _Buffers(budget))
+    with cf.ThreadPoolExecutor(max(1, min(workers, len(tasks))), "omtl-restore") as pool:
+        futures = []
+        for task in tasks:
+            if run.failed.is_set():
+                break
+            for box in task.boxes:
+                run.allocate(box)
+            run.buffers.started(1)
+            futures.append(pool.submit(run.task, task))
+        for f in futures:
+            f.result()
+    if run.error is not None:
+        raise run.error
+    return {arr.key: run.result(arr) for arr in arrays}
+
+
+class _Run:
+    """One `read_arrays` call: its tasks' shared state."""
+
+    def __init__(self, reader: ItemReader, buffers: _Buffers) -> None:
+        self.reader, self.buffers = reader, buffers
+        self.lock = threading.Lock()
+        self.failed = threading.Event()
+        self.error: BaseException | None = None
+
+    def allocate(self, box: _Box) -> None:
+        if box.buf is not None:
+            return
+        if box.devices == [None] or _aliases(box.devices[0]):
+            # A host array's buffer is the result; a CPU device keeps the buffer it is
+            # given (`_aliases`): either way it is never reused.
+            box.buf = _aligned(box.nbytes)
+        else:
+            box.buf, box.pooled = self.buffers.take(box.nbytes), True
+
+    def task(self, task: _Task) -> None:
+        try:
+            if not self.failed.is_set():
+                self._fill(task)
+        except BaseException as e:  # reported once, by read_arrays
+            with self.lock:
+                if self.error is None:
+                    self.error = _named(e, self.reader, task.array.req.name)
+            self.failed.set()
+        finally:
+            self.buffers.started(-1)
+
+    def _fill(self, task: _Task) -> None:
+        arr, lay = task.array, task.array.lay
+        origin = chunks.cell_origin(lay, task.cell)
+        box = task.boxes[0]
+        if (
+            len(task.boxes) == 1
+            and box.start == origin
+            and box.shape == lay.chunk  # not an edge chunk, stored past the array's end
+            and arr.dtype == lay.dtype
+        ):
+            chunks.decode_cell_into(self.reader, arr.req.name, task.cell, _view(box.buf, box))
+        else:
+            for piece in chunks.decode_cell(
+                self.reader, arr.req.name, task.cell, max_bytes=_STREAM_PIECE
+            ):
+                for b in task.boxes:
+                    _copy(piece, b)
+        for b in task.boxes:
+            with self.lock:
+                b.waiting -= 1
+                done = b.waiting == 0
+            if done:
+                self._place(b)
+
+    def _place(self, box: _Box) -> None:
+        arr = box.array
+        view = _view(box.buf, box)
+        if box.devices != [None]:
+            if box.pooled:
+                placed = [jax.device_put(view, d) for d in box.devices]
+                for x in placed:  # the host buffer is reused once every copy has left it
+                    x.block_until_ready()
+                self.buffers.give(box.buf, box.nbytes)
+            else:  # each CPU device holds a buffer of its own (donation writes into it)
+                placed = [jax.device_put(view, box.devices[0])]
+                placed += [jax.device_put(_own(view), d) for d in box.devices[1:]]
+            box.buf = None
+            with self.lock:
+                arr.placed.extend(placed)
+        with self.lock:
+            arr.waiting -= 1
+
+    def result(self, arr: _Array) -> Any:
+        if arr.req.sharding is None:
+            return _view(arr.boxes[0].buf, arr.boxes[0])
+        return jax.make_array_from_single_device_arrays(arr.lay.shape, arr.req.sharding, arr.placed)
+
+
+def _copy(piece: chunks.Piece, box: _Box) -> None:
+    """What of ``piece`` lies in ``box``, copied in (cast to the box's dtype)."""
+    lo = [max(a, s) for a, s in zip(box.start, piece.start, strict=True)]
+    hi = [min(b, s + n) for b, s, n in zip(box.stop, piece.start, piece.data.shape, strict=True)]
+    if any(h <= x for x, h in zip(lo, hi, strict=True)):
+        return
+    src = tuple(slice(x - s, h - s) for x, h, s in zip(lo, hi, piece.start, strict=True))
+    dst = tuple(slice(x - s, h - s) for x, h, s in zip(lo, hi, box.start, strict=True))
+    np.copyto(_view(box.buf, box)[dst], piece.data[src], casting="unsafe")
+
+
+def _named(e: BaseException, reader: ItemReader, name: str) -> BaseException:
+    if isinstance(e, CheckpointReadError):
+        return e
+    if isinstance(e, Exception):
+        err = CheckpointReadError(f"{reader.dir}: cannot read {name}: {e}")
+        err.__cause__ = e
+        return err
+    return e

@@ -1,0 +1,304 @@
+"""The restore engine (`execute.parallel_read`) against stock Orbax, bit for bit.
+
+Real Orbax items (zarr2 and zarr3, one chunk and many per array) are restored with the same
+request through the engine and through stock `PyTreeCheckpointHandler`: the same values,
+dtypes (casts as Orbax casts) and shardings; PRNG keys, scalars and transforms go the stock
+way, counted in the engine's debug line; a corrupt chunk is a `CheckpointReadError` naming
+the array. The 8-device cases (fsdp-chunked steps into matching, resharded, replicated and
+one-device targets) run in a child process, where the host devices can be set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+
+import orbax_maxtext_layout as oml
+from orbax_maxtext_layout.errors import CheckpointReadError
+from orbax_maxtext_layout.execute import parallel_read
+from orbax_maxtext_layout.execute.restore import restore_pytree
+from orbax_maxtext_layout.orbax_io.reader import ItemReader
+
+LOGGER = "orbax_maxtext_layout.execute.restore"
+HOST = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def _tree() -> dict:
+    rng = np.random.default_rng(7)
+    return {
+        "params": {
+            "w": rng.standard_normal((64, 1000)).astype(np.float32),  # 8 chunks (chunk_byte_size)
+            "b": rng.standard_normal((3, 50, 40)).astype(ml_dtypes.bfloat16),
+            "edge": rng.standard_normal((37, 301)).astype(np.float32),  # edge chunks cropped
+            "tiny": rng.standard_normal((5,)).astype(np.float32),
+        },
+        "counts": np.arange(1000, dtype=np.int32).reshape(10, 100),
+        "step": np.int32(12),  # a scalar: the stock way
+    }
+
+
+def _save(path: epath.Path, *, zarr3: bool) -> dict:
+    tree = _tree()
+    chunked = ocp.SaveArgs(chunk_byte_size=32_000)
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(), tree)
+    save_args["params"]["w"] = chunked
+    save_args["params"]["edge"] = ocp.SaveArgs(chunk_byte_size=8_000)
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3))
+    ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    ckptr.close()
+    return tree
+
+
+@pytest.fixture(params=[False, True], ids=["zarr2", "zarr3"])
+def item(tmp_path, request):
+    path = epath.Path(tmp_path) / "item"
+    tree = _save(path, zarr3=request.param)
+    return path, tree
+
+
+def _stock(path, args):
+    return ocp.PyTreeCheckpointHandler().restore(path, args=args)
+
+
+def _same(got, want) -> None:
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert type(g) is type(w) or (isinstance(g, jax.Array) and isinstance(w, jax.Array))
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+        if isinstance(w, jax.Array):
+            assert g.sharding == w.sharding
+
+
+def _engine_count(caplog) -> int:
+    counts = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r": (\d+) arrays .* read by the restore engine", r.getMessage()))
+    ]
+    assert counts, "the engine logged no line"
+    return sum(counts)
+
+
+def _request(tree, place):
+    """Restore args placing every array leaf with ``place(leaf)``, scalars as stock does."""
+
+    def args(x):
+        if np.ndim(x) == 0:
+            return ocp.RestoreArgs()
+        return place(x)
+
+    return jax.tree.map(args, tree)
+
+
+def test_device_and_host_targets_equal_stock_bit_for_bit(item, caplog):
+    path, tree = item
+    rargs = _request(tree, lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape))
+    rargs["params"]["b"] = ocp.RestoreArgs(restore_type=np.ndarray)  # a host array
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = restore_pytree(path, args, _stock)
+    _same(got, _stock(path, args))
+    assert _engine_count(caplog) == 5  # every array; the scalar step the stock way
+    assert isinstance(got["params"]["b"], np.ndarray)
+    assert np.array_equal(np.asarray(got["params"]["edge"]), tree["params"]["edge"])
+
+
+def test_casts_as_orbax_casts(item, caplog):
+    path, tree = item
+    casts = {"w": ml_dtypes.bfloat16, "b": np.float32, "edge": np.float16, "tiny": np.float64}
+    rargs = _request(tree, lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape))
+    for k, dt in casts.items():
+        rargs["params"][k] = ocp.ArrayRestoreArgs(
+            sharding=HOST, global_shape=tree["params"][k].shape, dtype=dt
+        )
+    rargs["counts"] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32)
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = restore_pytree(path, args, _stock)
+    want = _stock(path, args)
+    _same(got, want)
+    assert got["params"]["w"].dtype == ml_dtypes.bfloat16
+    assert _engine_count(caplog) >= 4
+
+
+def test_subtree_and_partial_requests(item, caplog):
+    path, tree = item
+    params = _request(
+        tree["params"], lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape)
+    )
+    for kwargs in ({"transforms": {}}, {"partial_restore": True}):
+        args = ocp.args.PyTreeRestore(
+            item={"params": params}, restore_args={"params": params}, **kwargs
+        )
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, LOGGER):
+            got = restore_pytree(path, args, _stock)
+        _same(got, _stock(path, args))
+        assert _engine_count(caplog) == 4
+        assert set(got) == {"params"}
+
+
+def test_what_the_engine_does_not_take_goes_the_stock_way(item, caplog, monkeypatch):
+    path, tree = item
+    # No restore args: placed from the recorded sharding (stock's business, never guessed).
+    args = ocp.args.PyTreeRestore(item=jax.tree.map(np.asarray, tree))
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = restore_pytree(path, args, _stock)
+    _same(got, _stock(path, args))
+    # A shape other than the stored one: Orbax pads (strict=False); the engine declines.
+    rargs = _request(tree, lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape))
+    rargs["params"]["tiny"] = ocp.ArrayRestoreArgs(sharding=HOST, global_shape=(8,), strict=False)
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = restore_pytree(path, args, _stock)
+    _same(got, _stock(path, args))
+    assert got["params"]["tiny"].shape == (8,)
+    assert "a shape other than the stored one: 1" in caplog.text
+    # The switch: everything the stock way, the same result.
+    monkeypatch.setenv(parallel_read.ENV, "stock")
+    rargs = _request(tree, lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape))
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    assert not parallel_read.enabled()
+    _same(restore_pytree(path, args, _stock), _stock(path, args))
+
+
+def test_prng_keys_go_the_stock_way(tmp_path):
+    keys = jax.random.split(jax.random.key(3), 4)
+    path = epath.Path(tmp_path) / "keys"
+    tree = {"rng": keys, "w": np.ones((300, 1000), np.float32)}
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    ckptr.save(path, args=ocp.args.PyTreeSave(tree))
+    ckptr.close()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=HOST), tree)
+    rargs = ocp.checkpoint_utils.construct_restore_args(abstract)
+    args = ocp.args.PyTreeRestore(item=abstract, restore_args=rargs)
+    got, want = restore_pytree(path, args, _stock), _stock(path, args)
+    assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(want["rng"]))
+    assert np.array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+
+
+def test_read_arrays_reads_exactly_the_stored_chunks(item):
+    path, tree = item
+    reader = ItemReader.open(path)
+    reqs = {
+        k: parallel_read.ArrayRequest(f"params.{k}", v.shape, v.dtype, None)
+        for k, v in tree["params"].items()
+    }
+    assert all(parallel_read.why_not(reader, r) is None for r in reqs.values())
+    # A budget smaller than any box: boxes still complete (one at a time past the budget).
+    got = parallel_read.read_arrays(reader, reqs, workers=3, budget=1)
+    for k, v in tree["params"].items():
+        assert got[k].tobytes() == v.tobytes() and got[k].dtype == v.dtype
+
+
+def _cut_first_chunk(path: epath.Path, name: str) -> None:
+    """The data file holding ``name``'s first chunk cut in the middle of it."""
+    reader = ItemReader.open(path)
+    lay = reader.layout(name)
+    key = f"{name}/{lay.key((0,) * len(lay.shape))}"
+    file, offset, length = reader.value_file(key)
+    os.truncate(file, offset + length // 2)
+
+
+def test_a_corrupt_chunk_names_the_array_and_returns_nothing(tmp_path):
+    path = epath.Path(tmp_path) / "item"
+    tree = _save(path, zarr3=False)
+    _cut_first_chunk(path, "params.w")
+    rargs = _request(tree, lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape))
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    with pytest.raises(CheckpointReadError, match=r"params\.w"):
+        restore_pytree(path, args, _stock)
+
+
+def test_load_params_from_path_reads_a_maxtext_step_through_the_engine(tmp_path, caplog):
+    src = Path(oml.EXAMPLES_DIR) / "maxtext_run"
+    shutil.copytree(src, tmp_path / "run")
+    step = tmp_path / "run" / "checkpoints" / "2"
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(step / "items")).tree
+    abstract = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=HOST), meta["params"]["params"]
+    )
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = oml.load_params_from_path(str(step / "items"), {"params": abstract})
+    assert _engine_count(caplog) > 0
+    os.environ[parallel_read.ENV] = "stock"
+    try:
+        want = oml.load_params_from_path(str(step / "items"), {"params": abstract})
+    finally:
+        del os.environ[parallel_read.ENV]
+    _same(got, want)
+
+
+_CHILD = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import logging, re, numpy as np, jax, orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from orbax_maxtext_layout.execute.restore import restore_pytree
+logging.basicConfig(level=logging.WARNING)
+log = logging.getLogger("orbax_maxtext_layout.execute.restore")
+log.setLevel(logging.DEBUG)
+lines = []
+log.addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: lines.append(r.getMessage())})())
+path = epath.Path(sys.argv[1])
+mesh = Mesh(np.array(jax.devices()), ("x",))
+rng = np.random.default_rng(1)
+tree = {"k": rng.standard_normal((64, 3, 96)).astype(np.float32), "v": rng.standard_normal((16, 40)).astype(np.float32)}
+saved = {"k": jax.device_put(tree["k"], NamedSharding(mesh, P("x"))), "v": jax.device_put(tree["v"], NamedSharding(mesh, P(None, "x")))}
+ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+ckptr.save(path, args=ocp.args.PyTreeSave(saved))
+ckptr.close()
+stock = lambda d, a: ocp.PyTreeCheckpointHandler().restore(d, args=a)
+targets = {
+    "matching fsdp": {"k": P("x"), "v": P(None, "x")},
+    "resharded": {"k": P(None, None, "x"), "v": P("x")},
+    "replicated": {"k": P(), "v": P()},
+}
+for what, specs in targets.items():
+    rargs = {k: ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, s), global_shape=tree[k].shape) for k, s in specs.items()}
+    rargs["v"] = ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, specs["v"]), global_shape=(16, 40), dtype=jax.numpy.bfloat16)
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    lines.clear()
+    got, want = restore_pytree(path, args, stock), stock(path, args)
+    assert any(re.search(r": 2 arrays .* read by the restore engine", l) for l in lines), lines
+    for k in tree:
+        assert got[k].sharding == want[k].sharding, (what, k)
+        assert got[k].dtype == want[k].dtype, (what, k)
+        for a, b in zip(sorted(got[k].addressable_shards, key=lambda s: s.device.id), sorted(want[k].addressable_shards, key=lambda s: s.device.id)):
+            assert a.device == b.device and a.index == b.index, (what, k)
+            assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes(), (what, k)
+        # each device its own buffer: replicas never share one
+        ptrs = [s.data.unsafe_buffer_pointer() for s in got[k].addressable_shards]
+        assert len(set(ptrs)) == len(ptrs), (what, k)
+print("OK")
+"""
+
+
+def test_eight_devices_matching_resharded_and_replicated_targets(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "item")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("OK")
