@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -30,6 +31,7 @@ from orbax_maxtext_layout.errors import CheckpointReadError
 from orbax_maxtext_layout.execute import parallel_read
 from orbax_maxtext_layout.execute.restore import restore_pytree
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
+from orbax_maxtext_layout.storage.scratch import Ahead, aligned
 
 LOGGER = "orbax_maxtext_layout.execute.restore"
 HOST = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -302,3 +304,53 @@ def test_eight_devices_matching_resharded_and_replicated_targets(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("OK")
+
+
+def test_host_buffers_are_reused_within_the_budget():
+    """The staging pool of accelerator targets (CPU devices keep their buffers instead)."""
+    pool = parallel_read._Buffers(budget=3 << 20)
+    a = pool.take(2 << 20)
+    pool.started(1)  # a task runs: a take past the budget waits for a give
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take(2 << 20)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got
+    pool.give(a, 2 << 20)
+    waiter.join(5)
+    assert got and got[0] is a  # the same buffer, rewritten, not fresh memory
+    assert a.ctypes.data % 64 == 0
+    pool.started(-1)
+    b = pool.take(1 << 20)  # nothing runs: never waits
+    pool.give(got[0], 2 << 20)
+    pool.give(b, 1 << 20)
+    c = pool.take(1 << 20)
+    assert c is b  # the smallest buffer that fits
+    pool.give(c, 1 << 20)
+    big = pool.take(8 << 20)  # larger than the budget: made alone, the pool kept small
+    pool.give(big, 8 << 20)
+    assert sum(x.nbytes for x in pool.free) <= 8 << 20 and len(pool.free) == 1
+
+
+def test_fresh_buffers_faulted_in_ahead_never_lose_what_the_writer_wrote():
+    """`Ahead`: helpers touch ranges while the writer claims and writes them; every byte
+    is the writer's, whichever got to a range first (with and without madvise)."""
+    for use_madvise in (True, False):
+        buf = aligned(8 << 20)
+        ahead = Ahead(buf, 64 << 10, madvise=use_madvise)
+        want = np.random.default_rng(3).integers(0, 255, buf.nbytes, np.uint8) | 1  # no zeros
+        helpers = [
+            threading.Thread(
+                target=lambda k=k, a=ahead: [a.touch(i) for i in range(k, len(a.state), 2)]
+            )
+            for k in range(2)
+        ]
+        for t in helpers:
+            t.start()
+        for start in range(0, buf.nbytes, 96 << 10):  # writer steps unlike the helpers'
+            stop = min(start + (96 << 10), buf.nbytes)
+            ahead.claim(stop)
+            buf[start:stop] = want[start:stop]
+        for t in helpers:
+            t.join()
+        assert np.array_equal(buf, want)

@@ -20,7 +20,7 @@ codec other than plain zstd, a shape other than the stored one (Orbax pads or tr
 scalars, PRNG key dtypes, a sharding without a per-device index, another memory kind.
 ``OMTL_RESTORE_ENGINE=stock`` sends everything the stock way.
 
-Imports: `orbax_io`, `errors`.
+Imports: `orbax_io`, `storage`, `errors`.
 """
 
 from __future__ import annotations
@@ -42,12 +42,18 @@ from ..orbax_io import chunks
 from ..orbax_io.reader import ItemReader
 from ..orbax_io.values import PIECE
 from ..orbax_io.zarr import Layout, np_dtype
+from ..storage.scratch import Ahead, aligned
 
 logger = logging.getLogger(__name__)
 
 ENV = "OMTL_RESTORE_ENGINE"  # "stock": every array the stock way
-DEFAULT_BUDGET = 1 << 30  # host staging buffers of boxes being filled, at most
+# Host staging buffers of boxes on their way to an accelerator, at most: an eighth of the
+# host's memory (5 GiB on a 40 GiB TPU v5e host), so that the largest arrays of a step
+# saved one chunk per array (an 8B MLP kernel: 1.8 GiB) decode side by side.
+BUDGET_SHARE = 8
 _STREAM_PIECE = 4 * PIECE  # a chunk that is not one box is streamed in pieces this large
+_POPULATE_FROM = 64 << 20  # boxes at least this large are faulted in ahead of their decoder
+_POPULATE_STEP = 16 << 20  # ... in ranges this large, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +182,10 @@ def _tasks(arrays: list[_Array]) -> list[_Task]:
                 by_cell.setdefault(cell, _Task(arr, cell, [])).boxes.append(box)
                 box.waiting += 1
         out.extend(by_cell.values())
-    # The largest chunks first (fewest idle cores at the end), then storage order.
-    out.sort(key=lambda t: -t.nbytes)
+    # Array by array, the largest first (fewest idle cores at the end), each array's chunks
+    # in storage order: a box completes, and its host buffer is reused, as early as it can.
+    order = {id(a): i for i, a in enumerate(sorted(arrays, key=lambda a: -a.lay.nbytes))}
+    out.sort(key=lambda t: (order[id(t.array)], t.cell))
     return out
 
 
@@ -196,12 +204,10 @@ class _Buffers:
             while self.used and self.used + nbytes > self.budget and self.running:
                 self.cond.wait()
             self.used += nbytes
-            fits = [b for b in self.free if b.nbytes >= nbytes]
-            if fits:
-                best = min(fits, key=lambda b: b.nbytes)
-                self.free.remove(best)
-                return best
-        return _aligned(nbytes)
+            fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
+            if fits:  # the smallest that fits (by index: arrays do not compare as values)
+                return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
+        return aligned(nbytes)
 
     def give(self, buf: np.ndarray, nbytes: int) -> None:
         with self.cond:
@@ -209,20 +215,13 @@ class _Buffers:
             self.free.append(buf)
             # Never keep more than the budget of idle buffers: drop the smallest.
             while sum(b.nbytes for b in self.free) > self.budget and len(self.free) > 1:
-                self.free.remove(min(self.free, key=lambda b: b.nbytes))
+                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].nbytes))
             self.cond.notify_all()
 
     def started(self, n: int) -> None:
         with self.cond:
             self.running += n
             self.cond.notify_all()
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    """``nbytes`` fresh bytes at a 64-byte boundary (XLA's alignment for host buffers)."""
-    raw = np.empty(nbytes + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    return raw[off : off + nbytes]
 
 
 def _aliases(device: Any) -> bool:
@@ -233,7 +232,7 @@ def _aliases(device: Any) -> bool:
 
 
 def _own(x: np.ndarray) -> np.ndarray:
-    out = _aligned(x.nbytes).view(x.dtype).reshape(x.shape)
+    out = aligned(x.nbytes).view(x.dtype).reshape(x.shape)
     np.copyto(out, x)
     return out
 
@@ -248,7 +247,7 @@ def read_arrays(
     requests: Mapping[Hashable, ArrayRequest],
     *,
     workers: int | None = None,
-    budget: int = DEFAULT_BUDGET,
+    budget: int | None = None,
 ) -> dict[Hashable, Any]:
     """Reads every request (each one `why_not` accepts) of the item ``reader`` opened:
     ``{key: jax.Array}`` with the request's sharding, or ``{key: np.ndarray}`` without one.
@@ -266,18 +265,34 @@ def read_arrays(
     if not tasks:
         return {}
     workers = workers or len(os.sched_getaffinity(0))
+    budget = chunks.host_memory() // BUDGET_SHARE if budget is None else budget
     run = _Run(reader, _Buffers(budget))
-    with cf.ThreadPoolExecutor(max(1, min(workers, len(tasks))), "omtl-restore") as pool:
+    workers = max(1, min(workers, len(tasks)))
+    # At most one task per worker is handed out: a box's buffer is taken only when its first
+    # chunk is about to be decoded, so the buffers in use are what keeps the cores busy (a
+    # step of many chunks per array fills an array or two at a time and reuses their
+    # buffers; one chunk per array fills as many arrays side by side as there are cores).
+    slots = threading.BoundedSemaphore(workers)
+    # A few more threads fault large fresh buffers in ahead of their decoders (`Ahead`):
+    # a page is zeroed by the kernel on first touch (0.9 GB/s on one core of a TPU host),
+    # as costly as the decode itself when one large chunk is one box.
+    run.populating = cf.ThreadPoolExecutor(max(1, workers // 4), "omtl-populate")
+    with run.populating, cf.ThreadPoolExecutor(workers, "omtl-restore") as pool:
         futures = []
         for task in tasks:
+            slots.acquire()
             if run.failed.is_set():
+                slots.release()
                 break
             for box in task.boxes:
                 run.allocate(box)
             run.buffers.started(1)
-            futures.append(pool.submit(run.task, task))
+            future = pool.submit(run.task, task)
+            future.add_done_callback(lambda _: slots.release())
+            futures.append(future)
         for f in futures:
             f.result()
+        run.populating.shutdown(cancel_futures=True)
     if run.error is not None:
         raise run.error
     return {arr.key: run.result(arr) for arr in arrays}
@@ -291,6 +306,7 @@ class _Run:
         self.lock = threading.Lock()
         self.failed = threading.Event()
         self.error: BaseException | None = None
+        self.populating: cf.ThreadPoolExecutor | None = None
 
     def allocate(self, box: _Box) -> None:
         if box.buf is not None:
@@ -298,7 +314,7 @@ class _Run:
         if box.devices == [None] or _aliases(box.devices[0]):
             # A host array's buffer is the result; a CPU device keeps the buffer it is
             # given (`_aliases`): either way it is never reused.
-            box.buf = _aligned(box.nbytes)
+            box.buf = aligned(box.nbytes)
         else:
             box.buf, box.pooled = self.buffers.take(box.nbytes), True
 
@@ -324,7 +340,15 @@ class _Run:
             and box.shape == lay.chunk  # not an edge chunk, stored past the array's end
             and arr.dtype == lay.dtype
         ):
-            chunks.decode_cell_into(self.reader, arr.req.name, task.cell, _view(box.buf, box))
+            before = None
+            if box.nbytes >= _POPULATE_FROM and self.populating is not None:
+                ahead = Ahead(box.buf[: box.nbytes], _POPULATE_STEP)
+                for i in range(len(ahead.state)):
+                    self.populating.submit(ahead.touch, i)
+                before = ahead.claim
+            chunks.decode_cell_into(
+                self.reader, arr.req.name, task.cell, _view(box.buf, box), before=before
+            )
         else:
             for piece in chunks.decode_cell(
                 self.reader, arr.req.name, task.cell, max_bytes=_STREAM_PIECE

@@ -24,7 +24,7 @@ import itertools
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -319,18 +319,32 @@ def decode_cell(
         yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind="engine")
 
 
-def decode_cell_into(src: Stored, name: str, cell: tuple[int, ...], out: np.ndarray) -> None:
+def decode_cell_into(
+    src: Stored,
+    name: str,
+    cell: tuple[int, ...],
+    out: np.ndarray,
+    *,
+    before: Callable[[int], None] | None = None,
+) -> None:
     """The stored chunk at grid ``cell`` decoded straight into ``out`` (C-contiguous, the
-    chunk's whole stored shape and dtype): no piece is held, nothing copied."""
+    chunk's whole stored shape and dtype): no piece is held, nothing copied. ``before(n)``
+    is called before bytes up to ``n`` of ``out`` are written (in steps of `values.PIECE`)."""
     lay = src.layout(name)
     what = f"{src.dir}: cannot read {name}"
+    flat = out.reshape(-1).view(np.uint8)
     for origin, frame in _frames(src, name, lay, what, only=cell, scratch="engine"):
         with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
             stream = _Framed(frame, lay.chunk_bytes)
             with zstd.ZstdDecompressor().stream_reader(
                 stream, read_size=values.PIECE, read_across_frames=True
             ) as r:
-                read_exactly(r, out)
+                step = flat.nbytes if before is None else 2 * values.PIECE
+                for start in range(0, flat.nbytes, step):
+                    stop = min(start + step, flat.nbytes)
+                    if before is not None:
+                        before(stop)
+                    read_exactly(r, flat[start:stop])
                 if r.read(1):
                     raise _Long
 
