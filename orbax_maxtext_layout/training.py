@@ -55,10 +55,12 @@ from orbax.checkpoint.experimental import v1 as ocp1
 
 # Private: the function v1's own loads use to pick the active context (see above).
 from orbax.checkpoint.experimental.v1._src.context import context as context_lib
+from orbax.checkpoint.experimental.v1._src.handlers import pytree_handler as v1_pytree
 from orbax.checkpoint.experimental.v1._src.path import step as path_step_lib
 
 from .base.names import MAXTEXT_ITEM
 from .errors import UsageError
+from .execute.restore import restore_pytree
 from .integration.legacy_steps import LegacySteps, check_migrate, load_requested
 from .integration.manager import CheckpointManager
 
@@ -185,6 +187,9 @@ class Checkpointer(ocp1.training.Checkpointer):
         number = self._number(step)
         held = None if number is None else self._held(number)
         if held is None:
+            native = self._load_native(number, abstract_checkpointables)
+            if native is not None:
+                return native
             return super().load_checkpointables(step, abstract_checkpointables)
         assert number is not None
         context = context_lib.get_context(self._context)
@@ -231,6 +236,30 @@ class Checkpointer(ocp1.training.Checkpointer):
                 f"{MAXTEXT_ITEM!r} and an abstract items tree."
             )
         return super().load(step, abstract_state, checkpointable_name=checkpointable_name)
+
+    def _load_native(self, number: int | None, abstract: dict[str, Any] | None) -> Any:
+        """A MaxText step's ``items`` loaded as stock v1 loads them, its arrays through the
+        restore engine (`restore_pytree`, with v1's own restore args and v1's PyTree handler
+        for the rest); the other checkpointables the stock way. None: all the stock way."""
+        if number is None or not abstract or abstract.get(MAXTEXT_ITEM) is None:
+            return None
+        step_dir = self.directory / self._step_name_format.build_name(number)
+        items_dir = step_dir / MAXTEXT_ITEM
+        if not (items_dir / "_METADATA").exists():
+            return None
+        context = context_lib.get_context(self._context)
+        with context:
+            handler = v1_pytree.PyTreeHandler(context=context)
+            args = v1_pytree.create_v0_restore_args(context, abstract[MAXTEXT_ITEM])
+
+            def stock(d: epath.Path, a: Any) -> Any:
+                return handler._handler_impl.restore(d, args=a)  # v1's own load, as it runs it
+
+            items = restore_pytree(items_dir, args, stock)
+        others = {k: v for k, v in abstract.items() if k != MAXTEXT_ITEM}
+        out = dict(super().load_checkpointables(number, others)) if others else {}
+        out[MAXTEXT_ITEM] = items
+        return out
 
     def _load_items(self, step: int, held: epath.Path, abstract: Any, context: Any) -> Any:
         if abstract is None:

@@ -197,11 +197,12 @@ def restore_pytree(item_dir: epath.Path, args: ocp.args.PyTreeRestore, stock: Re
     ``stock``, with the engine's leaves skipped (``ocp.PLACEHOLDER``).
     """
     item = args.item
-    plain = args.transforms is None and not args.partial_restore
+    transforms = getattr(args, "transforms", None)  # v1's args have neither
+    plain = transforms is None and not args.partial_restore
     if (
         item is None
-        or args.legacy_transform_fn is not None
-        or args.transforms not in (None, {})
+        or getattr(args, "legacy_transform_fn", None) is not None
+        or transforms not in (None, {})
         or not parallel_read.enabled()
     ):
         return stock(item_dir, args)
@@ -267,6 +268,12 @@ def _placed(leaf: Any, arg: Any, value_meta: Any) -> tuple | None:
         return tuple(shape), arg.dtype, arg.sharding
     if type(arg) is ocp.RestoreArgs and arg.restore_type is np.ndarray:
         return None, arg.dtype, None
+    # Orbax v1's (`V0RestoreArgs`): a jax.Array placed and cast as its abstract leaf says.
+    abstract = getattr(arg, "abstract_leaf", None)
+    if getattr(arg, "restore_type", None) is jax.Array and abstract is not None:
+        sharding = getattr(abstract, "sharding", None)
+        if isinstance(sharding, jax.sharding.Sharding) and hasattr(abstract, "dtype"):
+            return tuple(abstract.shape), abstract.dtype, sharding
     return None
 
 

@@ -86,7 +86,8 @@ from orbax.checkpoint.checkpoint_manager import CheckpointInfo
 
 from ..base.names import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from ..errors import UsageError
-from ..orbax_io.orbax_files import absolute
+from ..execute.restore import restore_pytree
+from ..orbax_io.orbax_files import METADATA_FILE, absolute
 from ..orbax_io.stepmeta import TUNIX_STEP_KEY
 from ..storage.store import store_for
 from .legacy_steps import LegacySteps, load_requested
@@ -249,6 +250,10 @@ class CheckpointManager(ocp.CheckpointManager):
             step = self.latest_step()
         held = self._legacy_dir(step, directory)
         if held is None:
+            if items is None and restore_kwargs is None and directory is None:
+                native = self._restore_native(step, args)
+                if native is not None:
+                    return native
             return super().restore(step, items, restore_kwargs, directory, args)
         assert step is not None
         if items is not None or restore_kwargs is not None:
@@ -267,6 +272,40 @@ class CheckpointManager(ocp.CheckpointManager):
             log=logger,
         )
         return ocp.args.Composite(**result) if composite else result[MAXTEXT_ITEM]
+
+    def _restore_native(self, step: int | None, args: Any) -> ocp.args.Composite | None:
+        """A step's PyTree items restored as stock restores them, their arrays through the
+        restore engine (`restore_pytree`, the item's own handler reading the rest); any
+        other item the stock way. None: the whole restore the stock way (no such item, a
+        handler of another kind, a step not on disk)."""
+        if step is None or not isinstance(args, ocp.args.Composite):
+            return None
+        try:  # Orbax's own resolution of the step directory and of each item's handler
+            step_dir = self._get_read_step_directory(step, self.directory)
+            composite = self._checkpointer.handler
+            handlers = {n: composite._get_or_set_handler(n, a) for n, a in args.items()}
+        except Exception:  # whatever Orbax would raise, it raises in the stock restore
+            return None
+        fast = {
+            n: h
+            for n, h in handlers.items()
+            if isinstance(args[n], ocp.args.PyTreeRestore)
+            and isinstance(h, ocp.PyTreeCheckpointHandler)
+            and (step_dir / n / METADATA_FILE).exists()
+        }
+        if not fast:
+            return None
+        out = {}
+        for name, handler in fast.items():
+
+            def stock(d: epath.Path, a: Any, _h: Any = handler) -> Any:
+                return _h.restore(d, args=a)
+
+            out[name] = restore_pytree(step_dir / name, args[name], stock)
+        rest = {n: a for n, a in args.items() if n not in fast}
+        if rest:
+            out.update(super().restore(step, args=ocp.args.Composite(**rest)).items())
+        return ocp.args.Composite(**{n: out[n] for n in args.keys()})
 
     def _legacy_dir(self, step: int | None, directory: epath.PathLike | None) -> epath.Path | None:
         """The directory of ``step`` if it is a listed step still in Tunix layout."""
