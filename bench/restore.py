@@ -47,6 +47,13 @@ def _args(argv):
     p.add_argument("--devices", type=int, default=8, help="host devices on a CPU host")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--full-state",
+        type=float,
+        default=0,
+        help="also a full-state restore (params, Adam moments, RNG, step) of a step of this "
+        "many bytes through CheckpointManager: bench/synth's Tunix step, and it converted",
+    )
     return p.parse_args(argv)
 
 
@@ -218,6 +225,68 @@ def _read_all(step: Path) -> int:
     return n
 
 
+def _full_state(a, devices) -> dict:
+    """Params, optimizer, RNG and step through `CheckpointManager`, as MaxText restores them:
+    stock's manager on the converted MaxText step, ours on it and on the Tunix step."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import orbax_maxtext_layout as oml
+
+    sys.path.insert(0, str(HERE))
+    import synth
+
+    root = a.work / "full"
+    tunix = root / "tunix" / "actor" / "2"
+    native = root / "maxtext" / "actor" / "2"
+    if not (native / "items").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        synth.make_step(root / "tunix", 2, int(a.full_state))
+        shutil.copytree(tunix.parent, native.parent)
+        oml.convert_step(native, synth.target_for(tunix), copy=True)
+        shutil.rmtree(native / "model_params")
+        shutil.rmtree(native / "optimizer_state")
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one),
+        synth.target_for(tunix).items(),
+    )
+    rargs = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), abstract)
+    args = ocp.args.Composite(items=ocp.args.PyTreeRestore(item=abstract, restore_args=rargs))
+
+    def restore(cls, directory, step):
+        with cls(directory, item_names=("items",)) as m:
+            return m.restore(step, args=args)["items"]
+
+    ops = {
+        "stock": lambda: restore(ocp.CheckpointManager, native.parent, 2),
+        "oml maxtext": lambda: restore(oml.CheckpointManager, native.parent, 2),
+        "oml tunix": lambda: restore(oml.CheckpointManager, tunix.parent, 1),
+    }
+    times: dict[str, list] = {k: [] for k in ops}
+    rss: dict[str, list] = {k: [] for k in ops}
+    for _ in range(a.rounds):
+        for k, fn in ops.items():
+            wall, peak = _measure(fn)
+            times[k].append(wall)
+            rss[k].append(peak)
+    row = {
+        "full state": int(a.full_state),
+        **{k: statistics.median(v) for k, v in times.items()},
+        **{f"{k} rss GiB": max(v) for k, v in rss.items()},
+    }
+    s = row["stock"]
+    print(
+        f"full state {a.full_state / 2**30:.1f} GiB, 1 device: stock {s:.2f} s | oml maxtext "
+        f"{row['oml maxtext']:.2f} s ({row['oml maxtext'] / s:.2f}x) | oml tunix "
+        f"{row['oml tunix']:.2f} s ({row['oml tunix'] / s:.2f}x) | peak RSS GiB: stock "
+        f"{row['stock rss GiB']:.2f}, oml {row['oml maxtext rss GiB']:.2f} / "
+        f"{row['oml tunix rss GiB']:.2f}",
+        flush=True,
+    )
+    return row
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     if "JAX_PLATFORMS" not in os.environ or os.environ["JAX_PLATFORMS"] == "cpu":
@@ -317,6 +386,8 @@ def main(argv=None) -> int:
                 f"{row['oml tunix rss GiB']:.2f}",
                 flush=True,
             )
+    if a.full_state:
+        results.append(_full_state(a, devices))
     if a.json:
         a.json.write_text(
             json.dumps(
