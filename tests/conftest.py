@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -53,7 +55,12 @@ def pytest_configure(config):
 
     Set with ``jax.config``, not the environment, so the CLI and child processes the tests
     start are left as users run them (their stderr is asserted). A cache entry JAX could not
-    read (e.g. one another worker was still writing) is compiled again, with a warning."""
+    read (e.g. one another worker was still writing) is compiled again, with a warning.
+
+    Registers the ``needs_sockets`` mark (`pytest_runtest_setup`)."""
+    config.addinivalue_line(
+        "markers", "needs_sockets(what): skips, saying why, where no socket can be opened"
+    )
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # the xdist controller
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
@@ -67,6 +74,55 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+@functools.cache
+def sockets_available() -> bool:
+    """Whether this host lets a process open a socket: binding ``127.0.0.1:0``. The TPU host
+    of issue 45 allows none, not even on loopback, so ``jax.distributed`` (the two- and
+    four-process tests) and the GCS emulator (``tests/gcs``) cannot run there."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError:
+        return False
+    return True
+
+
+NO_SOCKETS = "needs sockets, and this host allows none, not even on loopback (a TPU host)"
+
+
+def skip_without_sockets(what: str) -> None:
+    """Skips the running test or fixture, saying why, when `sockets_available` is false."""
+    if not sockets_available():
+        pytest.skip(f"{what} {NO_SOCKETS}")
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.needs_sockets("what")``: the test skips, saying that ``what`` needs
+    sockets, where none can be opened (`sockets_available`)."""
+    mark = item.get_closest_marker("needs_sockets")
+    if mark is not None:
+        skip_without_sockets(mark.args[0] if mark.args else item.name)
+
+
+def child_env(env: dict | None = None, *, cpu: bool = True) -> dict[str, str]:
+    """The environment of a child process: this process's, updated with ``env``, whose
+    ``PYTHONPATH`` goes before this process's (where a host may keep its packages: the TPU
+    host's ``/tmp/site``), not instead of it.
+
+    With ``cpu``, ``JAX_PLATFORMS=cpu``: on a TPU host the pytest process holds the chip, and a
+    second process that opens it fails ("libtpu multi-process lockfile"). The CLI
+    (``python -m orbax_maxtext_layout``) pins the CPU itself where ``JAX_PLATFORMS`` is unset:
+    its children may pass ``cpu=False``, so the suite on a TPU host checks that too. A test
+    about the default backend builds its own environment."""
+    out = {**os.environ, **(env or {})}
+    inherited = os.environ.get("PYTHONPATH")
+    if env and env.get("PYTHONPATH") and inherited:
+        out["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], inherited])
+    if cpu:
+        out["JAX_PLATFORMS"] = "cpu"
+    return out
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -115,14 +171,73 @@ def tree_digest(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
     return out
 
 
-def restore_flat(item_dir) -> dict:
-    """Stock Orbax restore of a whole item, flattened to ``{path: array}``."""
+def placed_restore_args(item_dir, *, host: bool = False):
+    """Restore args for every leaf of the stored item at ``item_dir`` (a tree of the stored
+    item's structure, from its metadata) that place each stored ``jax.Array`` explicitly: on
+    ``jax.devices()[0]`` (a `SingleDeviceSharding` of the default backend), or with ``host``
+    as a host ``np.ndarray``. Other leaves (numpy arrays, scalars, strings, empty nodes) get
+    plain `RestoreArgs`, restored as stock restores them.
+
+    Test oracles restore with these, never through the step's recorded ``_sharding``: the
+    fixtures record CPU devices, which a TPU host does not have (issue 45). A stored
+    ``jax.Array`` is the leaf whose metadata carries a sharding; a typed PRNG key restored
+    to the device is a key again, one restored to the host its uint32 key data."""
+    import jax
+    import numpy as np
     import orbax.checkpoint as ocp
     from etils import epath
 
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir)).tree
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def one(m):
+        stored_jax = isinstance(m, ocp.metadata.ArrayMetadata) and m.sharding is not None
+        if not stored_jax or isinstance(m, ocp.metadata.ScalarMetadata):
+            return ocp.RestoreArgs()
+        if host:
+            return ocp.RestoreArgs(restore_type=np.ndarray)
+        return ocp.ArrayRestoreArgs(sharding=device)
+
+    return jax.tree.map(one, meta, is_leaf=lambda x: isinstance(x, ocp.metadata.Metadata))
+
+
+def stock_restore(item_dir, *, host: bool = False):
+    """Stock Orbax restore of a whole item, placed by `placed_restore_args` (the oracle)."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    args = ocp.args.PyTreeRestore(restore_args=placed_restore_args(item_dir, host=host))
+    return ocp.PyTreeCheckpointHandler().restore(epath.Path(item_dir), args=args)
+
+
+def recorded_shardings_resolve(item_dir) -> bool:
+    """Whether every sharding recorded in the item's ``_sharding`` names devices this process
+    has: true on the CPU the fixtures were written on, false on a TPU host (they name
+    ``cpu:0``). A restore without restore args, stock's or the library's stock path, places
+    leaves there, so it works only then."""
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir)).tree
+    for m in jax.tree.leaves(meta, is_leaf=lambda x: isinstance(x, ocp.metadata.Metadata)):
+        if getattr(m, "sharding", None) is None:
+            continue
+        try:
+            m.sharding.to_jax_sharding()
+        except ValueError:
+            return False
+    return True
+
+
+RECORDED_DEVICES_ABSENT = "the step's recorded _sharding names devices this host does not have"
+
+
+def restore_flat(item_dir, *, host: bool = False) -> dict:
+    """`stock_restore` of a whole item, flattened to ``{path: array}``."""
     from orbax_maxtext_layout.base.treepaths import flatten, norm_key
 
-    tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(item_dir))
+    tree = stock_restore(item_dir, host=host)
     flat = flatten(tree, is_leaf=lambda x: hasattr(x, "dtype"))
     return {tuple(norm_key(k) for k in p): v for p, v in flat.items()}
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import writers as W
-from conftest import raw, restore_flat
+from conftest import child_env, raw, restore_flat
 from etils import epath
-from test_pagecache import resident
+from test_pagecache import page_cache_drops, resident
 
 from orbax_maxtext_layout import convert_step, verify_step
 from orbax_maxtext_layout.errors import CheckpointReadError
@@ -52,6 +52,7 @@ def _write(root: Path, zarr3: bool) -> Path:
         ],
         check=True,
         capture_output=True,
+        env=child_env(),  # its 8 CPU devices, whatever this process's backend
     )
     return root / "1"
 
@@ -131,7 +132,9 @@ def test_unroll_and_its_verify_decode_each_stored_chunk_once(step, tmp_path):
     # stays is B-tree nodes, read again by the check before the commit
     data = list((out / "items" / item_writer.DATA_DIR).iterdir())
     pages = sum(-(-p.stat().st_size // mmap.PAGESIZE) for p in data)
-    assert pages > 128 and sum(resident(p) for p in data) < pages // 10
+    assert pages > 128
+    if page_cache_drops():  # gVisor (the TPU host) keeps every page, whatever it is told
+        assert sum(resident(p) for p in data) < pages // 10
     decodes = _decodes(counts)
     big = [k for k in decodes if "mlp" in k]
     assert len(big) == 16 and set(decodes.values()) == {1}, decodes

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, MAXTEXT_NATIVE, tree_digest
+from conftest import FIXTURES, MAXTEXT_NATIVE, child_env, tree_digest
 
 from orbax_maxtext_layout import Layout, detect_layout, find_steps
 from orbax_maxtext_layout.execute.verify import verify_step
@@ -30,7 +30,7 @@ def cli(
         [sys.executable, "-m", "orbax_maxtext_layout", *args],
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env=child_env(env, cpu=False),  # the CLI pins the CPU itself
         cwd=ROOT,
         timeout=300,
     )
@@ -213,7 +213,9 @@ def test_sigkill_mid_conversion_then_rerun_finishes(tmp_path):
     env = {"OMTL_SYNTH_STEP": _template(root), "PYTHONPATH": str(ROOT / "bench")}
     args = ["convert", str(root), "--target", "synth:target_from_env", "-q"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orbax_maxtext_layout", *args], env={**os.environ, **env}, cwd=ROOT
+        [sys.executable, "-m", "orbax_maxtext_layout", *args],
+        env=child_env(env, cpu=False),
+        cwd=ROOT,
     )
     deadline = time.time() + 120
     while time.time() < deadline:  # kill as soon as the first step has committed
@@ -271,11 +273,8 @@ def test_a_rerun_removes_the_lock_temp_files_a_kill_left(tmp_path):
 
 def test_two_concurrent_converters_convert_each_step_once(tmp_path):
     root = _synth_root(tmp_path, 4, 8 << 20)
-    env = {
-        **os.environ,
-        "OMTL_SYNTH_STEP": _template(root),
-        "PYTHONPATH": str(ROOT / "bench"),
-    }
+    env = {"OMTL_SYNTH_STEP": _template(root), "PYTHONPATH": str(ROOT / "bench")}
+    env = child_env(env, cpu=False)
     args = [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(root)]
     args += ["--target", "synth:target_from_env", "--json"]
     procs = [
@@ -293,6 +292,9 @@ def test_two_concurrent_converters_convert_each_step_once(tmp_path):
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "pathways"])
 def test_peak_memory_stays_under_budget_plus_largest_array(tmp_path, use_ocdbt):
     import synth
+
+    if "VmHWM:" not in Path("/proc/self/status").read_text():
+        pytest.skip("this kernel reports no peak RSS (VmHWM; gVisor: the TPU host)")
 
     from orbax_maxtext_layout import read_specs
 
@@ -312,6 +314,7 @@ def test_peak_memory_stays_under_budget_plus_largest_array(tmp_path, use_ocdbt):
             text=True,
             check=True,
             cwd=ROOT,
+            env=child_env(),
         )
         return json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_kib"] * 1024
 

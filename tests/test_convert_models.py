@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import writers as W
-from conftest import tree_digest
+from conftest import stock_restore, tree_digest
 from etils import epath
 from flax import nnx
 
@@ -57,7 +56,7 @@ def _live_opt(optimizer) -> dict:
 
 
 def _restore(item_dir) -> dict:
-    return _flat(ocp.PyTreeCheckpointHandler().restore(epath.Path(item_dir)))
+    return _flat(stock_restore(item_dir))
 
 
 def _sub(flat: dict, prefix: tuple) -> dict:
@@ -110,7 +109,7 @@ def test_canonical_rules_against_an_nnx_target_without_optimizer(rl_run, tmp_pat
     for m in ("mu", "nu"):
         want |= {(1, 0, m, "params", *p): v for p, v in _sub(adam, (m,)).items()}
     _assert_same(_sub(got, ("opt_state",)), want)
-    raw = ocp.PyTreeCheckpointHandler().restore(epath.Path(step / "items"))
+    raw = stock_restore(step / "items")
     assert isinstance(raw["opt_state"], list) and raw["opt_state"][0] is None
     assert got[("step",)].dtype == np.int32 and int(got[("step",)]) == 2
 
@@ -297,10 +296,9 @@ def test_to_maxtext_items_equals_convert_step(rl_run, tmp_path):
     step, _, _ = rl_run
     step = _copy(step, tmp_path)
     target = Target.from_nnx(W.abstract_model(scanned=True))
-    h = ocp.PyTreeCheckpointHandler()
     items = to_maxtext_items(
-        h.restore(epath.Path(step / "model_params")),
-        h.restore(epath.Path(step / "optimizer_state")),
+        stock_restore(step / "model_params"),
+        stock_restore(step / "optimizer_state"),
         target,
     )
     convert_step(step, target)
@@ -318,7 +316,7 @@ def test_optimizer_matches_maxtext_non_recursive_linen_form(kind, tmp_path):
     target = Target.from_nnx(W.abstract_model(scanned=True), optimizer=abstract_opt)
     report = convert_step(step, target)
     assert "chain_to_list" not in report.rules
-    raw_tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(step / "items"))
+    raw_tree = stock_restore(step / "items")
     want = W.opt_state_to_linen(nnx.state(opt, nnx.optimizer.OptState).to_pure_dict()["opt_state"])
     if kind == "rl":  # adapter level dropped inside the moments too
         want = _drop_base_tree(want)

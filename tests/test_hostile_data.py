@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import zstandard
-from conftest import MAXTEXT_NATIVE, copy_fixture, tree_digest
+from conftest import MAXTEXT_NATIVE, child_env, copy_fixture, tree_digest
 from etils import epath
 from ocdbt_craft import crc32c  # tests/ocdbt_craft.py, proved by test_ocdbt_craft
 
@@ -199,6 +199,7 @@ def _child(jobs: list[dict]) -> list[dict]:
         capture_output=True,
         text=True,
         timeout=600,
+        env=child_env(),
     )
     lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     assert res.returncode == 0 and len(lines) == len(jobs) + 1, (

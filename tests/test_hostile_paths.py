@@ -25,7 +25,6 @@ system call may name a bait path. Without strace those checks are skipped, with 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import hostile_support as H
 import numpy as np
 import ocdbt_craft as C
 import pytest
-from conftest import FIXTURES, MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture
+from conftest import FIXTURES, MAXTEXT_NATIVE, RL_ACTOR_STEPS, child_env, copy_fixture
 from etils import epath
 
 from orbax_maxtext_layout import CheckpointReadError
@@ -219,7 +218,8 @@ def test_the_fast_reader_touches_nothing_outside(tmp_path, big_step, case):
     world = _world(tmp_path)
     _, f = _forge_kind("big", case, world, big_step)
     log = tmp_path / "strace.log"
-    res = H.traced([sys.executable, "-c", READER, str(f.item), BIG_NAME], log, cwd=ROOT)
+    argv = [sys.executable, "-c", READER, str(f.item), BIG_NAME]
+    res = H.traced(argv, log, cwd=ROOT, env=child_env())
     assert res.returncode == 1 and "refused:" in res.stdout, res.stdout + res.stderr
     assert LEAVES in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert H.touched(log, f.bait, cwd=ROOT) == []
@@ -264,10 +264,9 @@ def run_cli(
     """``orbax-maxtext-layout ARGS`` in a fresh interpreter, as users run it; with ``bait``,
     under strace where there is one, then asserting no system call named the bait."""
     argv = [sys.executable, "-m", "orbax_maxtext_layout", *map(str, args)]
+    env = child_env(env, cpu=False)  # the CLI pins the CPU itself
     if not H.STRACE or not bait:
-        return subprocess.run(
-            argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}
-        )
+        return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env)
     log = tmp_path / "strace.log"
     res = H.traced(argv, log, cwd=ROOT, env=env)
     hits = H.touched(log, bait, cwd=ROOT)

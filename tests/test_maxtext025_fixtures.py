@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import stock_restore
 from etils import epath
 
 import orbax_maxtext_layout as oml
@@ -95,7 +96,7 @@ def _metadata(item: Path) -> dict[str, object]:
 
 
 def _restore(item: Path) -> dict[str, object]:
-    return _flat(ocp.PyTreeCheckpointHandler().restore(epath.Path(item)))
+    return _flat(stock_restore(item))
 
 
 def _step_metadata(step: Path) -> dict:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, tree_digest
+from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, child_env, copy_fixture, tree_digest
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.maxtext import install, is_tunix_path
@@ -99,13 +98,12 @@ def _run_trainer(tmp_path, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "trainer.py").write_text(TRAINER)
     code = "import sys\nfrom orbax_maxtext_layout.maxtext import run\nrun('trainer', sys.argv[1:])"
-    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": path},
+        env=child_env({"PYTHONPATH": str(tmp_path / "site")}),
         timeout=300,
     )
 

@@ -203,8 +203,10 @@ def test_a_converted_run_reads_with_stock_v1_and_v0_like_a_native_maxtext_step(t
     assert int(got["step"]) == int(want["step"]) == 2  # both: the state after 2 updates
     meta = json.loads((root / "1" / "_CHECKPOINT_METADATA").read_text())
     assert set(meta["item_handlers"]) == {"items"}  # the legacy entries went with them
+    rargs = ocp.checkpoint_utils.construct_restore_args(abstract)  # abstract's shardings
     with ocp.CheckpointManager(root, item_names=("items",)) as mngr:  # stock v0
-        v0 = mngr.restore(1, args=ocp.args.Composite(items=ocp.args.PyTreeRestore(item=abstract)))
+        items = ocp.args.PyTreeRestore(item=abstract, restore_args=rargs)
+        v0 = mngr.restore(1, args=ocp.args.Composite(items=items))
     for a, b in zip(jax.tree.leaves(v0["items"]), jax.tree.leaves(got), strict=True):
         assert np.array_equal(_raw(a), _raw(b))
 

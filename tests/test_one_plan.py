@@ -10,7 +10,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_flat
+from conftest import (
+    MAXTEXT_NATIVE,
+    RL_ACTOR_STEPS,
+    copy_fixture,
+    raw,
+    restore_flat,
+    stock_restore,
+)
 from etils import epath
 
 import orbax_maxtext_layout as oml
@@ -129,7 +136,7 @@ def test_verify_after_a_scan_change_compares_values(tmp_path):
     oml.convert_step(step, oml.unroll_target(_scanned()), rescan="unroll", optimizer="drop")
     assert oml.verify_step(step).ok
     # Re-save the legacy model_params with stock Orbax, one weight changed.
-    tree = ocp.PyTreeCheckpointHandler().restore(step / "model_params")
+    tree = stock_restore(step / "model_params")
     kernel = tree["base"]["decoder"]["layers"]["mlp"]["wo"]["kernel"]
     kernel["value"] = kernel["value"] + 1
     shutil.rmtree(step / "model_params")

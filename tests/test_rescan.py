@@ -8,7 +8,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import writers as W
 from conftest import (
@@ -18,6 +17,7 @@ from conftest import (
     copy_fixture,
     raw,
     restore_flat,
+    stock_restore,
     tree_digest,
 )
 from test_cli import cli
@@ -151,7 +151,7 @@ def test_stack_reports_fresh_rng_when_the_unscanned_form_is_maxtexts_own(tmp_pat
 
 def _stacked_in_memory(step, target: Target, **kwargs) -> tuple[dict, dict]:
     """`stack` of the step's model_params, read as stored (typed keys), keyed by items path."""
-    tree = ocp.PyTreeCheckpointHandler().restore(step / "model_params")
+    tree = stock_restore(step / "model_params")
     got, report = stack(tree, target, **kwargs)
 
     def items_path(p: tuple) -> tuple:

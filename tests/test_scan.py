@@ -12,10 +12,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import writers as W
-from conftest import FIXTURES, MAXTEXT_NATIVE
+from conftest import FIXTURES, MAXTEXT_NATIVE, stock_restore
 from flax import nnx
 
 from orbax_maxtext_layout import LayoutMismatchError, Target
@@ -73,7 +72,7 @@ def _tunix(tree) -> dict:
 
 
 def _restore(rel: str) -> dict:
-    return ocp.PyTreeCheckpointHandler().restore((FIXTURES / rel).resolve())
+    return stock_restore((FIXTURES / rel).resolve())
 
 
 def _take(x, axis: int, i: int):

@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import writers
+from conftest import stock_restore
 from etils import epath
 from flax import nnx
 
@@ -103,7 +104,7 @@ def test_rl_step_layout(rl_step: epath.Path) -> None:
     assert opt[mu] == ((8, L, 16), "float32")
     assert len(opt) == 17
 
-    restored = ocp.PyTreeCheckpointHandler().restore(rl_step / "optimizer_state")
+    restored = stock_restore(rl_step / "optimizer_state")
     assert int(restored["step"]["value"]) == 2
     adam = restored["opt_state"]["inner_state"]["1"]["0"]
     assert int(adam["count"]["value"]) == 2
@@ -117,7 +118,7 @@ def test_typed_keys_keep_random_key_impl(rl_step: epath.Path) -> None:
     assert set(keys.values()) == {"threefry2x32"}
     assert impls["base.decoder.layers.dropout.rngs.dropout.count.value"] is None
 
-    restored = ocp.PyTreeCheckpointHandler().restore(rl_step / "model_params")
+    restored = stock_restore(rl_step / "model_params")
     key = restored["base"]["decoder"]["layers"]["dropout"]["rngs"]["dropout"]["key"]["value"]
     assert jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == (L,)
     count = restored["base"]["decoder"]["layers"]["dropout"]["rngs"]["dropout"]["count"]["value"]

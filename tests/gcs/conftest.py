@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import skip_without_sockets, stock_restore
 
 from .emulator import GcsEmulator, invalidate_gcsfs_caches
 
@@ -34,7 +35,9 @@ def _missing() -> list[str]:
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """The running `GcsEmulator`, its environment set in ``os.environ`` for the session: the
-    one ``.ci/run`` started if its variables are set, else one started here."""
+    one ``.ci/run`` started if its variables are set, else one started here. Skipped, with
+    the reason, where no socket can be opened (a TPU host)."""
+    skip_without_sockets("the GCS emulator")
     missing = _missing()
     if missing:
         pytest.skip(f"gs:// tests need {' and '.join(missing)} (pip install -e '.[test,gcs]')")
@@ -115,13 +118,12 @@ def gs_synth(gs_prefix, tmp_path):
 
 
 def restored_leaves(item_dir) -> dict:
-    """Stock Orbax restore of a whole item: ``{key path: (dtype, shape, stored bytes)}``
-    (a typed PRNG key as its key data)."""
+    """Stock Orbax restore of a whole item onto the default device (`conftest.stock_restore`):
+    ``{key path: (dtype, shape, stored bytes)}`` (a typed PRNG key as its key data)."""
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
 
-    tree = ocp.PyTreeCheckpointHandler().restore(item_dir)
+    tree = stock_restore(item_dir)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "dtype"))[0]
     out = {}
     for p, x in leaves:

@@ -146,13 +146,15 @@ def settle(err: BaseException | None = None) -> None:
 
 
 def stock_tree(item_dir: Path) -> Any:
-    """What stock Orbax restores from an item, with no target (typed PRNG keys)."""
-    import orbax.checkpoint as ocp
-    from etils import epath
+    """What stock Orbax restores from an item, with no target (typed PRNG keys), each leaf
+    placed on the default device (`conftest.stock_restore`), not where its _sharding says."""
+    if str(TESTS) not in sys.path:  # a child process (the zygote's jobs)
+        sys.path.append(str(TESTS))
+    from conftest import stock_restore as placed_stock_restore
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return ocp.PyTreeCheckpointHandler().restore(epath.Path(os.path.abspath(item_dir)))
+        return placed_stock_restore(os.path.abspath(item_dir))
 
 
 def hashed(tree: Any) -> Restored:
@@ -256,7 +258,11 @@ class Result:
 
 
 def child_env(synth_step: Path | None = None) -> dict[str, str]:
-    env = {"PYTHONPATH": os.pathsep.join([str(BENCH), str(HERE)])}
+    """What a child process adds to this one's environment: its path before this process's
+    (where a host may keep its packages), and JAX on the CPU (on a TPU host the pytest process
+    holds the chip; see `conftest.child_env`)."""
+    path = [str(BENCH), str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), "JAX_PLATFORMS": "cpu"}
     if synth_step is not None:
         env["OMTL_SYNTH_STEP"] = str(synth_step)
     return env

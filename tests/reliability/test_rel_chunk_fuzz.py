@@ -20,6 +20,7 @@ Never another exception, never values of its own, never an abort.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -242,6 +243,7 @@ def test_chunk_reader_fuzz_in_a_capped_child(items, tmp_path):
         text=True,
         timeout=600,
         cwd=S.REPO,
+        env={**os.environ, **S.child_env()},
     )
     results = json.loads(out.read_text()) if out.exists() else []
     assert res.returncode == 0, (

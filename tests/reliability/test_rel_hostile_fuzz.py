@@ -41,6 +41,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 sys.path.insert(0, str(S.TESTS))
 import hostile_support as H  # tests/hostile_support.py
 import ocdbt_craft as C  # tests/ocdbt_craft.py
+from conftest import child_env  # tests/conftest.py
 
 set_hypothesis_home_dir(S.session_dir() / "hypothesis")
 
@@ -205,7 +206,7 @@ def _run_child(world: Path, drawn: list[dict], tmp_path: Path):
         str(tables_file),
         str(out),
     ]
-    env = {"PYTHONPATH": os.pathsep.join([str(S.REPO), str(S.TESTS), str(S.HERE)])}
+    env = child_env({"PYTHONPATH": os.pathsep.join([str(S.REPO), str(S.TESTS), str(S.HERE)])})
     log = tmp_path / "strace.log" if H.STRACE else None
     if log is not None:
         res = H.traced(argv, log, cwd=S.REPO, env=env, timeout=600)
@@ -215,7 +216,7 @@ def _run_child(world: Path, drawn: list[dict], tmp_path: Path):
             capture_output=True,
             text=True,
             cwd=S.REPO,
-            env={**os.environ, **env},
+            env=env,
             timeout=600,
         )
     assert res.returncode == 0, res.stderr[-3000:]

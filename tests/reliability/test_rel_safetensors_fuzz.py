@@ -438,7 +438,8 @@ def run_child(world: Path, cases: list[dict], tmp_path: Path) -> list[dict]:
     spec.write_text(json.dumps(cases))
     args = [str(CAP), str(CASE_SECONDS), str(world), str(spec), str(out)]
     cmd = [sys.executable, "-c", CHILD, *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=S.REPO)
+    env = {**os.environ, **S.child_env()}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=S.REPO, env=env)
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if res.returncode != 0 or len(done) != len(cases):
         stop = cases[len(done)] if len(done) < len(cases) else {}
