@@ -265,9 +265,10 @@ def _full_state(a, devices) -> dict:
     }
     times: dict[str, list] = {k: [] for k in ops}
     rss: dict[str, list] = {k: [] for k in ops}
-    for _ in range(a.rounds):
-        for k, fn in ops.items():
-            wall, peak = _measure(fn)
+    for r in range(a.rounds):
+        names = list(ops)
+        for k in names[r % len(names) :] + names[: r % len(names)]:  # rotated
+            wall, peak = _measure(ops[k])
             times[k].append(wall)
             rss[k].append(peak)
     row = {
@@ -363,9 +364,10 @@ def main(argv=None) -> int:
             }
             times: dict[str, list] = {k: [] for k in ops}
             rss: dict[str, list] = {k: [] for k in ops}
-            for _ in range(a.rounds):
-                for k, fn in ops.items():
-                    wall, peak = _measure(fn)
+            for r in range(a.rounds):
+                names = list(ops)
+                for k in names[r % len(names) :] + names[: r % len(names)]:  # rotated
+                    wall, peak = _measure(ops[k])
                     times[k].append(wall)
                     rss[k].append(peak)
             del host
