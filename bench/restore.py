@@ -37,6 +37,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from synth import _nest  # noqa: E402 - bench/ on the path first
 
 
 def _args(argv):
@@ -81,16 +84,6 @@ def _shapes(n_params: float) -> dict[tuple[str, ...], tuple[int, ...]]:
         (*lay, "pre_self_attention_layer_norm", "scale"): (emb, layers),
         (*lay, "post_self_attention_layer_norm", "scale"): (emb, layers),
     }
-
-
-def _nest(flat: dict) -> dict:
-    root: dict = {}
-    for path, leaf in flat.items():
-        node = root
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = leaf
-    return root
 
 
 def _fsdp(shape, mesh):
@@ -213,6 +206,19 @@ def _measure(fn) -> tuple[float, float]:
     return wall, (peak - before) / 2**20
 
 
+def _rounds(ops: dict, rounds: int) -> tuple[dict[str, list], dict[str, list]]:
+    """Each operation's seconds and peak RSS, ``rounds`` times, each round in a rotated order."""
+    times: dict[str, list] = {k: [] for k in ops}
+    rss: dict[str, list] = {k: [] for k in ops}
+    names = list(ops)
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            wall, peak = _measure(ops[k])
+            times[k].append(wall)
+            rss[k].append(peak)
+    return times, rss
+
+
 def _read_all(step: Path) -> int:
     buf = bytearray(64 << 20)
     view = memoryview(buf)
@@ -230,11 +236,9 @@ def _full_state(a, devices) -> dict:
     stock's manager on the converted MaxText step, ours on it and on the Tunix step."""
     import jax
     import orbax.checkpoint as ocp
+    import synth
 
     import orbax_maxtext_layout as oml
-
-    sys.path.insert(0, str(HERE))
-    import synth
 
     root = a.work / "full"
     tunix = root / "tunix" / "actor" / "2"
@@ -263,14 +267,7 @@ def _full_state(a, devices) -> dict:
         "oml maxtext": lambda: restore(oml.CheckpointManager, native.parent, 2),
         "oml tunix": lambda: restore(oml.CheckpointManager, tunix.parent, 1),
     }
-    times: dict[str, list] = {k: [] for k in ops}
-    rss: dict[str, list] = {k: [] for k in ops}
-    for r in range(a.rounds):
-        names = list(ops)
-        for k in names[r % len(names) :] + names[: r % len(names)]:  # rotated
-            wall, peak = _measure(ops[k])
-            times[k].append(wall)
-            rss[k].append(peak)
+    times, rss = _rounds(ops, a.rounds)
     row = {
         "full state": int(a.full_state),
         **{k: statistics.median(v) for k, v in times.items()},
@@ -362,14 +359,7 @@ def main(argv=None) -> int:
                     jax.device_put(host[p], place(s)) for p, s in shapes.items()
                 ],
             }
-            times: dict[str, list] = {k: [] for k in ops}
-            rss: dict[str, list] = {k: [] for k in ops}
-            for r in range(a.rounds):
-                names = list(ops)
-                for k in names[r % len(names) :] + names[: r % len(names)]:  # rotated
-                    wall, peak = _measure(ops[k])
-                    times[k].append(wall)
-                    rss[k].append(peak)
+            times, rss = _rounds(ops, a.rounds)
             del host
             row = {
                 "chunks": chunks,
