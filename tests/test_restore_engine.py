@@ -349,8 +349,35 @@ def test_fresh_buffers_faulted_in_ahead_never_lose_what_the_writer_wrote():
             t.start()
         for start in range(0, buf.nbytes, 96 << 10):  # writer steps unlike the helpers'
             stop = min(start + (96 << 10), buf.nbytes)
-            ahead.claim(stop)
+            ahead.claim(start, stop)
             buf[start:stop] = want[start:stop]
         for t in helpers:
             t.join()
         assert np.array_equal(buf, want)
+
+
+def test_large_boxes_faulted_in_ahead_decode_bit_for_bit(tmp_path):
+    """Boxes of 64 MiB and more are faulted in by helper threads while their chunks are
+    decoded straight into them (chunks of whole rows) or copied in piece by piece (chunks
+    of columns): the same bytes as stock."""
+    rng = np.random.default_rng(5)
+    tree = {
+        "rows": rng.standard_normal((2048, 8192), np.float32),  # 64 MiB, chunks of rows
+        "cols": rng.standard_normal((8192, 2048), np.float32),
+    }
+    path = epath.Path(tmp_path) / "big"
+    save_args = {"rows": ocp.SaveArgs(chunk_byte_size=8 << 20), "cols": ocp.SaveArgs()}
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=False))
+    ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    ckptr.close()
+    reader = ItemReader.open(path)
+    assert reader.layout("rows").chunk[0] < 2048 == reader.layout("rows").shape[0]
+    reqs = {
+        "rows": parallel_read.ArrayRequest("rows", (2048, 8192), np.dtype(np.float32), HOST),
+        # a cast: never decoded in place, copied piece by piece into the claimed ranges
+        "cols": parallel_read.ArrayRequest("cols", (8192, 2048), np.dtype(np.float64)),
+    }
+    assert all(r.nbytes >= parallel_read._POPULATE_FROM for r in reqs.values())
+    got = parallel_read.read_arrays(reader, reqs, workers=2)
+    assert np.asarray(got["rows"]).tobytes() == tree["rows"].tobytes()
+    assert got["cols"].tobytes() == tree["cols"].astype(np.float64).tobytes()

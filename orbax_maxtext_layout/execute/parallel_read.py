@@ -123,6 +123,7 @@ class _Box:
     waiting: int = 0  # stored chunks not yet copied in
     buf: np.ndarray | None = None
     pooled: bool = False
+    ahead: Ahead | None = None  # a large buffer being faulted in ahead of its writers
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -317,6 +318,10 @@ class _Run:
             box.buf = aligned(box.nbytes)
         else:
             box.buf, box.pooled = self.buffers.take(box.nbytes), True
+        if box.nbytes >= _POPULATE_FROM and self.populating is not None:
+            box.ahead = Ahead(box.buf[: box.nbytes], _POPULATE_STEP)
+            for i in range(len(box.ahead.state)):
+                self.populating.submit(box.ahead.touch, i)
 
     def task(self, task: _Task) -> None:
         try:
@@ -331,24 +336,18 @@ class _Run:
             self.buffers.started(-1)
 
     def _fill(self, task: _Task) -> None:
-        arr, lay = task.array, task.array.lay
-        origin = chunks.cell_origin(lay, task.cell)
-        box = task.boxes[0]
-        if (
-            len(task.boxes) == 1
-            and box.start == origin
-            and box.shape == lay.chunk  # not an edge chunk, stored past the array's end
-            and arr.dtype == lay.dtype
-        ):
+        arr = task.array
+        region = _direct(task)
+        if region is not None:  # the chunk is one contiguous run of its box: decoded there
+            box = task.boxes[0]
             before = None
-            if box.nbytes >= _POPULATE_FROM and self.populating is not None:
-                ahead = Ahead(box.buf[: box.nbytes], _POPULATE_STEP)
-                for i in range(len(ahead.state)):
-                    self.populating.submit(ahead.touch, i)
-                before = ahead.claim
-            chunks.decode_cell_into(
-                self.reader, arr.req.name, task.cell, _view(box.buf, box), before=before
-            )
+            if box.ahead is not None:
+                offset = region.ctypes.data - box.buf.ctypes.data
+
+                def before(a: int, b: int, _o: int = offset, _ahead: Ahead = box.ahead) -> None:
+                    _ahead.claim(_o + a, _o + b)
+
+            chunks.decode_cell_into(self.reader, arr.req.name, task.cell, region, before=before)
         else:
             for piece in chunks.decode_cell(
                 self.reader, arr.req.name, task.cell, max_bytes=_STREAM_PIECE
@@ -394,7 +393,37 @@ def _copy(piece: chunks.Piece, box: _Box) -> None:
         return
     src = tuple(slice(x - s, h - s) for x, h, s in zip(lo, hi, piece.start, strict=True))
     dst = tuple(slice(x - s, h - s) for x, h, s in zip(lo, hi, box.start, strict=True))
-    np.copyto(_view(box.buf, box)[dst], piece.data[src], casting="unsafe")
+    into = _view(box.buf, box)[dst]
+    if box.ahead is not None:
+        first, last = _byte_bounds(into)
+        base = box.buf.ctypes.data
+        box.ahead.claim(first - base, last - base)
+    np.copyto(into, piece.data[src], casting="unsafe")
+
+
+try:  # numpy 2
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # pragma: no cover - numpy 1
+    _byte_bounds = np.byte_bounds
+
+
+def _direct(task: _Task) -> np.ndarray | None:
+    """Where in its box the task's chunk can be decoded straight into: the chunk's region of
+    its one box when that region is one C-contiguous run (a chunk of whole trailing rows),
+    the chunk lies wholly inside the array (an edge chunk is stored past the array's end)
+    and the box keeps the stored dtype; else None (decoded in pieces and copied)."""
+    arr, lay = task.array, task.array.lay
+    if len(task.boxes) != 1 or arr.dtype != lay.dtype:
+        return None
+    box = task.boxes[0]
+    origin = chunks.cell_origin(lay, task.cell)
+    stop = tuple(o + c for o, c in zip(origin, lay.chunk, strict=True))
+    if any(o < a or e > b for o, e, a, b in zip(origin, stop, box.start, box.stop, strict=True)):
+        return None
+    region = _view(box.buf, box)[
+        tuple(slice(o - a, e - a) for o, e, a in zip(origin, stop, box.start, strict=True))
+    ]
+    return region if region.flags.c_contiguous else None
 
 
 def _named(e: BaseException, reader: ItemReader, name: str) -> BaseException:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import threading
@@ -206,6 +207,18 @@ def import_hf(
       StepExistsError: ``<out>/0`` exists.
       UsageError: an unknown ``save_dtype``.
     """
+    # no garbage collection meanwhile: the import makes few cycles, and each full pass walks
+    # every object of MaxText's config and JAX (2% of an 8B import's CPU time)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress):
     start = time.monotonic()
     if save_dtype not in SAVE_DTYPES:
         raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
@@ -452,7 +465,9 @@ def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -
                 dst, name, shape, plan.save_dtype, chunk, use_zarr3=zarr3, context=ctx
             )
             chunks[path] = chunk
-    _run_slices(plan, arrays, chunks, progress)
+    # the new data files leave the page cache once written (nothing here reads them back)
+    with store_for(tmp).drop_written(tmp / item_writer.DATA_DIR):
+        _run_slices(plan, arrays, chunks, progress)
     item_writer.write_array(dst, "step", np.asarray(0, np.int64), use_zarr3=zarr3, context=ctx)
     leaves = {
         path: orbax_files.leaf_files(None, None, list(shape), None)
@@ -469,33 +484,68 @@ def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -
 
 
 def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable | None) -> None:
-    """Every slice read, cast, hooked and written, a worker per core, within the budget."""
+    """Every slice read, cast, hooked and written, a worker per core, within the budget.
+
+    What a real-size import spends its time on is memory traffic, so none of it goes to
+    fresh memory where it can be helped (`_Scratch`: a new page is zeroed by the kernel first,
+    1 to 3 s a GiB on a VM): each worker reads its slices into a buffer of its own and copies
+    their row blocks into two of its own, which tensorstore references instead of copying
+    (docs/performance.md, import-hf)."""
     jobs = [(lf, idx, hf) for lf in plan.leaves for idx, hf in lf.slices()]
     jobs.sort(key=lambda j: -_slice_bytes(plan, j[0], j[2]))  # the largest first
     gate = Budget(plan.budget)
     done, lock = [0], threading.Lock()
+    scratch = _Scratch()
 
-    def one(job: tuple[Leaf, tuple[int, ...], Any]) -> None:
-        leaf, idx, hf = job
-        held = gate.take(HOLD * _slice_bytes(plan, leaf, hf))
-        try:
-            for path, data in zip(leaf.paths, _slice(plan, leaf, hf), strict=True):
-                _write_slice(arrays[path], leaf.axes, idx, data, chunks[path])
-        finally:
-            gate.give(held)
+    def tick() -> None:
         if progress is not None:
             with lock:
                 done[0] += 1
                 progress(done[0], len(jobs))
 
+    def one(job: tuple[Leaf, tuple[int, ...], Any]) -> None:
+        leaf, idx, hf = job
+        held = gate.take(HOLD * _slice_bytes(plan, leaf, hf))
+        try:
+            for path, data in zip(leaf.paths, _slice(plan, leaf, hf, scratch), strict=True):
+                _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], scratch=scratch)
+        finally:
+            gate.give(held)
+        tick()
+
     # A slice over the budget runs alone, first: waiting for the gate to empty while other
     # workers keep taking small slices would leave it to the end, on one core (117 s at 8B).
+    # Its row blocks are written by every worker (`_write_slice`'s ``pool``).
     big = [j for j in jobs if HOLD * _slice_bytes(plan, j[0], j[2]) > plan.budget]
-    for j in big:
-        one(j)
     with ThreadPoolExecutor(_workers()) as pool:
+        for leaf, idx, hf in big:
+            made = _slice(plan, leaf, hf, scratch)
+            for path, data in zip(leaf.paths, made, strict=True):
+                _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], pool=pool)
+            del made
+            scratch.drop()  # this thread's read buffer: the size of the largest slice
+            tick()
         for f in [pool.submit(one, j) for j in jobs if j not in big]:
             f.result()
+
+
+class _Scratch(threading.local):
+    """Each thread's reused buffers (``"read"``: its slice's source bytes; ``"block"``: the
+    row blocks it copies), grown to the largest asked for, kept until the import ends."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[Any, np.ndarray] = {}
+
+    def get(self, kind: Any, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes (uint8) of this thread's buffer ``kind``."""
+        buf = self.bufs.get(kind)
+        if buf is None or buf.nbytes < nbytes:
+            self.bufs.pop(kind, None)
+            buf = self.bufs[kind] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
+
+    def drop(self) -> None:
+        self.bufs.clear()
 
 
 def chunk_shape(shape: Sequence[int], axes: tuple[int, ...], itemsize: int) -> list[int]:
@@ -510,11 +560,21 @@ def chunk_shape(shape: Sequence[int], axes: tuple[int, ...], itemsize: int) -> l
 
 
 def _write_slice(
-    array: ts.TensorStore, axes: tuple[int, ...], idx: tuple[int, ...], data, chunk: list[int]
+    array: ts.TensorStore,
+    axes: tuple[int, ...],
+    idx: tuple[int, ...],
+    data,
+    chunk: list[int],
+    *,
+    scratch: _Scratch | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> None:
     """``data`` written at index ``idx`` on ``axes`` of ``array`` (the whole array for none),
-    a chunk's row block at a time: tensorstore holds one block's copy and encoding, never a
-    second copy of the slice."""
+    a chunk's row block at a time: tensorstore holds one block's encoding, never a second copy
+    of the slice. A block ``data`` holds contiguous is written from ``data`` itself; any other
+    (a transposed view: MaxText's ``reshape_kernel``) is first copied into one of two buffers
+    of this thread (`_Scratch`, ``scratch``; else a new one), the copy of the next block
+    overlapping the write of this one. With ``pool``, its workers write the blocks."""
     box = [slice(None)] * array.rank
     for axis, i in zip(axes, idx, strict=True):
         box[axis] = i
@@ -522,30 +582,152 @@ def _write_slice(
     kept = [d for i, d in enumerate(chunk) if i not in axes]  # the chunk on the slice's axes
     cut = next((k for k, (c, n) in enumerate(zip(kept, data.shape, strict=True)) if c < n), None)
     if cut is None:
-        array.write(data).result()
+        parts = [(slice(None),) * data.ndim]
+    else:
+        step, n = kept[cut], data.shape[cut]
+        parts = [(slice(None),) * cut + (slice(lo, min(lo + step, n)),) for lo in range(0, n, step)]
+    if pool is not None and len(parts) > 1:
+        per = _workers()
+        local = _Scratch()
+        futures = [
+            pool.submit(_write_blocks, array, data, parts[k::per], local) for k in range(per)
+        ]
+        for f in futures:
+            f.result()
         return
-    step = kept[cut]
-    for lo in range(0, data.shape[cut], step):
-        part = (slice(None),) * cut + (slice(lo, min(lo + step, data.shape[cut])),)
-        array[part].write(np.ascontiguousarray(data[part])).result()
+    _write_blocks(array, data, parts, scratch)
 
 
-def _slice(plan: ImportPlan, leaf: Leaf, hf: Any) -> list[np.ndarray]:
+def _write_blocks(array: ts.TensorStore, data, parts: list[tuple], scratch: _Scratch | None):
+    """`_write_slice`'s blocks ``parts`` of ``data``, in order, on this thread."""
+    pending: list[Any] = [None, None]  # the write in flight from each of two slots
+    try:
+        for k, part in enumerate(parts):
+            slot = k % 2
+            if pending[slot] is not None:  # two writes in flight at most; the slot's buffer free
+                pending[slot].result()
+                pending[slot] = None
+            src = data[part]
+            if isinstance(src, np.ndarray) and not src.flags.c_contiguous:
+                if scratch is None:
+                    buf = np.empty(src.shape, src.dtype)
+                else:
+                    buf = scratch.get(("block", slot), src.nbytes).view(src.dtype)
+                    buf = buf.reshape(src.shape)
+                _copy(buf, src, scratch)
+                src = buf
+            # from memory nothing changes before the write is done (awaited below): not copied
+            pending[slot] = array[part].write(src, can_reference_source_data_indefinitely=True)
+    finally:
+        for f in pending:
+            if f is not None:
+                f.result()
+
+
+STRIP = 8  # columns a transposing copy moves at once (`_copy`)
+PACKED_BYTES = 16 << 20  # a transposing copy's packed rows (`_transpose`), at most
+
+
+def _copy(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None = None) -> None:
+    """``out[...] = src`` (``out`` C-contiguous), as unsigned integers of the same size: NumPy
+    copies an ``ml_dtypes`` bfloat16 element by element through its dtype's functions. A
+    transposed view (MaxText's ``reshape_kernel``: HF ``[out, in]`` as ``[in, out]``, maybe
+    with one side split into heads) is copied as the 2-D transpose it is (`_transpose`)."""
+    if src.dtype.itemsize in (1, 2, 4, 8):
+        as_int = np.dtype(f"u{src.dtype.itemsize}")
+        out, src = out.view(as_int), src.view(as_int)
+    shape, strides = _merged(src.shape, src.strides)
+    if len(shape) == 2 and strides[0] == src.itemsize and shape[1] > STRIP:
+        src = np.lib.stride_tricks.as_strided(src, shape, strides, writeable=False)
+        _transpose(out.reshape(shape), src, scratch)
+    else:
+        np.copyto(out, src)
+
+
+def _transpose(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None) -> None:
+    """``out[...] = src``, ``src`` a transposed view (``src.T``'s rows contiguous). NumPy
+    copies a transposed 2-byte array at 0.25 GiB/s here, in strips of `STRIP` columns at 1.4,
+    and as this does at 2.3: ``g`` elements of a row of ``src.T`` moved as one 8-byte word
+    (a transpose of ``g`` x ``g`` blocks, in strips), then each block transposed inside,
+    a sequential pass. A ``src`` whose rows do not pack into words goes in strips."""
+    rows, cols = src.shape
+    g = 8 // src.itemsize
+    words = src.T.view(np.uint64) if g > 1 and rows % g == 0 else None
+    if words is None:
+        for j in range(0, cols, STRIP):
+            out[:, j : j + STRIP] = src[:, j : j + STRIP]
+        return
+    step = max(g, PACKED_BYTES // (cols * 8) * g)  # rows of ``out`` per pass
+    for lo in range(0, rows, step):
+        n = min(step, rows - lo)
+        if scratch is None:
+            packed = np.empty((n // g, cols), np.uint64)
+        else:
+            packed = scratch.get("packed", n * cols * src.itemsize).view(np.uint64)
+            packed = packed.reshape(n // g, cols)
+        part = words[:, lo // g : (lo + n) // g].T  # [n / g, cols], transposed
+        for j in range(0, cols, STRIP):
+            packed[:, j : j + STRIP] = part[:, j : j + STRIP]
+        # packed[r, c] holds src[lo + g r : lo + g (r + 1), c]
+        unpacked = packed.view(src.dtype).reshape(n // g, cols, g).transpose(0, 2, 1)
+        np.copyto(out[lo : lo + n].reshape(n // g, g, cols), unpacked)
+
+
+def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list, list]:
+    """``shape`` and ``strides`` with every axis of length 1 dropped and every two adjacent
+    axes that step as one merged: the same elements in the same order, fewest axes."""
+    dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
+    out: list[list[int]] = []
+    for n, s in dims:
+        if out and out[-1][1] == n * s:
+            out[-1] = [out[-1][0] * n, s]
+        else:
+            out.append([n, s])
+    return [d[0] for d in out], [d[1] for d in out]
+
+
+def _slice(
+    plan: ImportPlan, leaf: Leaf, hf: Any, scratch: _Scratch | None = None
+) -> list[np.ndarray]:
     """One slice of ``leaf`` (per MaxText param of it), as ``to_maxtext`` makes it: its HF
-    tensors read and cast (`cast`), then MaxText's hooks for the slice's shape."""
+    tensors read (into this thread's buffer of ``scratch``, if given) and cast (`cast`), then
+    MaxText's hooks for the slice's shape."""
     from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
 
     if hf is None:
         raw = None
     elif isinstance(hf, tuple):
-        raw = tuple(cast(plan.hf.read(n), plan.save_dtype) for n in hf)
+        at, parts = 0, []
+        for n in hf:
+            parts.append(cast(_read(plan.hf, n, scratch, at), plan.save_dtype))
+            at += plan.hf.tensors[n].nbytes
+        raw = tuple(parts)
     else:
-        raw = cast(plan.hf.read(hf), plan.save_dtype)
+        raw = cast(_read(plan.hf, hf, scratch), plan.save_dtype)
     made = np.asarray(apply_hook_fns(raw, leaf.slice_shape, leaf.hooks))
     if len(leaf.keys) == 1:
         return [made.reshape(leaf.slice_shape)]
     # a composite key: the hook's output split on its last axis, as to_maxtext splits it
     return [made[..., i] for i in range(len(leaf.keys))]
+
+
+def _read(hf: HfDir, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
+    """Tensor ``name`` (`HfDir.read`), read into bytes ``[at, ...)`` of this thread's read
+    buffer where ``scratch`` gives one and the file is local; any failure there is read
+    again by `HfDir.read`, which refuses it as it refuses any read."""
+    t = hf.tensors[name]
+    f = hf._files.get(t.file)  # safetensors_in's open file: its own read, into our buffer
+    if scratch is None or hf.remote or t.dtype == np.bool_ or not hasattr(f, "fd"):
+        return hf.read(name)
+    raw = scratch.get("read", at + t.nbytes)[at:]
+    try:
+        if t.nbytes:
+            f.read_into(raw, t.start)
+    except Exception:
+        return hf.read(name)
+    with hf._lock:  # counted as `HfDir.read` counts
+        hf._bytes_read += t.nbytes
+    return raw.view(t.dtype).reshape(t.shape)
 
 
 def cast(x: np.ndarray, save_dtype: np.dtype) -> np.ndarray:

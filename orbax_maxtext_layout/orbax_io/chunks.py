@@ -325,11 +325,11 @@ def decode_cell_into(
     cell: tuple[int, ...],
     out: np.ndarray,
     *,
-    before: Callable[[int], None] | None = None,
+    before: Callable[[int, int], None] | None = None,
 ) -> None:
     """The stored chunk at grid ``cell`` decoded straight into ``out`` (C-contiguous, the
-    chunk's whole stored shape and dtype): no piece is held, nothing copied. ``before(n)``
-    is called before bytes up to ``n`` of ``out`` are written (in steps of `values.PIECE`)."""
+    chunk's whole stored shape and dtype): no piece is held, nothing copied. ``before(a, b)``
+    is called before bytes ``[a, b)`` of ``out`` are written (in steps of `values.PIECE`)."""
     lay = src.layout(name)
     what = f"{src.dir}: cannot read {name}"
     flat = out.reshape(-1).view(np.uint8)
@@ -343,7 +343,7 @@ def decode_cell_into(
                 for start in range(0, flat.nbytes, step):
                     stop = min(start + step, flat.nbytes)
                     if before is not None:
-                        before(stop)
+                        before(start, stop)
                     read_exactly(r, flat[start:stop])
                 if r.read(1):
                     raise _Long

@@ -72,13 +72,13 @@ def populate(buf: np.ndarray, start: int, stop: int) -> bool:
 
 
 class Ahead:
-    """A fresh buffer faulted in by other threads ahead of its one writer, range by range.
+    """A fresh buffer faulted in by other threads ahead of its writers, range by range.
 
     The kernel zeroes a fresh page on first touch (0.9 GB/s on one core of a TPU host, as
     slow as decoding into it). `touch` (on a helper thread, ranges in order) faults a range
-    in; the writer calls `claim` before writing each range. A range is touched or written by
-    exactly one of them first: the writer waits for a range being touched, and takes a range
-    not yet reached itself (the helper then skips it), so it never waits for an idle helper.
+    in; a writer calls `claim` before writing bytes. A range is touched or written first by
+    exactly one side: a writer waits for a range being touched, and takes a range not yet
+    reached (the helper then skips it), so it never waits for an idle helper.
     """
 
     def __init__(self, buf: np.ndarray, step: int, *, madvise: bool = True) -> None:
@@ -102,11 +102,11 @@ class Ahead:
                 self.state[i] = 2
                 self.cond.notify_all()
 
-    def claim(self, stop: int) -> None:
-        """Before the writer writes bytes up to ``stop``: every range up to it is the
-        writer's (taken now, or touched, waited for while it is being touched)."""
+    def claim(self, start: int, stop: int) -> None:
+        """Before a writer writes bytes ``[start, stop)``: every range they touch is the
+        writers' (taken now, or touched: waited for while it is being touched)."""
         with self.cond:
-            for i in range(min(len(self.state), -(-stop // self.step))):
+            for i in range(start // self.step, min(len(self.state), -(-stop // self.step))):
                 if self.state[i] == 0:
                     self.state[i] = 2
                 while self.state[i] == 1:
