@@ -333,7 +333,6 @@ def phases(argv: list[str]) -> None:
     ap.add_argument("config", nargs="+")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
-    import numpy as np
     from maxtext.checkpoint_conversion.utils import tensor_handling as th
 
     from orbax_maxtext_layout.hf import hf_mapping
@@ -420,11 +419,10 @@ def phases(argv: list[str]) -> None:
         size=lambda a, o: a[3].nbytes,
         shape_of=lambda a: a[3],
     )
-    proxy = types.SimpleNamespace(**{k: getattr(np, k) for k in dir(np) if not k.startswith("__")})
-    proxy.ascontiguousarray = timed(
-        "row-block copy", np.ascontiguousarray, size=out_bytes, shape_of=lambda a: a[0]
+    # the row blocks a transposed slice is copied into (`import_hf._copy`)
+    ih._copy = timed(
+        "row-block copy", ih._copy, size=lambda a, o: a[0].nbytes, shape_of=lambda a: a[1]
     )
-    ih.np = proxy
 
     waits: list[tuple[float, float, int]] = []  # (at s, waited s, bytes asked)
 

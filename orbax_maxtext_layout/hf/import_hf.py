@@ -489,7 +489,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     What a real-size import spends its time on is memory traffic, so none of it goes to
     fresh memory where it can be helped (`_Scratch`: a new page is zeroed by the kernel first,
     1 to 3 s a GiB on a VM): each worker reads its slices into a buffer of its own and copies
-    their row blocks into two of its own, which tensorstore references instead of copying
+    their row blocks into another, which tensorstore references instead of copying
     (docs/performance.md, import-hf)."""
     jobs = [(lf, idx, hf) for lf in plan.leaves for idx, hf in lf.slices()]
     jobs.sort(key=lambda j: -_slice_bytes(plan, j[0], j[2]))  # the largest first
@@ -523,15 +523,16 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
             for path, data in zip(leaf.paths, made, strict=True):
                 _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], pool=pool)
             del made
-            scratch.drop()  # this thread's read buffer: the size of the largest slice
             tick()
+        scratch.drop()  # this thread's read buffer (the largest slice's size), reused till here
         for f in [pool.submit(one, j) for j in jobs if j not in big]:
             f.result()
 
 
 class _Scratch(threading.local):
     """Each thread's reused buffers (``"read"``: its slice's source bytes; ``"block"``: the
-    row blocks it copies), grown to the largest asked for, kept until the import ends."""
+    row block it copies; ``"packed"``: `_transpose`'s words), grown to the largest asked for,
+    kept until the import ends."""
 
     def __init__(self) -> None:
         self.bufs: dict[Any, np.ndarray] = {}
@@ -541,11 +542,31 @@ class _Scratch(threading.local):
         buf = self.bufs.get(kind)
         if buf is None or buf.nbytes < nbytes:
             self.bufs.pop(kind, None)
-            buf = self.bufs[kind] = np.empty(nbytes, np.uint8)
+            buf = self.bufs[kind] = _small_pages(nbytes)
         return buf[:nbytes]
 
     def drop(self) -> None:
         self.bufs.clear()
+
+
+def _small_pages(nbytes: int) -> np.ndarray:
+    """A new uint8 buffer in small pages: NumPy asks for transparent huge pages for a large
+    array, and the kernel then zeroes 2 MiB at each first touch, 4x slower than small pages
+    on this kind of VM (`item_writer.release_large_buffers`; a 1.05 GB read buffer: about
+    1.7 s of kernel time in huge pages)."""
+    switch = getattr(getattr(np, "_core", None), "multiarray", None)
+    switch = getattr(switch, "_set_madvise_hugepage", None)
+    if switch is None:  # pragma: no cover - a NumPy without the switch
+        return np.empty(nbytes, np.uint8)
+    with _PAGES_LOCK:  # one switch for the process: set and restored by one thread at a time
+        was = switch(False)
+        try:
+            return np.empty(nbytes, np.uint8)
+        finally:
+            switch(was)
+
+
+_PAGES_LOCK = threading.Lock()
 
 
 def chunk_shape(shape: Sequence[int], axes: tuple[int, ...], itemsize: int) -> list[int]:
@@ -572,9 +593,9 @@ def _write_slice(
     """``data`` written at index ``idx`` on ``axes`` of ``array`` (the whole array for none),
     a chunk's row block at a time: tensorstore holds one block's encoding, never a second copy
     of the slice. A block ``data`` holds contiguous is written from ``data`` itself; any other
-    (a transposed view: MaxText's ``reshape_kernel``) is first copied into one of two buffers
-    of this thread (`_Scratch`, ``scratch``; else a new one), the copy of the next block
-    overlapping the write of this one. With ``pool``, its workers write the blocks."""
+    (a transposed view: MaxText's ``reshape_kernel``) is first copied into a buffer of this
+    thread (`_Scratch`, ``scratch``; else a new one). With ``pool``, its workers write the
+    blocks."""
     box = [slice(None)] * array.rank
     for axis, i in zip(axes, idx, strict=True):
         box[axis] = i
@@ -599,29 +620,20 @@ def _write_slice(
 
 
 def _write_blocks(array: ts.TensorStore, data, parts: list[tuple], scratch: _Scratch | None):
-    """`_write_slice`'s blocks ``parts`` of ``data``, in order, on this thread."""
-    pending: list[Any] = [None, None]  # the write in flight from each of two slots
-    try:
-        for k, part in enumerate(parts):
-            slot = k % 2
-            if pending[slot] is not None:  # two writes in flight at most; the slot's buffer free
-                pending[slot].result()
-                pending[slot] = None
-            src = data[part]
-            if isinstance(src, np.ndarray) and not src.flags.c_contiguous:
-                if scratch is None:
-                    buf = np.empty(src.shape, src.dtype)
-                else:
-                    buf = scratch.get(("block", slot), src.nbytes).view(src.dtype)
-                    buf = buf.reshape(src.shape)
-                _copy(buf, src, scratch)
-                src = buf
-            # from memory nothing changes before the write is done (awaited below): not copied
-            pending[slot] = array[part].write(src, can_reference_source_data_indefinitely=True)
-    finally:
-        for f in pending:
-            if f is not None:
-                f.result()
+    """`_write_slice`'s blocks ``parts`` of ``data``, in order, on this thread, one write in
+    flight: a second (the next block copied while tensorstore encodes this one) held 0.3 GiB
+    more at 8B, over the RSS goal's margin under load, for no time measurable here."""
+    for part in parts:
+        src = data[part]
+        if isinstance(src, np.ndarray) and not src.flags.c_contiguous:
+            if scratch is None:
+                buf = np.empty(src.shape, src.dtype)
+            else:
+                buf = scratch.get("block", src.nbytes).view(src.dtype).reshape(src.shape)
+            _copy(buf, src, scratch)
+            src = buf
+        # from memory nothing changes before the write is done: tensorstore need not copy it
+        array[part].write(src, can_reference_source_data_indefinitely=True).result()
 
 
 STRIP = 8  # columns a transposing copy moves at once (`_copy`)
@@ -712,22 +724,12 @@ def _slice(
 
 
 def _read(hf: HfDir, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
-    """Tensor ``name`` (`HfDir.read`), read into bytes ``[at, ...)`` of this thread's read
-    buffer where ``scratch`` gives one and the file is local; any failure there is read
-    again by `HfDir.read`, which refuses it as it refuses any read."""
-    t = hf.tensors[name]
-    f = hf._files.get(t.file)  # safetensors_in's open file: its own read, into our buffer
-    if scratch is None or hf.remote or t.dtype == np.bool_ or not hasattr(f, "fd"):
+    """Tensor ``name``, read into bytes ``[at, ...)`` of this thread's read buffer where
+    ``scratch`` gives one (`HfDir.read_into`), else into a fresh array (`HfDir.read`)."""
+    if scratch is None:
         return hf.read(name)
-    raw = scratch.get("read", at + t.nbytes)[at:]
-    try:
-        if t.nbytes:
-            f.read_into(raw, t.start)
-    except Exception:
-        return hf.read(name)
-    with hf._lock:  # counted as `HfDir.read` counts
-        hf._bytes_read += t.nbytes
-    return raw.view(t.dtype).reshape(t.shape)
+    nbytes = hf.tensors[name].nbytes
+    return hf.read_into(name, scratch.get("read", at + nbytes)[at : at + nbytes])
 
 
 def cast(x: np.ndarray, save_dtype: np.dtype) -> np.ndarray:

@@ -414,10 +414,17 @@ class HfDir:
 
     # -- reading ----------------------------------------------------------------------
     def _read(
-        self, f: _LocalFile | _RemoteFile, rel: str, tensor: str | None, at: int, n: int
+        self,
+        f: _LocalFile | _RemoteFile,
+        rel: str,
+        tensor: str | None,
+        at: int,
+        n: int,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Bytes ``[at, at + n)`` of ``f`` (``n`` checked against its size by the caller)."""
-        buf = np.empty(n, np.uint8)
+        """Bytes ``[at, at + n)`` of ``f`` (``n`` checked against its size by the caller), into
+        ``into`` (``n`` bytes of uint8) where given, else a fresh buffer."""
+        buf = np.empty(n, np.uint8) if into is None else into
         try:
             if n:
                 f.read_into(buf, at)
@@ -455,6 +462,15 @@ class HfDir:
         t = self._info(name)
         return self._array(t, 0, t.nbytes, t.shape)
 
+    def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
+        """Tensor ``name`` whole, read into the first bytes of ``out`` (C-contiguous uint8,
+        reused by the caller: fresh pages cost more than the read on a VM), refused as `read`
+        refuses; a view of ``out`` in the tensor's dtype and shape."""
+        t = self._info(name)
+        if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes < t.nbytes:
+            raise UsageError(f"{self.dir}: tensor {name!r} needs {t.nbytes} bytes to read into")
+        return self._array(t, 0, t.nbytes, t.shape, into=out[: t.nbytes])
+
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""
         t = self._info(name)
@@ -465,11 +481,18 @@ class HfDir:
         row = t.nbytes // t.shape[0] if t.shape[0] else 0
         return self._array(t, start * row, (stop - start) * row, (stop - start, *t.shape[1:]))
 
-    def _array(self, t: TensorInfo, offset: int, n: int, shape: tuple[int, ...]) -> np.ndarray:
+    def _array(
+        self,
+        t: TensorInfo,
+        offset: int,
+        n: int,
+        shape: tuple[int, ...],
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
         f = self._files.get(t.file)
         if f is None:
             raise UsageError(f"{self.dir}: read after close")
-        buf = self._read(f, t.file, t.name, t.start + offset, n)
+        buf = self._read(f, t.file, t.name, t.start + offset, n, into)
         if t.dtype == np.bool_:
             np.minimum(buf, 1, out=buf)  # any other byte would be a bool NumPy misreads
         return buf.view(t.dtype).reshape(shape)
