@@ -141,7 +141,6 @@ class _Array:
     lay: Layout
     boxes: list[_Box] = dataclasses.field(default_factory=list)
     placed: list = dataclasses.field(default_factory=list)  # single-device jax arrays
-    waiting: int = 0  # boxes not yet placed
 
     @property
     def dtype(self) -> np.dtype:
@@ -260,7 +259,6 @@ def read_arrays(
     for key, req in requests.items():
         arr = _Array(key, req, reader.layout(req.name))
         arr.boxes = _boxes(arr)
-        arr.waiting = len(arr.boxes)
         arrays.append(arr)
     tasks = _tasks(arrays)
     if not tasks:
@@ -362,22 +360,21 @@ class _Run:
                 self._place(b)
 
     def _place(self, box: _Box) -> None:
-        arr = box.array
+        """A completed box onto its devices (a host array's box is its result already)."""
+        if box.devices == [None]:
+            return
         view = _view(box.buf, box)
-        if box.devices != [None]:
-            if box.pooled:
-                placed = [jax.device_put(view, d) for d in box.devices]
-                for x in placed:  # the host buffer is reused once every copy has left it
-                    x.block_until_ready()
-                self.buffers.give(box.buf, box.nbytes)
-            else:  # each CPU device holds a buffer of its own (donation writes into it)
-                placed = [jax.device_put(view, box.devices[0])]
-                placed += [jax.device_put(_own(view), d) for d in box.devices[1:]]
-            box.buf = None
-            with self.lock:
-                arr.placed.extend(placed)
+        if box.pooled:
+            placed = [jax.device_put(view, d) for d in box.devices]
+            for x in placed:  # the host buffer is reused once every copy has left it
+                x.block_until_ready()
+            self.buffers.give(box.buf, box.nbytes)
+        else:  # each CPU device holds a buffer of its own (donation writes into it)
+            placed = [jax.device_put(view, box.devices[0])]
+            placed += [jax.device_put(_own(view), d) for d in box.devices[1:]]
+        box.buf = None
         with self.lock:
-            arr.waiting -= 1
+            box.array.placed.extend(placed)
 
     def result(self, arr: _Array) -> Any:
         if arr.req.sharding is None:
