@@ -168,10 +168,6 @@ class _Task:
     cell: tuple[int, ...]
     boxes: list[_Box]
 
-    @property
-    def nbytes(self) -> int:
-        return self.array.lay.chunk_bytes
-
 
 def _tasks(arrays: list[_Array]) -> list[_Task]:
     out = []

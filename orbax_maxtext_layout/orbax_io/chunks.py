@@ -120,7 +120,7 @@ def read_chunk(
     if len(start) != len(lay.shape):
         return None
     cell = tuple(s // c for s, c in zip(start, lay.chunk, strict=True))
-    origin = tuple(c * n for c, n in zip(cell, lay.chunk, strict=True))
+    origin = cell_origin(lay, cell)
     whole = tuple(min(c, d - o) for c, d, o in zip(lay.chunk, lay.shape, origin, strict=True))
     if tuple(start) != origin or tuple(shape) != whole:
         return None
@@ -140,7 +140,7 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
     scratch = None if scratch is None else f"{scratch}-read"
     if lay.shard is None:
         for cell in [only] if only is not None else lay.grid(lay.chunk):
-            origin = tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))
+            origin = cell_origin(lay, cell)
             value = src.stored_value(f"{name}/{lay.key(cell)}", scratch)
             if value is None:
                 raise CheckpointReadError(f"{what}: chunk {lay.key(cell)} is not stored.")
@@ -230,7 +230,7 @@ def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piec
             yield Piece((0,) * len(lay.shape), np.asarray(store.read().result()))
             return
         for cell in lay.grid(lay.chunk):
-            start = tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))
+            start = cell_origin(lay, cell)
             stop = tuple(
                 min(s + n, d) for s, n, d in zip(start, lay.chunk, lay.shape, strict=False)
             )
@@ -304,7 +304,8 @@ def cells(lay: Layout, start: tuple[int, ...], stop: tuple[int, ...]) -> Iterato
 
 
 def cell_origin(lay: Layout, cell: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(c * n for c, n in zip(cell, lay.chunk, strict=True))
+    """Where the stored chunk at grid ``cell`` starts in the array."""
+    return tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))
 
 
 def decode_cell(
