@@ -51,8 +51,10 @@ def _tree() -> dict:
     }
 
 
-def _save(path: epath.Path, *, zarr3: bool) -> dict:
+def _save(path: epath.Path, *, zarr3: bool, negate: bool = False) -> dict:
     tree = _tree()
+    if negate:  # other values, same layout
+        tree["params"] = {k: -v for k, v in tree["params"].items()}
     chunked = ocp.SaveArgs(chunk_byte_size=32_000)
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(), tree)
     save_args["params"]["w"] = chunked
@@ -207,6 +209,29 @@ def test_read_arrays_reads_exactly_the_stored_chunks(item):
     got = parallel_read.read_arrays(reader, reqs, workers=3, budget=1)
     for k, v in tree["params"].items():
         assert got[k].tobytes() == v.tobytes() and got[k].dtype == v.dtype
+
+
+def test_read_across_two_items_in_one_run(tmp_path):
+    """A Tunix step's two items read in one run: every array from its own item, and a
+    corrupt chunk named with the item that holds it."""
+    paths = {z: epath.Path(tmp_path) / f"item-{z}" for z in ("zarr2", "zarr3")}
+    trees = {z: _save(p, zarr3=z == "zarr3", negate=z == "zarr3") for z, p in paths.items()}
+    readers = {z: ItemReader.open(p) for z, p in paths.items()}
+    reads = {
+        (z, k): (readers[z], parallel_read.ArrayRequest(f"params.{k}", v.shape, v.dtype, HOST))
+        for z, tree in trees.items()
+        for k, v in tree["params"].items()
+    }
+    got = parallel_read.read_across(reads, workers=2)
+    assert set(got) == set(reads)
+    for (z, k), x in got.items():
+        want = trees[z]["params"][k]
+        assert x.dtype == want.dtype and np.asarray(x).tobytes() == want.tobytes()
+    _cut_first_chunk(paths["zarr3"], "params.w")
+    readers["zarr3"] = ItemReader.open(paths["zarr3"])
+    reads = {k: (readers[k[0]], r) for k, (_, r) in reads.items()}
+    with pytest.raises(CheckpointReadError, match=r"item-zarr3: cannot read params\.w"):
+        parallel_read.read_across(reads, workers=2)
 
 
 def _cut_first_chunk(path: epath.Path, name: str) -> None:

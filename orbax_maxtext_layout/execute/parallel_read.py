@@ -137,6 +137,7 @@ class _Box:
 @dataclasses.dataclass(eq=False)
 class _Array:
     key: Hashable
+    reader: ItemReader
     req: ArrayRequest
     lay: Layout
     boxes: list[_Box] = dataclasses.field(default_factory=list)
@@ -251,9 +252,23 @@ def read_arrays(
     Raises `CheckpointReadError` naming the array for a chunk that is missing, truncated or
     corrupt; then nothing is returned (what was placed is dropped).
     """
+    return read_across(
+        {k: (reader, r) for k, r in requests.items()}, workers=workers, budget=budget
+    )
+
+
+def read_across(
+    reads: Mapping[Hashable, tuple[ItemReader, ArrayRequest]],
+    *,
+    workers: int | None = None,
+    budget: int | None = None,
+) -> dict[Hashable, Any]:
+    """`read_arrays` over arrays of several items (``{key: (reader, request)}``), in one
+    pool: a Tunix step's ``model_params`` and ``optimizer_state`` decode side by side,
+    with no idle cores at the end of the first item's arrays."""
     arrays = []
-    for key, req in requests.items():
-        arr = _Array(key, req, reader.layout(req.name))
+    for key, (reader, req) in reads.items():
+        arr = _Array(key, reader, req, reader.layout(req.name))
         arr.boxes = _boxes(arr)
         arrays.append(arr)
     tasks = _tasks(arrays)
@@ -261,7 +276,7 @@ def read_arrays(
         return {}
     workers = workers or len(os.sched_getaffinity(0))
     budget = chunks.host_memory() // BUDGET_SHARE if budget is None else budget
-    run = _Run(reader, _Buffers(budget))
+    run = _Run(_Buffers(budget))
     workers = max(1, min(workers, len(tasks)))
     # At most one task per worker is handed out: a box's buffer is taken only when its first
     # chunk is about to be decoded, so the buffers in use are what keeps the cores busy (a
@@ -296,8 +311,8 @@ def read_arrays(
 class _Run:
     """One `read_arrays` call: its tasks' shared state."""
 
-    def __init__(self, reader: ItemReader, buffers: _Buffers) -> None:
-        self.reader, self.buffers = reader, buffers
+    def __init__(self, buffers: _Buffers) -> None:
+        self.buffers = buffers
         self.lock = threading.Lock()
         self.failed = threading.Event()
         self.error: BaseException | None = None
@@ -324,7 +339,7 @@ class _Run:
         except BaseException as e:  # reported once, by read_arrays
             with self.lock:
                 if self.error is None:
-                    self.error = _named(e, self.reader, task.array.req.name)
+                    self.error = _named(e, task.array.reader, task.array.req.name)
             self.failed.set()
         finally:
             self.buffers.started(-1)
@@ -341,10 +356,10 @@ class _Run:
                 def before(a: int, b: int, _o: int = offset, _ahead: Ahead = box.ahead) -> None:
                     _ahead.claim(_o + a, _o + b)
 
-            chunks.decode_cell_into(self.reader, arr.req.name, task.cell, region, before=before)
+            chunks.decode_cell_into(arr.reader, arr.req.name, task.cell, region, before=before)
         else:
             for piece in chunks.decode_cell(
-                self.reader, arr.req.name, task.cell, max_bytes=_STREAM_PIECE
+                arr.reader, arr.req.name, task.cell, max_bytes=_STREAM_PIECE
             ):
                 for b in task.boxes:
                     _copy(piece, b)

@@ -62,13 +62,37 @@ def read_leaves(
     ``sharding``, as a jax.Array placed with it. ``restore`` is the PyTree restore to
     use (a handler's own, so its options apply).
     """
-    if not paths:
-        return {}
-    abstract = abstract or {}
-    out, stock = _engine_reads(item_dir, {p: _request(abstract.get(p)) for p in paths})
-    if stock:
-        out.update(_stock_leaves(item_dir, stock, abstract, restore))
-    return out
+    return read_items({"": (item_dir, paths, abstract or {})}, restore)[""]
+
+
+def read_items(
+    wanted: Mapping[str, tuple[epath.Path, set[Path], Mapping[Path, Any]]],
+    restore: RestoreFn | None = None,
+) -> dict[str, FlatTree]:
+    """`read_leaves` of several items (``{name: (item_dir, paths, abstract)}``): what the
+    engine takes from all of them in one run (their chunks decoded side by side), the rest
+    with Orbax item by item."""
+    empty = {name: {} for name, (_, paths, _) in wanted.items() if not paths}
+    wanted = {k: w for k, w in wanted.items() if k not in empty}
+    if not wanted:
+        return empty
+    asked = {
+        name: {p: _request(abstract.get(p)) for p in paths}
+        for name, (_, paths, abstract) in wanted.items()
+    }
+    if parallel_read.enabled():
+        readers = {name: ItemReader.open(absolute(d)) for name, (d, _, _) in wanted.items()}
+        got, stock = _engine_reads_from(
+            readers, {name: d for name, (d, _, _) in wanted.items()}, asked
+        )
+    else:
+        for name, (d, _, _) in wanted.items():
+            _log_split(d, 0, 0, {parallel_read.ENV + "=stock": len(asked[name])})
+        got, stock = {name: {} for name in wanted}, {name: set(a) for name, a in asked.items()}
+    for name, (d, _, abstract) in wanted.items():
+        if stock[name]:
+            got[name].update(_stock_leaves(d, stock[name], abstract, restore))
+    return {**empty, **got}
 
 
 def _request(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
@@ -79,21 +103,30 @@ def _request(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
     return tuple(abstract.shape), abstract.dtype, sharding
 
 
-def _engine_reads(
-    item_dir: epath.Path, asked: Mapping[Path, tuple[Any, Any, Any]]
-) -> tuple[FlatTree, set[Path]]:
-    """The leaves ``asked`` (``{path: (shape, dtype, sharding)}``, each None for the stored
-    form on the host) that the engine takes, read; and the paths it leaves to Orbax."""
-    if not parallel_read.enabled():
-        _log_split(item_dir, 0, 0, {parallel_read.ENV + "=stock": len(asked)})
-        return {}, set(asked)
-    return _engine_reads_from(ItemReader.open(absolute(item_dir)), item_dir, asked)
-
-
 def _engine_reads_from(
-    reader: ItemReader, item_dir: epath.Path, asked: Mapping[Path, tuple[Any, Any, Any]]
-) -> tuple[FlatTree, set[Path]]:
-    """`_engine_reads` with the item opened. One debug line counts both ways."""
+    readers: Mapping[str, ItemReader],
+    dirs: Mapping[str, epath.Path],
+    asked: Mapping[str, Mapping[Path, tuple[Any, Any, Any]]],
+) -> tuple[dict[str, FlatTree], dict[str, set[Path]]]:
+    """Of the leaves ``asked`` (``{item: {path: (shape, dtype, sharding)}}``, each None for
+    the stored form on the host), those the engine takes, read in one run; and the paths
+    it leaves to Orbax. One debug line per item counts both ways."""
+    reads, stock = {}, {}
+    for item, reader in readers.items():
+        requests, stock[item], why = _engine_requests(reader, asked[item])
+        reads.update({(item, p): (reader, r) for p, r in requests.items()})
+        _log_split(dirs[item], len(requests), sum(r.nbytes for r in requests.values()), why)
+    got = parallel_read.read_across(reads) if reads else {}
+    out: dict[str, FlatTree] = {item: {} for item in readers}
+    for (item, p), x in got.items():
+        out[item][p] = x
+    return out, stock
+
+
+def _engine_requests(
+    reader: ItemReader, asked: Mapping[Path, tuple[Any, Any, Any]]
+) -> tuple[dict[Path, parallel_read.ArrayRequest], set[Path], dict[str, int]]:
+    """The engine's requests among ``asked``, the paths left to Orbax, and why (counted)."""
     requests, stock, why = {}, set(), {}
     for p, (shape, dtype, sharding) in asked.items():
         name = param_name(p)
@@ -114,9 +147,7 @@ def _engine_reads_from(
         else:
             stock.add(p)
             why[reason] = why.get(reason, 0) + 1
-    got = parallel_read.read_arrays(reader, requests) if requests else {}
-    _log_split(item_dir, len(got), sum(r.nbytes for r in requests.values()), why)
-    return got, stock
+    return requests, stock, why
 
 
 def _log_split(item_dir: epath.Path, n: int, nbytes: int, why: Mapping[str, int]) -> None:
@@ -166,7 +197,7 @@ def read_sources(
     `Target.abstract`); a leaf copied to a destination with a sharding is restored
     directly with it.
     """
-    out = {}
+    wanted = {}
     for name, item_dir in tunix_items(step_dir).items():
         moves = plan.moves_from(name)
         if not moves:
@@ -176,9 +207,8 @@ def read_sources(
             for m in moves
             if abstract and m.dst in abstract and m.op in (Op.COPY, Op.CAST)
         }
-        paths = {p for m in moves for p in m.sources}
-        out[name] = read_leaves(item_dir, paths, placed, restore)
-    return out
+        wanted[name] = (item_dir, {p for m in moves for p in m.sources}, placed)
+    return read_items(wanted, restore)
 
 
 # -- a MaxText (or any PyTree) item, as stock restores it --------------------------------
@@ -216,7 +246,8 @@ def restore_pytree(item_dir: epath.Path, args: ocp.args.PyTreeRestore, stock: Re
         want = _placed(leaf, rargs.get(p), reader.files.value_meta.get(param_name(p)))
         if want is not None:
             asked[p] = want
-    got, rest = _engine_reads_from(reader, item_dir, asked)
+    got, rest = _engine_reads_from({"": reader}, {"": item_dir}, {"": asked})
+    got, rest = got[""], rest[""]
     rest |= {p for p, leaf in leaves.items() if p not in got and leaf is not ocp.PLACEHOLDER}
     if not got:
         return stock(item_dir, args)
