@@ -6,6 +6,7 @@ unchanged. The conversion itself runs MaxText's mapping: tests/interop/test_impo
 from __future__ import annotations
 
 import json
+import math
 import struct
 import subprocess
 import sys
@@ -159,3 +160,21 @@ def test_a_slice_is_written_in_row_blocks_the_last_one_short(tmp_path):
     _write_slice(arr, (), (), data, [4, 4])
     assert np.array_equal(arr.read().result(), data)
     assert chunk_shape([3, 1 << 20, 64], (0,), 2)[0] == 1  # one layer a chunk, rows cut
+
+
+def test_row_blocks_divide_the_rows_where_they_can():
+    """No edge chunks where a divisor of the rows is near the most a chunk holds: 8B llama's
+    MLP kernels (4,096 and 14,336 rows), embedding (128,256) and logits (4,096 rows)."""
+    from orbax_maxtext_layout.hf.import_hf import CHUNK_BYTES, chunk_shape
+
+    for shape, axes, rows in [
+        ((4096, 32, 14336), (1,), 2048),
+        ((14336, 32, 4096), (1,), 7168),
+        ((128256, 4096), (), 8016),
+        ((4096, 128256), (), 256),
+    ]:
+        chunk = chunk_shape(shape, axes, 2)
+        assert chunk[0] == rows and shape[0] % rows == 0
+        assert math.prod(chunk) * 2 <= CHUNK_BYTES
+    # a prime row count keeps the most rows a chunk holds (one edge chunk)
+    assert chunk_shape((4099, 14336), (), 2)[0] == CHUNK_BYTES // (14336 * 2)
