@@ -776,7 +776,13 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
             "steal_s": [r.get("steal_s") for r in src],
         }
         if op in ("import-hf", "to-maxtext") and rchar is not None:
-            row["x_safetensors"] = round((rchar - imports_rchar) / b.st_bytes, 3)
+            read = rchar - imports_rchar
+            if op == "import-hf":
+                # mapped pages (HfDir.view) are read without a read(2): rchar misses them,
+                # the report counts them
+                reps = [r["report"] for r in runs if r.get("report")]
+                read = max([read] + [r.get("bytes_read", 0) for r in reps])
+            row["x_safetensors"] = round(read / b.st_bytes, 3)
         if op == "floor":
             row["floor_pass_s"] = med([r["report"] for r in runs if r.get("report")], "wall_s")
         if op in ("dry-run", "import-hf"):
@@ -802,7 +808,13 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
                         bound,
                     )
                 )
-            goals.append(("rchar over imports ≤ 1.05x safetensors", row.get("x_safetensors"), 1.05))
+            goals.append(
+                (
+                    "bytes read (rchar over imports; the report's, mapped) ≤ 1.05x safetensors",
+                    row.get("x_safetensors"),
+                    1.05,
+                )
+            )
         row["goals"] = [
             {"goal": g, "value": v, "held": None if v is None else v <= lim} for g, v, lim in goals
         ]

@@ -309,6 +309,7 @@ def test_remote_reads_through_epath(tmp_path, monkeypatch):
     monkeypatch.setattr(si, "REMOTE_PIECE", 100)  # several ranged reads per tensor
     with HfDir.open(hf) as d:
         assert all(isinstance(f, si._RemoteFile) for f in d._files.values())
+        assert all(d.view(name) is None for name in want)
         before = d.bytes_read
         for name, a in want.items():
             assert equal(d.read(name), a)
@@ -324,6 +325,38 @@ def test_a_file_cut_short_after_open_is_refused_on_read(tmp_path):
     d = HfDir.open(hf)
     os.truncate(hf / si.WEIGHTS_FILE, d.tensors["w"].start + 100)
     with pytest.raises(HfInputError, match=r"model.safetensors: tensor 'w': the file is shorter"):
+        d.read("w")
+    d.close()
+
+
+def test_a_view_maps_the_checked_bytes_read_only_and_counts_them(tmp_path):
+    """`HfDir.view`: each tensor's own bytes, without a copy, read-only; none for a BOOL
+    tensor (its bytes are normalized by a read), for an object store, or for a file that
+    changed size since it was opened (which a read then refuses)."""
+    hf = new_dir(tmp_path)
+    want = {f"t.{st}": (st, values(dt, (6, 2, 3))) for st, dt in ML_DTYPES.items()}
+    want["t.F32"] = ("F32", values(np.float32, (6, 4)))
+    write_st(hf / si.WEIGHTS_FILE, want, gap=5)
+    with HfDir.open(hf) as d:
+        before = d.bytes_read
+        for name, (_, a) in want.items():
+            v = d.view(name)
+            assert equal(v, a) and not v.flags.writeable and v.base is not None
+        assert d.bytes_read - before == sum(a.nbytes for _, a in want.values())
+        with pytest.raises(ValueError, match="read-only"):
+            d.view("t.F32")[0, 0] = 1
+    craft(
+        hf / si.WEIGHTS_FILE,
+        {"m": {"dtype": "BOOL", "shape": [4], "data_offsets": [0, 4]}},
+        bytes([0, 1, 2, 255]),
+    )
+    with HfDir.open(hf) as d:
+        assert d.view("m") is None
+    save_file({"w": values(np.float32, (64, 64))}, str(hf / si.WEIGHTS_FILE))
+    d = HfDir.open(hf)
+    os.truncate(hf / si.WEIGHTS_FILE, d.tensors["w"].start + 100)
+    assert d.view("w") is None
+    with pytest.raises(HfInputError, match="the file is shorter"):
         d.read("w")
     d.close()
 

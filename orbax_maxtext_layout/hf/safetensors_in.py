@@ -38,8 +38,10 @@ before it is refused (measured; the safetensors library accepts headers that lar
 Reads (`HfDir.read`, `HfDir.read_rows`) are one range read each (in `REMOTE_PIECE` parts
 on an object store), from a file opened once, safe from several threads at once:
 ``os.preadv`` on a local file descriptor; on ``gs://`` ranged reads of exactly the bytes
-asked for (fsspec's ``cat_file``; no read-ahead). Each byte is read once, and
-`HfDir.bytes_read` counts every byte read.
+asked for (fsspec's ``cat_file``; no read-ahead). `HfDir.view` maps a local tensor's
+checked range instead (read-only, as the safetensors library does), so a conversion reads
+the page cache in place. Each byte is read once, and `HfDir.bytes_read` counts every byte
+read or viewed.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import mmap
 import os
 import stat
 import struct
@@ -147,6 +150,18 @@ class _LocalFile:
             os.close(self.fd)
             raise
         self.size = st.st_size
+        self._map: mmap.mmap | None = None
+        self._map_lock = threading.Lock()
+
+    def mapped(self) -> mmap.mmap | None:
+        """The file mapped read-only, once (None where it cannot be: it changed size since
+        it was checked, or the kernel refuses)."""
+        with self._map_lock:
+            if self._map is None and self.fd >= 0:
+                with contextlib.suppress(OSError, ValueError):
+                    if os.fstat(self.fd).st_size == self.size and self.size:
+                        self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            return self._map
 
     def read_into(self, buf: np.ndarray, at: int) -> None:
         view, done = memoryview(buf).cast("B"), 0
@@ -160,6 +175,10 @@ class _LocalFile:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+        m, self._map = self._map, None
+        if m is not None:
+            with contextlib.suppress(BufferError):  # views still out: unmapped with the last
+                m.close()
 
     def __del__(self) -> None:  # an HfDir dropped unclosed leaves no descriptor open
         with contextlib.suppress(Exception):
@@ -471,6 +490,26 @@ class HfDir:
             raise UsageError(f"{self.dir}: tensor {name!r} needs {t.nbytes} bytes to read into")
         return self._array(t, 0, t.nbytes, t.shape, into=out[: t.nbytes])
 
+    def view(self, name: str) -> np.ndarray | None:
+        """Tensor ``name`` whole as a read-only array over the file's pages (``mmap``, as the
+        safetensors library reads): no copy, where a read copies every byte from the page
+        cache. None where it cannot be: an object store, a ``BOOL`` tensor (its bytes are
+        normalized as `read` does), a file that changed size since it was checked. The
+        bytes are the checked range of the checked file; a file cut short while mapped is a
+        ``SIGBUS`` on access, as with the safetensors library."""
+        t = self._info(name)
+        f = self._files.get(t.file)
+        if not isinstance(f, _LocalFile) or t.dtype == np.bool_ or not t.nbytes:
+            return None
+        m = f.mapped()
+        if m is None:
+            return None
+        _populate(m, t.start, t.nbytes)
+        with self._lock:
+            self._bytes_read += t.nbytes
+        out = np.frombuffer(m, np.uint8, t.nbytes, t.start)
+        return out.view(t.dtype).reshape(t.shape)
+
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""
         t = self._info(name)
@@ -510,6 +549,17 @@ class HfDir:
 
     def __repr__(self) -> str:
         return f"HfDir({str(self.dir)!r}, {len(self.tensors)} tensors in {len(self._sizes)} files)"
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
+
+
+def _populate(m: mmap.mmap, start: int, n: int) -> None:
+    """The pages of ``[start, start + n)`` mapped in one call (else one fault per 64 KiB on
+    first touch); where the kernel refuses, they fault in as they are read."""
+    lo = start - start % mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):
+        m.madvise(_MADV_POPULATE_READ, lo, start + n - lo)
 
 
 def _entry(name: str, e: Any, rel: str, region: tuple[int, int], where: str) -> TensorInfo:
