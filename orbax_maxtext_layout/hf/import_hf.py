@@ -510,6 +510,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
             for path, data in zip(leaf.paths, _slice(plan, leaf, hf, scratch), strict=True):
                 _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], scratch=scratch)
         finally:
+            _release(plan.hf, hf)
             gate.give(held)
         tick()
 
@@ -523,10 +524,18 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
             for path, data in zip(leaf.paths, made, strict=True):
                 _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], pool=pool)
             del made
+            _release(plan.hf, hf)
             tick()
         scratch.drop()  # this thread's read buffer (the largest slice's size), reused till here
         for f in [pool.submit(one, j) for j in jobs if j not in big]:
             f.result()
+
+
+def _release(hf: HfDir, names: Any) -> None:
+    """A written slice's source tensors' mapped pages out of the process (`HfDir.release`):
+    the budget bounds what is mapped at once, as it bounds what is read."""
+    for name in _names(names):
+        hf.release(name)
 
 
 class _Scratch(threading.local):

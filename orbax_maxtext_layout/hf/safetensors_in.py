@@ -510,6 +510,17 @@ class HfDir:
         out = np.frombuffer(m, np.uint8, t.nbytes, t.start)
         return out.view(t.dtype).reshape(t.shape)
 
+    def release(self, name: str) -> None:
+        """Tensor ``name``'s mapped pages out of this process (`view`): they stay in the page
+        cache, but no longer count in its RSS. A view still used reads them again."""
+        t = self._info(name)
+        f = self._files.get(t.file)
+        m = f._map if isinstance(f, _LocalFile) else None
+        if m is not None and t.nbytes:
+            lo = t.start - t.start % mmap.PAGESIZE
+            with contextlib.suppress(OSError, ValueError):
+                m.madvise(mmap.MADV_DONTNEED, lo, t.start + t.nbytes - lo)
+
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""
         t = self._info(name)
