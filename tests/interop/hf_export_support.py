@@ -17,12 +17,15 @@ library at import), so the children start with nothing loaded.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,28 +116,89 @@ def env() -> dict[str, str]:
 
 
 def run(job: Job) -> Proc:
+    """``job`` run to its end: a ``to_huggingface`` command line in a child forked from the
+    exporter's fork server (`maxtext_zygote.py`: MaxText imported once per test process), any
+    other (or every one, with ``OMTL_INTEROP_ZYGOTE=0``) as a fresh process."""
     job.cwd.mkdir(parents=True, exist_ok=True)
     log_path = job.cwd / f"{job.name}.log"
     start = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.run(
-            list(job.argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env(),
-            cwd=job.cwd,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
+    if tuple(job.argv[:3]) == (sys.executable, "-m", EXPORT_MODULE) and _ZYGOTE.enabled():
+        returncode = _ZYGOTE.run(list(job.argv[3:]), job.cwd, log_path)
+    else:
+        with open(log_path, "wb") as log:
+            returncode = subprocess.run(
+                list(job.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env(),
+                cwd=job.cwd,
+                timeout=TIMEOUT_S,
+                check=False,
+            ).returncode
     seconds = time.monotonic() - start
     return Proc(
         job.name,
         job.cwd,
         list(job.argv),
-        proc.returncode,
+        returncode,
         log_path.read_text(errors="replace"),
         seconds,
     )
+
+
+class _Zygote:
+    """This process's `maxtext_zygote.py` server, started at its first export, stopped at exit;
+    one request at a time (jobs run from a pool's threads)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get("OMTL_INTEROP_ZYGOTE", "1") != "0"
+
+    def _ask(self, req: dict) -> dict:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = subprocess.Popen(
+                    [sys.executable, str(HERE / "maxtext_zygote.py")],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=env(),
+                    text=True,
+                )
+                atexit.register(self.stop)
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the to_huggingface fork server died (its stderr is the test's)")
+        return json.loads(line)
+
+    def run(self, args: list[str], cwd: Path, log: Path) -> int:
+        pid = self._ask({"op": "start", "argv": args, "cwd": str(cwd), "log": str(log)})["pid"]
+        deadline = time.monotonic() + TIMEOUT_S
+        while (rc := self._ask({"op": "poll", "pid": pid})["rc"]) is None:
+            if time.monotonic() > deadline:
+                return self._ask({"op": "kill", "pid": pid})["rc"]
+            time.sleep(0.1)
+        return rc
+
+    def stop(self) -> None:
+        with self.lock:
+            proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+_ZYGOTE = _Zygote()
 
 
 def run_all(jobs: list[Job], workers: int = 2) -> dict[str, Proc]:
