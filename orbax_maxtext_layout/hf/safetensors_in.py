@@ -504,7 +504,8 @@ class HfDir:
         m = f.mapped()
         if m is None:
             return None
-        _populate(m, t.start, t.nbytes)
+        # its pages mapped in one call (else one fault per 64 KiB on first touch)
+        _advise(m, _MADV_POPULATE_READ, t.start, t.nbytes)
         with self._lock:
             self._bytes_read += t.nbytes
         out = np.frombuffer(m, np.uint8, t.nbytes, t.start)
@@ -515,11 +516,9 @@ class HfDir:
         cache, but no longer count in its RSS. A view still used reads them again."""
         t = self._info(name)
         f = self._files.get(t.file)
-        m = f._map if isinstance(f, _LocalFile) else None
+        m = f._map if isinstance(f, _LocalFile) else None  # never maps a file anew
         if m is not None and t.nbytes:
-            lo = t.start - t.start % mmap.PAGESIZE
-            with contextlib.suppress(OSError, ValueError):
-                m.madvise(mmap.MADV_DONTNEED, lo, t.start + t.nbytes - lo)
+            _advise(m, mmap.MADV_DONTNEED, t.start, t.nbytes)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""
@@ -565,12 +564,12 @@ class HfDir:
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
-def _populate(m: mmap.mmap, start: int, n: int) -> None:
-    """The pages of ``[start, start + n)`` mapped in one call (else one fault per 64 KiB on
-    first touch); where the kernel refuses, they fault in as they are read."""
+def _advise(m: mmap.mmap, advice: int, start: int, n: int) -> None:
+    """``madvise`` on the pages holding ``[start, start + n)`` of ``m``; a kernel that refuses
+    the advice changes nothing (pages then fault in, or stay, as they would)."""
     lo = start - start % mmap.PAGESIZE
     with contextlib.suppress(OSError, ValueError):
-        m.madvise(_MADV_POPULATE_READ, lo, start + n - lo)
+        m.madvise(advice, lo, start + n - lo)
 
 
 def _entry(name: str, e: Any, rel: str, region: tuple[int, int], where: str) -> TensorInfo:
