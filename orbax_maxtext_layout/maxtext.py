@@ -181,4 +181,9 @@ if __name__ == "__main__":
     # (``orbax_maxtext_layout.maxtext``, ``__spec__.name``), so the runner calls its main().
     import importlib
 
-    importlib.import_module(__spec__.name).main()
+    from orbax_maxtext_layout.base.gcfreeze import freeze_for_exit
+
+    try:
+        importlib.import_module(__spec__.name).main()
+    finally:  # the trainer returned or exited (absl's app.run raises SystemExit)
+        freeze_for_exit()

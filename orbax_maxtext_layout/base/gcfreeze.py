@@ -48,3 +48,16 @@ def frozen_heap() -> Iterator[None]:
                 _depth -= 1
                 if _depth == 0:
                     gc.unfreeze()
+
+
+def freeze_for_exit() -> None:
+    """For a process about to exit (the CLI, the runner): every object alive moves to the
+    permanent generation, which the interpreter's collections at shutdown do not walk.
+
+    Loading MaxText leaves about 800,000 tracked objects; walking them at exit took 1.2 s
+    of a 5 s ``import-hf --dry-run`` here, for garbage the process is about to drop anyway.
+    Objects are still deallocated as their modules are cleared; only cycles among them go
+    unvisited, as with ``os._exit``, but the exit handlers and the flushes of stdout and
+    stderr still run. Never call it in a process that goes on working.
+    """
+    gc.freeze()
