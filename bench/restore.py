@@ -207,12 +207,18 @@ def _measure(fn) -> tuple[float, float]:
 
 
 def _rounds(ops: dict, rounds: int) -> tuple[dict[str, list], dict[str, list]]:
-    """Each operation's seconds and peak RSS, ``rounds`` times, each round in a rotated order."""
+    """Each operation's seconds and peak RSS, ``rounds`` times, each round in its own order
+    (a shuffle seeded by the round). A rotation keeps each operation's predecessor (the
+    library's MaxText restore always ran right after stock's), and on this VM the restore
+    that follows stock's is up to 1.5 s slower, whichever it is."""
+    import random
+
     times: dict[str, list] = {k: [] for k in ops}
     rss: dict[str, list] = {k: [] for k in ops}
-    names = list(ops)
     for r in range(rounds):
-        for k in names[r % len(names) :] + names[: r % len(names)]:
+        order = list(ops)
+        random.Random(r).shuffle(order)
+        for k in order:
             wall, peak = _measure(ops[k])
             times[k].append(wall)
             rss[k].append(peak)

@@ -19,6 +19,7 @@ Run as a child: the device count must be set before JAX starts.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -87,3 +88,4 @@ def main(out: str, seed: int, chunking: str, keys: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    gc.freeze()  # exit without walking the heap MaxText left (1.2 s)

@@ -21,6 +21,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -292,6 +293,9 @@ def train_sft_main(out: str, load: str, *extra: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["train_sft"] and len(sys.argv) >= 4:
-        train_sft_main(*sys.argv[2:])
+        try:
+            train_sft_main(*sys.argv[2:])
+        finally:  # app.run exits by SystemExit: still without walking the heap (1.2 s)
+            gc.freeze()
     else:
         sys.exit(f"usage: {sys.argv[0]} train_sft OUT LOAD [KEY=VALUE ...]")

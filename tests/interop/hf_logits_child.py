@@ -30,6 +30,7 @@ mismatched keys, error messages) and, for ``bf16_head``, the check above.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -109,3 +110,4 @@ if __name__ == "__main__":
         sys.exit(f"usage: {sys.argv[0]} JOBS.json OUT.npz")
     torch.manual_seed(0)
     main(sys.argv[1], sys.argv[2])
+    gc.freeze()  # exit without walking the heap torch and transformers left

@@ -22,6 +22,7 @@ Top-level imports are the standard library only.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import runpy
 import sys
@@ -77,4 +78,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:  # a clean exit, without walking the heap MaxText left (1.2 s)
+        gc.freeze()

@@ -22,6 +22,7 @@ library at import), so the child starts with nothing loaded.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import json
 import os
 import subprocess
@@ -218,5 +219,6 @@ def write_random_adapters(src: Path, dst: Path, seed: int, scale: float = RANDOM
 if __name__ == "__main__":
     if sys.argv[1:2] == ["logits"]:
         child_main(*sys.argv[2:4])
+        gc.freeze()  # exit without walking the heap MaxText left (1.2 s)
     else:
         sys.exit(f"usage: {sys.argv[0]} logits JOBS.json OUT.npz")

@@ -28,6 +28,7 @@ are the converted tensors' modules: those PEFT must adapt.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import warnings
@@ -121,3 +122,4 @@ def main(jobs_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    gc.freeze()  # exit without walking the heap torch and transformers left
