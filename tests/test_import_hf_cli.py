@@ -178,3 +178,22 @@ def test_row_blocks_divide_the_rows_where_they_can():
         assert math.prod(chunk) * 2 <= CHUNK_BYTES
     # a prime row count keeps the most rows a chunk holds (one edge chunk)
     assert chunk_shape((4099, 14336), (), 2)[0] == CHUNK_BYTES // (14336 * 2)
+
+
+def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch):
+    """`_copy` of a transposed view (MaxText's ``reshape_kernel`` of an HF ``[out, in]``
+    kernel) equals NumPy's own copy: in 8-byte words and strips of `WORD_STRIP` (rows that
+    pack into words, several passes when a pass holds fewer rows than the block), in element
+    strips otherwise, for 1-, 2- and 4-byte items and widths that are no multiple of a strip."""
+    from orbax_maxtext_layout.hf import import_hf as ih
+
+    monkeypatch.setattr(ih, "PACKED_BYTES", 4096)  # a few rows a pass: several passes
+    rng = np.random.default_rng(0)
+    for dtype in (np.uint8, np.uint16, np.float32):
+        for rows, cols in [(64, 300), (60, 257), (63, 100), (8, 33), (40, ih.WORD_STRIP * 3)]:
+            hf = rng.integers(0, 250, size=(cols, rows)).astype(dtype)  # HF [out, in]
+            src = hf.T  # [in, out], rows of hf contiguous
+            for scratch in (None, ih._Scratch()):
+                out = np.full(src.shape, 255, dtype)
+                ih._copy(out, src, scratch)
+                assert np.array_equal(out, np.ascontiguousarray(src)), (dtype, rows, cols)
