@@ -117,9 +117,7 @@ def test_exit_codes_are_where_they_were() -> None:
 
 def test_the_entry_points_still_point_at_the_faces() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"] == {
-        "orbax-maxtext-layout": "orbax_maxtext_layout.cli:run"
-    }
+    assert project["project"]["scripts"] == {"orbax-maxtext-layout": "orbax_maxtext_layout.cli:run"}
     for module in ("orbax_maxtext_layout", "orbax_maxtext_layout.maxtext"):
         done = subprocess.run(
             [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
