@@ -657,10 +657,10 @@ def _write_blocks(array: ts.TensorStore, data, parts: list[tuple], scratch: _Scr
         array[part].write(src, can_reference_source_data_indefinitely=True).result()
 
 
-STRIP = 8  # columns a transposing copy of elements moves at once (`_copy`)
-# and of 8-byte words (`_transpose`): a wider strip is fewer NumPy calls for the same bytes,
-# which two threads make under one GIL; 32 words moved 3.3 GiB/s on 2 threads here, 8 words
-# 2.3 (an 8B llama's MLP kernels); an element strip is fastest at 8 to 16 columns
+STRIP = 8  # columns a transposing copy of elements moves at once (fastest at 8 to 16 here)
+# 8-byte words a transposing copy moves at once (`_transpose`): a wider strip is fewer NumPy
+# calls for the same bytes, which two threads make under one GIL; 32 words moved 3.3 GiB/s
+# on 2 threads here, 8 words 2.3 (an 8B llama's MLP kernels)
 WORD_STRIP = 32
 PACKED_BYTES = 16 << 20  # a transposing copy's packed rows (`_transpose`), at most
 
@@ -686,8 +686,8 @@ def _transpose(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None) -> No
     copies a transposed 2-byte array at 0.25 GiB/s here, in strips of `STRIP` columns at 1.4,
     and as this does at 2.3 to 3.3: ``g`` elements of a row of ``src.T`` moved as one 8-byte
     word (a transpose of ``g`` x ``g`` blocks, in strips of `WORD_STRIP` words), then each
-    block transposed inside,
-    a sequential pass. A ``src`` whose rows do not pack into words goes in strips."""
+    block transposed inside, a sequential pass. A ``src`` whose rows do not pack into words
+    goes in strips."""
     rows, cols = src.shape
     g = 8 // src.itemsize
     words = src.T.view(np.uint64) if g > 1 and rows % g == 0 else None
