@@ -46,6 +46,7 @@ from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage.lock import step_lock
+from ..storage.scratch import small_pages
 from ..storage.store import store_for
 from . import hf_mapping
 from .budget import Budget
@@ -551,31 +552,11 @@ class _Scratch(threading.local):
         buf = self.bufs.get(kind)
         if buf is None or buf.nbytes < nbytes:
             self.bufs.pop(kind, None)
-            buf = self.bufs[kind] = _small_pages(nbytes)
+            buf = self.bufs[kind] = small_pages(nbytes)
         return buf[:nbytes]
 
     def drop(self) -> None:
         self.bufs.clear()
-
-
-def _small_pages(nbytes: int) -> np.ndarray:
-    """A new uint8 buffer in small pages: NumPy asks for transparent huge pages for a large
-    array, and the kernel then zeroes 2 MiB at each first touch, 4x slower than small pages
-    on this kind of VM (`item_writer.release_large_buffers`; a 1.05 GB read buffer: about
-    1.7 s of kernel time in huge pages)."""
-    switch = getattr(getattr(np, "_core", None), "multiarray", None)
-    switch = getattr(switch, "_set_madvise_hugepage", None)
-    if switch is None:  # pragma: no cover - a NumPy without the switch
-        return np.empty(nbytes, np.uint8)
-    with _PAGES_LOCK:  # one switch for the process: set and restored by one thread at a time
-        was = switch(False)
-        try:
-            return np.empty(nbytes, np.uint8)
-        finally:
-            switch(was)
-
-
-_PAGES_LOCK = threading.Lock()
 
 
 def chunk_shape(shape: Sequence[int], axes: tuple[int, ...], itemsize: int) -> list[int]:
