@@ -64,6 +64,7 @@ from etils import epath
 from ..errors import UsageError
 from ..orbax_io.orbax_files import CheckpointRefusedError
 from ..storage.containment import escape
+from ..storage.mapped import POPULATE_READ, advise, release
 from ..storage.store import store_for
 
 CONFIG_FILE = "config.json"
@@ -505,7 +506,7 @@ class HfDir:
         if m is None:
             return None
         # its pages mapped in one call (else one fault per 64 KiB on first touch)
-        _advise(m, _MADV_POPULATE_READ, t.start, t.nbytes)
+        advise(m, POPULATE_READ, t.start, t.nbytes)
         with self._lock:
             self._bytes_read += t.nbytes
         out = np.frombuffer(m, np.uint8, t.nbytes, t.start)
@@ -518,7 +519,7 @@ class HfDir:
         f = self._files.get(t.file)
         m = f._map if isinstance(f, _LocalFile) else None  # never maps a file anew
         if m is not None and t.nbytes:
-            _advise(m, mmap.MADV_DONTNEED, t.start, t.nbytes)
+            release(m, t.start, t.nbytes)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""
@@ -559,17 +560,6 @@ class HfDir:
 
     def __repr__(self) -> str:
         return f"HfDir({str(self.dir)!r}, {len(self.tensors)} tensors in {len(self._sizes)} files)"
-
-
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
-
-
-def _advise(m: mmap.mmap, advice: int, start: int, n: int) -> None:
-    """``madvise`` on the pages holding ``[start, start + n)`` of ``m``; a kernel that refuses
-    the advice changes nothing (pages then fault in, or stay, as they would)."""
-    lo = start - start % mmap.PAGESIZE
-    with contextlib.suppress(OSError, ValueError):
-        m.madvise(advice, lo, start + n - lo)
 
 
 def _entry(name: str, e: Any, rel: str, region: tuple[int, int], where: str) -> TensorInfo:

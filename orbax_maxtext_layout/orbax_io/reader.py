@@ -26,6 +26,7 @@ from etils import epath
 
 from ..base.treepaths import Path
 from ..errors import CheckpointReadError
+from ..storage.mapped import MappedFiles
 from ..storage.store import StepStore, store_for
 from . import chunks
 from .ocdbt import value_locations
@@ -52,6 +53,8 @@ class ItemReader:
     _value_files: dict | None = dataclasses.field(default=None, repr=False, compare=False)
     # array name -> its stored layout (`layout`), once read
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # the local data files mapped for reading (`stored_value`), each once
+    _mapped: MappedFiles = dataclasses.field(default_factory=MappedFiles, repr=False, compare=False)
 
     @classmethod
     def open(
@@ -155,13 +158,15 @@ class ItemReader:
     def stored_value(self, key: str, scratch: str | None = None) -> FileValue | KvValue | None:
         """The stored value ``key`` to read piece by piece: from its data file where it lies
         in one on a local disk (`value_file`; tensorstore's kvstore reads cost as much as
-        the decode), into this thread's buffer ``scratch`` (None: one of its own), else
-        through the kvstore; None if it is not stored."""
+        the decode), mapped (`storage.mapped`) or else read into this thread's buffer
+        ``scratch`` (None: one of its own); else through the kvstore; None if it is not
+        stored."""
         where = self.value_file(key)
         if where is not None:
             path, offset, length = where
             try:
-                return FileValue(path, offset, offset + length, scratch=scratch)
+                mapping = self._mapped.covering(path, offset + length)
+                return FileValue(path, offset, offset + length, scratch=scratch, mapping=mapping)
             except OSError:  # gone or unreadable: the kvstore's read reports it
                 pass
         value = KvValue(self.kv, key)

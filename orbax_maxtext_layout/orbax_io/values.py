@@ -8,6 +8,7 @@ item reader (`reader.ItemReader`) is the one object that provides it.
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
+from ..storage.mapped import POPULATE_READ, advise, release
 from ..storage.scratch import scratch_buffer
 from .orbax_files import ItemFiles
 
@@ -68,8 +70,10 @@ def same_pieces(va: FileValue, vb: FileValue, length: int) -> bool | None:
 
 
 class FileValue:
-    """Bytes ``[start, end)`` of a data file, read (``read``, as a file is) with `os.preadv`
-    into one reused buffer: this thread's ``scratch`` buffer, or one of the value's own.
+    """Bytes ``[start, end)`` of a data file, read (``read``, as a file is) as views of the
+    file's ``mapping`` where one is given (`storage.mapped`: no copy; each piece's pages
+    leave the process once the next is read), else with `os.preadv` into one reused buffer:
+    this thread's ``scratch`` buffer, or one of the value's own.
 
     zstandard's stream reader asks for more input only once it has used all it was given,
     so one buffer serves a whole stream. A fresh ``bytes`` per read cost a fresh mapping
@@ -77,18 +81,29 @@ class FileValue:
     kernel zeroes on first touch: 8% of the CPU of an 8B ``export-hf``."""
 
     def __init__(
-        self, path: str, start: int, end: int, fd: int | None = None, scratch: str | None = None
+        self,
+        path: str,
+        start: int,
+        end: int,
+        fd: int | None = None,
+        scratch: str | None = None,
+        mapping: mmap.mmap | None = None,
     ):
         self.path, self.pos, self.end = path, start, end
         self.fd = os.open(path, os.O_RDONLY) if fd is None else fd
         self.owns = fd is None
         self.scratch = scratch
+        self.mapping = mapping
         self._buf: np.ndarray | None = None
+        self._given = (start, 0)  # the mapped piece read last, released at the next read
 
     def __enter__(self) -> FileValue:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.mapping is not None:
+            release(self.mapping, *self._given)
+            self._given = (self.pos, 0)
         if self.owns:
             os.close(self.fd)
 
@@ -99,12 +114,22 @@ class FileValue:
     def part(self, offset: int, size: int) -> FileValue:
         """Bytes ``[offset, offset + size)`` of this value (the same open file)."""
         start = self.pos + offset
-        return FileValue(self.path, start, min(self.end, start + size), self.fd, self.scratch)
+        return FileValue(
+            self.path, start, min(self.end, start + size), self.fd, self.scratch, self.mapping
+        )
 
     def read(self, n: int = -1) -> memoryview | bytes:
         n = min(PIECE if n is None or n < 0 else n, self.end - self.pos)
         if n <= 0:
             return b""
+        if self.mapping is not None:
+            # the last piece is decoded once more is asked for (a stream reader asks only
+            # when it has used all it was given): its pages leave the process
+            release(self.mapping, *self._given)
+            advise(self.mapping, POPULATE_READ, self.pos, n)
+            self._given = (self.pos, n)
+            self.pos += n
+            return memoryview(self.mapping)[self.pos - n : self.pos]
         if self.scratch is not None:
             buf = scratch_buffer(self.scratch, n)[:n]
         else:

@@ -1,0 +1,94 @@
+"""Stored values read through read-only mappings of their data files (`storage.mapped`):
+the same bytes as ``os.preadv`` reads, each piece's pages out of the process once the next
+is read, and a data file cut short read the old way, which reports it."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+
+import orbax_maxtext_layout as oml
+from orbax_maxtext_layout.errors import CheckpointReadError
+from orbax_maxtext_layout.orbax_io import values
+from orbax_maxtext_layout.orbax_io.reader import ItemReader
+from orbax_maxtext_layout.storage.mapped import MappedFiles
+
+NAME = "params.params.w"
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps")
+
+
+def _save(path: epath.Path) -> np.ndarray:
+    """A MaxText item of one float32 param of 32 MiB, one chunk, random bytes (zstd keeps
+    it about as large)."""
+    x = np.random.default_rng(0).standard_normal((2048, 4096), np.float32)
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+    ckptr.save(path, args=ocp.args.PyTreeSave({"params": {"params": {"w": x}}}))
+    ckptr.close()
+    return x
+
+
+def _value(reader: ItemReader):
+    lay = reader.layout(NAME)
+    return reader.stored_value(f"{NAME}/{lay.key((0,) * len(lay.shape))}")
+
+
+def _mapped_rss_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of ``path`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[-1] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@linux_only
+def test_a_local_value_is_read_mapped_and_its_pages_leave_the_process(tmp_path):
+    path = epath.Path(tmp_path) / "ckpt"
+    _save(path)
+    reader = ItemReader.open(path)
+    value = _value(reader)
+    assert isinstance(value, values.FileValue) and value.mapping is not None
+    with open(value.path, "rb") as f:
+        want = f.read()[value.pos : value.end]
+    assert len(want) > 3 * values.PIECE  # several pieces
+    got = []
+    with value:
+        while piece := value.read():
+            got.append(bytes(piece))
+            # at most the piece just given (and the page on either side) is in the process
+            assert _mapped_rss_kib(value.path) <= len(piece) // 1024 + 8
+    assert b"".join(got) == want
+    assert _mapped_rss_kib(value.path) == 0  # the last piece left with the value
+
+    unmapped = values.FileValue(value.path, value.end - len(want), value.end)  # preadv
+    with unmapped:
+        assert b"".join(bytes(p) for p in iter(unmapped.read, b"")) == want
+
+
+@linux_only
+def test_a_restore_reads_mapped_bytes_bit_for_bit(tmp_path):
+    path = epath.Path(tmp_path) / "ckpt"
+    x = _save(path)
+    got = oml.load_params_from_path(path, {"params": {"w": np.zeros(x.shape, x.dtype)}})
+    assert np.array_equal(np.asarray(got["params"]["w"]), x)
+
+
+def test_a_data_file_cut_short_is_not_mapped_and_the_read_names_the_array(tmp_path):
+    path = epath.Path(tmp_path) / "ckpt"
+    x = _save(path)
+    value = _value(ItemReader.open(path))
+    with open(value.path, "r+b") as f:
+        f.truncate(value.end - 1000)
+    assert MappedFiles().covering(value.path, value.end) is None
+    assert MappedFiles().covering(value.path, value.end - 1000) is not None
+    assert _value(ItemReader.open(path)).mapping is None
+    with pytest.raises(CheckpointReadError, match="w"):
+        oml.load_params_from_path(path, {"params": {"w": np.zeros(x.shape, x.dtype)}})
