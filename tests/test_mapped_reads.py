@@ -92,3 +92,22 @@ def test_a_data_file_cut_short_is_not_mapped_and_the_read_names_the_array(tmp_pa
     assert _value(ItemReader.open(path)).mapping is None
     with pytest.raises(CheckpointReadError, match="w"):
         oml.load_params_from_path(path, {"params": {"w": np.zeros(x.shape, x.dtype)}})
+
+
+@linux_only
+def test_the_inner_chunks_of_a_shard_leave_no_mapped_pages_behind(tmp_path):
+    """A zarr3 shard's inner chunks are read as parts of its value: each part's pages leave
+    the process too, so a reader kept open holds none once an array is read."""
+    path = epath.Path(tmp_path) / "ckpt"
+    x = np.random.default_rng(1).standard_normal((2048, 4096), np.float32)
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+    tree, args = {"params": {"params": {"w": x}}}, ocp.SaveArgs(chunk_byte_size=4 << 20)
+    ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args={"params": {"params": {"w": args}}}))
+    ckptr.close()
+    reader = ItemReader.open(path)
+    lay = reader.layout(NAME)
+    assert lay.shard is not None  # 8 shards, each value read as a part (its inner chunk)
+    assert np.array_equal(reader.read_whole(NAME), x)
+    files = {p for p, _, _ in reader._value_files.values()}
+    assert files and reader._mapped._maps  # read mapped, the mappings still open
+    assert sum(_mapped_rss_kib(os.fspath(path / f)) for f in files) == 0

@@ -181,7 +181,8 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
                         f"{offset}+{size}, past its end."
                     )
                 count("chunk decoded", f"{src.dir}/{key}#{k}")
-                yield origin, value.part(offset, size)
+                with value.part(offset, size) as part:  # exited: its mapped pages go
+                    yield origin, part
 
 
 def _shard_index(value, lay: Layout, where: str) -> bytes:
