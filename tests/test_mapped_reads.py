@@ -15,6 +15,7 @@ import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.errors import CheckpointReadError
 from orbax_maxtext_layout.orbax_io import values
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
+from orbax_maxtext_layout.storage import mapped
 from orbax_maxtext_layout.storage.mapped import MappedFiles
 
 NAME = "params.params.w"
@@ -110,4 +111,18 @@ def test_the_inner_chunks_of_a_shard_leave_no_mapped_pages_behind(tmp_path):
     assert np.array_equal(reader.read_whole(NAME), x)
     files = {p for p, _, _ in reader._value_files.values()}
     assert files and reader._mapped._maps  # read mapped, the mappings still open
-    assert sum(_mapped_rss_kib(os.fspath(path / f)) for f in files) == 0
+    # None of the 4 MiB parts stays. A page or a few may: two threads that share a page at
+    # a boundary can release it under each other, and the refault maps its neighbours
+    # (the kernel's fault-around, 64 KiB).
+    assert sum(_mapped_rss_kib(os.fspath(path / f)) for f in files) < 1024
+
+
+def test_no_file_is_mapped_where_the_kernel_cannot_populate_a_range(tmp_path, monkeypatch):
+    """Where ``MADV_POPULATE_READ`` is refused (Linux before 5.14, gVisor: there a released
+    range stayed in the process), values are read with ``os.preadv``, bit for bit."""
+    monkeypatch.setattr(mapped, "_POPULATES", False)
+    path = epath.Path(tmp_path) / "ckpt"
+    x = _save(path)
+    assert _value(ItemReader.open(path)).mapping is None
+    got = oml.load_params_from_path(path, {"params": {"w": np.zeros(x.shape, x.dtype)}})
+    assert np.array_equal(np.asarray(got["params"]["w"]), x)

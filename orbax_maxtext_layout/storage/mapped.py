@@ -7,6 +7,12 @@ is mapped in one call before it is read (`POPULATE_READ`; otherwise each 64 KiB 
 on its own). Once decoded, it is dropped from the process (`release`): the pages stay in
 the page cache, but the mapped bytes never add up in the process's RSS.
 
+Files are mapped only where the kernel maps a range in one call (``MADV_POPULATE_READ``,
+Linux 5.14 and later), probed once per process. Elsewhere every value is read with
+``os.preadv``. One such place is gVisor, which the TPU machine runs: there a mapped range
+stayed in the process after it was released, 1 to 2 GiB more peak RSS on a 2.5 GiB
+restore.
+
 A file cut short while it is mapped raises SIGBUS on access, as it does for the safetensors
 library. Orbax never rewrites a data file. A range that lies past the file's end when the
 file is mapped is never given out, so the caller reads it with ``os.preadv``, which reports
@@ -48,12 +54,29 @@ class MappedFiles:
 
     def covering(self, path: str, end: int) -> mmap.mmap | None:
         """The mapping of ``path`` if the file holds bytes up to ``end``; else None. None
-        also where it cannot be mapped: the kernel refuses, or `MAX_FILES` are mapped."""
+        also where it cannot be mapped: the kernel refuses or cannot populate a range in
+        one call (`populates`), or `MAX_FILES` are mapped."""
         with self._lock:
             if path not in self._maps:
-                self._maps[path] = _map(path) if len(self._maps) < MAX_FILES else None
+                m = _map(path) if len(self._maps) < MAX_FILES else None
+                self._maps[path] = m if m is not None and populates(m) else None
             m = self._maps[path]
         return m if m is not None and end <= len(m) else None
+
+
+def populates(m: mmap.mmap) -> bool:
+    """Whether this kernel populates a mapped range in one call (asked once, on ``m``)."""
+    global _POPULATES
+    if _POPULATES is None:
+        try:
+            m.madvise(POPULATE_READ, 0, min(len(m), mmap.PAGESIZE))
+            _POPULATES = True
+        except (OSError, ValueError):  # EINVAL: Linux before 5.14, gVisor
+            _POPULATES = False
+    return _POPULATES
+
+
+_POPULATES: bool | None = None
 
 
 def _map(path: str) -> mmap.mmap | None:
