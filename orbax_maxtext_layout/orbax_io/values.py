@@ -86,6 +86,7 @@ class FileValue:
         start: int,
         end: int,
         fd: int | None = None,
+        *,
         scratch: str | None = None,
         mapping: mmap.mmap | None = None,
     ):
@@ -114,9 +115,8 @@ class FileValue:
     def part(self, offset: int, size: int) -> FileValue:
         """Bytes ``[offset, offset + size)`` of this value (the same open file)."""
         start = self.pos + offset
-        return FileValue(
-            self.path, start, min(self.end, start + size), self.fd, self.scratch, self.mapping
-        )
+        end = min(self.end, start + size)
+        return FileValue(self.path, start, end, self.fd, scratch=self.scratch, mapping=self.mapping)
 
     def read(self, n: int = -1) -> memoryview | bytes:
         n = min(PIECE if n is None or n < 0 else n, self.end - self.pos)
