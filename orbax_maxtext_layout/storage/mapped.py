@@ -58,7 +58,9 @@ class MappedFiles:
         one call (`populates`), or `MAX_FILES` are mapped."""
         with self._lock:
             if path not in self._maps:
-                m = _map(path) if len(self._maps) < MAX_FILES else None
+                # once the probe said no, no file is mapped (only to be closed again)
+                can = len(self._maps) < MAX_FILES and _POPULATES is not False
+                m = _map(path) if can else None
                 self._maps[path] = m if m is not None and populates(m) else None
             m = self._maps[path]
         return m if m is not None and end <= len(m) else None
