@@ -59,7 +59,7 @@ class MappedFiles:
         with self._lock:
             if path not in self._maps:
                 # once the probe said no, no file is mapped (only to be closed again)
-                can = len(self._maps) < MAX_FILES and _POPULATES is not False
+                can = len(self._maps) < MAX_FILES and may_map()
                 m = _map(path) if can else None
                 self._maps[path] = m if m is not None and populates(m) else None
             m = self._maps[path]
@@ -79,6 +79,12 @@ def populates(m: mmap.mmap) -> bool:
 
 
 _POPULATES: bool | None = None
+
+
+def may_map() -> bool:
+    """False once `populates` said no in this process: no file is mapped only to be
+    closed again."""
+    return _POPULATES is not False
 
 
 def _map(path: str) -> mmap.mmap | None:
