@@ -10,20 +10,32 @@ between about 300 and 1,200 leaves), in planning, `verify` and restores alike.
 generation (`gc.freeze`) and returns them when it ends (`gc.unfreeze`): nothing is
 left uncollected (objects made during the operation are collected as usual; garbage
 among the frozen ones at the first collection after it). It does nothing when the
-collector is disabled, when the process froze objects itself (`gc.get_freeze_count`),
-or inside another operation that froze them (any thread). Objects another thread
-freezes while an operation runs are returned with ours when the last one ends.
+collector is disabled, when the process froze objects itself (`process_froze`), or
+inside another operation that froze them (any thread). Objects another thread freezes
+while an operation runs are returned with ours when the last one ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0  # operations in progress under our freeze (any thread)
+# CPython 3.12 and later keep immortal objects in the permanent generation themselves (375
+# static tuples at the start of 3.12.1; a collection moves any it meets back there), where a
+# process's `gc.freeze` moves every object alive: more than 4,000 in a bare interpreter.
+# Unfreezing immortal objects is harmless: the next collection moves them back.
+_INTERPRETER_KEEPS = 1000 if sys.version_info >= (3, 12) else 0
+
+
+def process_froze() -> bool:
+    """Whether the permanent generation holds a freeze of the process's own (more than the
+    interpreter keeps there)."""
+    return gc.get_freeze_count() > _INTERPRETER_KEEPS
 
 
 @contextlib.contextmanager
@@ -35,7 +47,7 @@ def frozen_heap() -> Iterator[None]:
         if _depth:  # inside an operation that froze them
             _depth += 1
             counted = True
-        elif gc.isenabled() and gc.get_freeze_count() == 0:
+        elif gc.isenabled() and not process_froze():
             gc.freeze()
             _depth, counted = 1, True
         else:
