@@ -126,3 +126,30 @@ def test_stored_values_compare_in_their_data_files_piece_by_piece(tmp_path):
     assert reader.same_stored(a, key, c, key) is None
     b._value_files = {}  # no data file known (as on an object store)
     assert reader.same_stored(a, key, b, key) is None
+
+
+def test_values_stored_inline_are_read_from_the_b_tree(tmp_path):
+    """Small values (and the zarr metadata) that Orbax stores inline in the OCDBT B-tree are
+    read from the walk of the B-tree done when the item is opened (`values.InlineValue`,
+    `ItemReader.small_value`): the bytes the kvstore reads, with no kvstore read."""
+    import orbax.checkpoint as ocp
+
+    from orbax_maxtext_layout.orbax_io.values import InlineValue
+
+    rng = np.random.default_rng(3)
+    tree = {"a": np.arange(7, dtype=np.float32), "b": rng.normal(size=(3, 5)).astype(np.float32)}
+    path = epath.Path(tmp_path) / "small"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(path, args=ocp.args.PyTreeSave(tree))
+    src = ItemReader.open(path)
+    for name, want in tree.items():
+        lay = src.layout(name)
+        key = f"{name}/{lay.key((0,) * want.ndim)}"
+        value = src.stored_value(key)
+        assert isinstance(value, InlineValue)  # the control below reads the same key
+        with value:
+            assert bytes(value.read()) == bytes(src.kv.read(key).result().value)
+            assert value.read() == b""  # read whole
+        meta = f"{name}/.zarray" if not src.use_zarr3 else f"{name}/zarr.json"
+        assert src.small_value(meta) == bytes(src.kv.read(meta).result().value)
+        assert src.read_whole(name).tobytes() == want.tobytes()
+    assert src.stored_value("a/nothing") is None and src.small_value("a/nothing") is None

@@ -23,17 +23,20 @@ def check_contained(item_dir: epath.PathLike) -> None:
     value_locations(epath.Path(item_dir))
 
 
-def value_locations(item_dir: epath.Path) -> dict[bytes, tuple[str, int, int]]:
+def value_locations(item_dir: epath.Path) -> dict[bytes, tuple[str, int, int] | bytes]:
     """``key -> (data file relative to the item, offset, length)`` of every indirect value
     of the item's latest version, each path checked to stay inside the item (raises
-    `CheckpointReadError` naming the key and the path); ``{}`` for a B-tree that cannot
-    be read (the kvstore's reads report it, as stock does)."""
-    found = {}
+    `CheckpointReadError` naming the key and the path), and ``key -> bytes`` of every value
+    stored inline in the B-tree (a small one: the walk has read it already); ``{}`` for a
+    B-tree that cannot be read (the kvstore's reads report it, as stock does)."""
+    found: dict[bytes, tuple[str, int, int] | bytes] = {}
     try:
         for entry, _ in _btree_entries(item_dir):
             ref = entry.get("indirect_value")
             if ref:
                 found[bytes(entry["key"])] = _value_ref(ref, item_dir, _key_text(entry))
+            elif "inline_value" in entry:
+                found[bytes(entry["key"])] = bytes(entry["inline_value"])
     except ValueError as e:
         if isinstance(e, CheckpointReadError):
             raise

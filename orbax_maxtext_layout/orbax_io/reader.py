@@ -31,7 +31,7 @@ from ..storage.store import StepStore, store_for
 from . import chunks
 from .ocdbt import value_locations
 from .orbax_files import ItemFiles, count, open_kvstore, param_name, read_context, sub_kv
-from .values import FileValue, KvValue, same_pieces
+from .values import FileValue, InlineValue, KvValue, same_pieces
 from .zarr import Layout, read_layout
 
 # What decoding a whole array holds at its peak, in times the array's bytes: tensorstore
@@ -150,17 +150,31 @@ class ItemReader:
         if self._value_files is None:
             self._value_files = value_locations(self.dir)
         where = self._value_files.get(key.encode())
-        if where is None:
+        if where is None or isinstance(where, bytes):
             return None
         rel, offset, length = where
         return os.fspath(self.dir / rel), offset, length
 
-    def stored_value(self, key: str, scratch: str | None = None) -> FileValue | KvValue | None:
+    def small_value(self, key: str) -> bytes | None:
+        """The whole stored value ``key`` (metadata: small), None if it is not stored: from
+        the B-tree where it is stored inline there, else with one kvstore read."""
+        inline = self._value_files.get(key.encode()) if self._value_files else None
+        if isinstance(inline, bytes):
+            return inline
+        got = self.kv.read(key).result()
+        return bytes(got.value) if got.state == "value" else None
+
+    def stored_value(
+        self, key: str, scratch: str | None = None
+    ) -> FileValue | KvValue | InlineValue | None:
         """The stored value ``key`` to read piece by piece: from its data file where it lies
         in one on a local disk (`value_file`; tensorstore's kvstore reads cost as much as
         the decode), mapped (`storage.mapped`) or else read into this thread's buffer
         ``scratch`` (None: one of its own); else through the kvstore; None if it is not
         stored."""
+        inline = self._value_files.get(key.encode()) if self._value_files else None
+        if isinstance(inline, bytes):  # read with the B-tree already: no kvstore read
+            return InlineValue(inline)
         where = self.value_file(key)
         if where is not None:
             path, offset, length = where

@@ -33,7 +33,11 @@ class Stored(Protocol):
     @property
     def use_zarr3(self) -> bool: ...
 
-    def stored_value(self, key: str, scratch: str | None = None) -> FileValue | KvValue | None: ...
+    def stored_value(
+        self, key: str, scratch: str | None = None
+    ) -> FileValue | KvValue | InlineValue | None: ...
+
+    def small_value(self, key: str) -> bytes | None: ...
 
     def layout(self, name: str): ...
 
@@ -139,6 +143,38 @@ class FileValue:
         got = os.preadv(self.fd, [buf], self.pos)
         self.pos += got
         return memoryview(buf)[:got]
+
+
+class InlineValue:
+    """A value stored inline in an OCDBT B-tree (a small one), whose bytes the item's walk of
+    the B-tree has read already (`ocdbt.value_locations`): read as a file is, with no
+    kvstore read. An unconverted Tunix step of many small leaves is mostly such values: two
+    or three kvstore reads each cost 9 of 11 s of a restore of 4,626 leaves."""
+
+    def __init__(self, data: bytes, start: int = 0, end: int | None = None):
+        self.data = memoryview(data)
+        self.pos, self.end = start, len(data) if end is None else min(end, len(data))
+
+    def __enter__(self) -> InlineValue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def suffix(self, n: int) -> bytes | None:
+        return bytes(self.data[self.end - n : self.end]) if self.end - n >= self.pos else None
+
+    def part(self, offset: int, size: int) -> InlineValue:
+        """Bytes ``[offset, offset + size)`` of this value."""
+        start = self.pos + offset
+        return InlineValue(self.data.obj, start, min(self.end, start + size))
+
+    def read(self, n: int = -1) -> memoryview:
+        n = min(PIECE if n is None or n < 0 else n, self.end - self.pos)
+        if n <= 0:
+            return memoryview(b"")
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
 
 
 class KvValue:

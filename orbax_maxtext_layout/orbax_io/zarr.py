@@ -134,11 +134,11 @@ class Layout:
 
 def read_layout(src: Stored, name: str) -> Layout | None:
     meta_key = f"{name}/zarr.json" if src.use_zarr3 else f"{name}/.zarray"
-    got = src.kv.read(meta_key).result()
-    if got.state != "value":
+    raw = src.small_value(meta_key)
+    if raw is None:
         return None
     where = f"{src.dir}/{meta_key}"
-    meta = parse_zarr_metadata(bytes(got.value), where)
+    meta = parse_zarr_metadata(raw, where)
     files = src.files  # its JSON files, where the item was opened with them
     check_zarr_metadata(
         meta,
