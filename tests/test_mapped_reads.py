@@ -9,6 +9,7 @@ import os
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import NOT_MAPPED, files_are_mapped
 from etils import epath
 
 import orbax_maxtext_layout as oml
@@ -20,6 +21,8 @@ from orbax_maxtext_layout.storage.mapped import MappedFiles
 
 NAME = "params.params.w"
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps")
+
+needs_mapping = pytest.mark.skipif(not files_are_mapped(), reason=NOT_MAPPED)
 
 
 def _save(path: epath.Path) -> np.ndarray:
@@ -51,6 +54,7 @@ def _mapped_rss_kib(path: str) -> int:
 
 
 @linux_only
+@needs_mapping
 def test_a_local_value_is_read_mapped_and_its_pages_leave_the_process(tmp_path):
     path = epath.Path(tmp_path) / "ckpt"
     _save(path)
@@ -82,6 +86,7 @@ def test_a_restore_reads_mapped_bytes_bit_for_bit(tmp_path):
     assert np.array_equal(np.asarray(got["params"]["w"]), x)
 
 
+@needs_mapping
 def test_a_data_file_cut_short_is_not_mapped_and_the_read_names_the_array(tmp_path):
     path = epath.Path(tmp_path) / "ckpt"
     x = _save(path)
@@ -96,6 +101,7 @@ def test_a_data_file_cut_short_is_not_mapped_and_the_read_names_the_array(tmp_pa
 
 
 @linux_only
+@needs_mapping
 def test_the_inner_chunks_of_a_shard_leave_no_mapped_pages_behind(tmp_path):
     """A zarr3 shard's inner chunks are read as parts of its value: each part's pages leave
     the process too, so a reader kept open holds none once an array is read."""

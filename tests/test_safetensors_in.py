@@ -26,6 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import NOT_MAPPED, files_are_mapped
 from safetensors.numpy import load_file, save_file
 
 from orbax_maxtext_layout.errors import CheckpointReadError, UsageError
@@ -334,6 +335,7 @@ def test_a_file_cut_short_after_open_is_refused_on_read(tmp_path):
     d.close()
 
 
+@pytest.mark.skipif(not files_are_mapped(), reason=NOT_MAPPED)
 def test_a_view_maps_the_checked_bytes_read_only_and_counts_them(tmp_path):
     """`HfDir.view`: each tensor's own bytes, without a copy, read-only; none for a BOOL
     tensor (its bytes are normalized by a read), for an object store, or for a file that

@@ -10,9 +10,11 @@ become arrays.
 - `reader`: **the item reader**, `ItemReader`, opened once per item with its store handed
   in; every operation that reads array bytes reads through it (metadata, each stored
   chunk's pieces, whole values, stored bytes);
-- below it: `ocdbt` (the B-tree: where each value lies, every path checked), `zarr` (an
-  array's stored `Layout`, its metadata checked), `values` (a stored value read piece by
-  piece) and `chunks` (the decoder: each stored chunk decoded once, in pieces);
+- below it: `ocdbt` (the B-tree: where each value lies, every path checked, and the bytes
+  of the small values stored inline in it), `zarr` (an array's stored `Layout`, its
+  metadata checked), `values` (a stored value read piece by piece: from its data file,
+  from the B-tree, or through the kvstore) and `chunks` (the decoder: each stored chunk
+  decoded once, in pieces);
 - `item_writer`: a new item's arrays (grafts, chunk copies, tensorstore writes).
 
 Imports: `storage`, `base`, `errors`. Knows nothing of models, plans or Hugging Face.

@@ -1,6 +1,7 @@
 """A stored value (one chunk, or one zarr3 shard) read piece by piece, as a file is read:
-from its data file with `os.preadv` where it lies in one on a local disk, else through the
-kvstore; and two stored values compared without decoding them.
+from its data file (mapped, or with `os.preadv`) where it lies in one on a local disk, from
+the B-tree where OCDBT stored it inline (a small value), else through the kvstore; and two
+stored values compared without decoding them.
 
 `Stored` is what the decoder (`chunks`) and the layout reader (`zarr`) need of an item; the
 item reader (`reader.ItemReader`) is the one object that provides it.
