@@ -137,7 +137,10 @@ def test_the_console_script_and_python_m_exit_with_the_heap_frozen():
         env=child_env(),
         timeout=300,
     )
-    assert out.stdout.split()[-2:] == ["0", "0"], out.stdout + out.stderr
+    rc, grew = out.stdout.split()[-2:]
+    # nothing frozen for the exit (on Python 3.12 the count may drop: `frozen_heap` returned
+    # the interpreter's immortal objects too, which its next collection moves back)
+    assert rc == "0" and int(grew) <= 0, out.stdout + out.stderr
 
 
 def test_a_wrong_target_is_named_and_a_scan_form_mismatch_names_the_flag(tmp_path):
