@@ -155,11 +155,16 @@ class ItemReader:
         rel, offset, length = where
         return os.fspath(self.dir / rel), offset, length
 
+    def _inline(self, key: str) -> bytes | None:
+        """The bytes of ``key`` where OCDBT stored the value inline in its B-tree."""
+        where = self._value_files.get(key.encode()) if self._value_files else None
+        return where if isinstance(where, bytes) else None
+
     def small_value(self, key: str) -> bytes | None:
         """The whole stored value ``key`` (metadata: small), None if it is not stored: from
         the B-tree where it is stored inline there, else with one kvstore read."""
-        inline = self._value_files.get(key.encode()) if self._value_files else None
-        if isinstance(inline, bytes):
+        inline = self._inline(key)
+        if inline is not None:
             return inline
         got = self.kv.read(key).result()
         return bytes(got.value) if got.state == "value" else None
@@ -172,8 +177,8 @@ class ItemReader:
         the decode), mapped (`storage.mapped`) or else read into this thread's buffer
         ``scratch`` (None: one of its own); else through the kvstore; None if it is not
         stored."""
-        inline = self._value_files.get(key.encode()) if self._value_files else None
-        if isinstance(inline, bytes):  # read with the B-tree already: no kvstore read
+        inline = self._inline(key)
+        if inline is not None:  # read with the B-tree already: no kvstore read
             return InlineValue(inline)
         where = self.value_file(key)
         if where is not None:
