@@ -64,7 +64,7 @@ from etils import epath
 from ..errors import UsageError
 from ..orbax_io.orbax_files import CheckpointRefusedError
 from ..storage.containment import escape
-from ..storage.mapped import POPULATE_READ, advise, may_map, populates, release
+from ..storage.mapped import POPULATE_READ, advise, map_readonly, may_map, release
 from ..storage.store import store_for
 
 CONFIG_FILE = "config.json"
@@ -152,7 +152,6 @@ class _LocalFile:
             raise
         self.size = st.st_size
         self._map: mmap.mmap | None = None
-        self._unmapped = False
         self._map_lock = threading.Lock()
 
     def mapped(self) -> mmap.mmap | None:
@@ -160,14 +159,10 @@ class _LocalFile:
         it was checked, the kernel refuses, or it cannot populate a range in one call,
         where a released range may stay in the process: `mapped.populates`)."""
         with self._map_lock:
-            if self._map is None and self.fd >= 0 and not self._unmapped:
-                with contextlib.suppress(OSError, ValueError):
-                    if os.fstat(self.fd).st_size == self.size and self.size and may_map():
-                        self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
-                if self._map is not None and not populates(self._map):
-                    self._map.close()
-                    self._map = None
-                self._unmapped = self._map is None  # asked once: then read with preadv
+            if self._map is None and self.fd >= 0 and may_map():
+                with contextlib.suppress(OSError):
+                    if os.fstat(self.fd).st_size == self.size:
+                        self._map = map_readonly(self.fd, self.size)
             return self._map
 
     def read_into(self, buf: np.ndarray, at: int) -> None:

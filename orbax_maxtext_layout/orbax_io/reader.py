@@ -145,19 +145,24 @@ class ItemReader:
         The B-tree of the item's latest version is read once (nodes only, no value), when
         the item is opened. Orbax never rewrites a data file, so a location stays valid.
         """
-        if not self.is_ocdbt or not self.store.reads_files:
-            return None
-        if self._value_files is None:
-            self._value_files = value_locations(self.dir)
-        where = self._value_files.get(key.encode())
+        where = self._entry(key) if self.store.reads_files else None
         if where is None or isinstance(where, bytes):
             return None
         rel, offset, length = where
         return os.fspath(self.dir / rel), offset, length
 
+    def _entry(self, key: str) -> tuple[str, int, int] | bytes | None:
+        """``key``'s entry in the B-tree of an OCDBT item (`ocdbt.value_locations`: where
+        the value lies, or its bytes where it is stored inline), walked once."""
+        if not self.is_ocdbt:
+            return None
+        if self._value_files is None:
+            self._value_files = value_locations(self.dir)
+        return self._value_files.get(key.encode())
+
     def _inline(self, key: str) -> bytes | None:
         """The bytes of ``key`` where OCDBT stored the value inline in its B-tree."""
-        where = self._value_files.get(key.encode()) if self._value_files else None
+        where = self._entry(key)
         return where if isinstance(where, bytes) else None
 
     def small_value(self, key: str) -> bytes | None:

@@ -58,10 +58,7 @@ class MappedFiles:
         one call (`populates`), or `MAX_FILES` are mapped."""
         with self._lock:
             if path not in self._maps:
-                # once the probe said no, no file is mapped (only to be closed again)
-                can = len(self._maps) < MAX_FILES and may_map()
-                m = _map(path) if can else None
-                self._maps[path] = m if m is not None and populates(m) else None
+                self._maps[path] = _map(path) if len(self._maps) < MAX_FILES else None
             m = self._maps[path]
         return m if m is not None and end <= len(m) else None
 
@@ -87,15 +84,32 @@ def may_map() -> bool:
     return _POPULATES is not False
 
 
+def map_readonly(fd: int, size: int) -> mmap.mmap | None:
+    """The first ``size`` bytes of open file ``fd`` mapped read-only, where files are mapped
+    here: None where the kernel refuses, or cannot populate a range in one call
+    (`populates`; once it said no, nothing is mapped only to be closed again)."""
+    if not size or not may_map():
+        return None
+    try:
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    if populates(m):
+        return m
+    m.close()
+    return None
+
+
 def _map(path: str) -> mmap.mmap | None:
+    if not may_map():  # not even opened
+        return None
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
-    except (OSError, ValueError):
+        return map_readonly(fd, os.fstat(fd).st_size)
+    except OSError:
         return None
     finally:
         os.close(fd)  # the mapping keeps its own descriptor
