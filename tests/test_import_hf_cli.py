@@ -180,20 +180,61 @@ def test_row_blocks_divide_the_rows_where_they_can():
     assert chunk_shape((4099, 14336), (), 2)[0] == CHUNK_BYTES // (14336 * 2)
 
 
-def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch, compiled):
     """`_copy` of a transposed view (MaxText's ``reshape_kernel`` of an HF ``[out, in]``
-    kernel) equals NumPy's own copy: in 8-byte words and strips of `WORD_STRIP` (rows that
-    pack into words, several passes when a pass holds fewer rows than the block), in element
-    strips otherwise, for 1-, 2- and 4-byte items and widths that are no multiple of a strip."""
-    from orbax_maxtext_layout.hf import import_hf as ih
+    kernel) equals NumPy's own copy: 2-byte items by the compiled copy where it was built
+    (`storage.transpose`), else, and for other sizes, in 8-byte words and strips of
+    `WORD_STRIP` (rows that pack into words, several passes when a pass holds fewer rows than
+    the block), in element strips otherwise; for 1-, 2- and 4-byte items, bfloat16 among them,
+    widths and heights that are no multiple of a strip or of the compiled copy's 8 x 8
+    blocks, and row blocks of a larger tensor (as `_write_blocks` cuts them)."""
+    import ml_dtypes
 
+    from orbax_maxtext_layout.hf import import_hf as ih
+    from orbax_maxtext_layout.storage import transpose
+
+    if compiled and transpose.native() is None:
+        pytest.skip("the compiled transposing copy was not built here (no C compiler at install)")
+    if not compiled:
+        monkeypatch.setattr(transpose, "_native", None)
     monkeypatch.setattr(ih, "PACKED_BYTES", 4096)  # a few rows a pass: several passes
     rng = np.random.default_rng(0)
-    for dtype in (np.uint8, np.uint16, np.float32):
-        for rows, cols in [(64, 300), (60, 257), (63, 100), (8, 33), (40, ih.WORD_STRIP * 3)]:
+    shapes = [(64, 300), (60, 257), (63, 100), (8, 33), (40, ih.WORD_STRIP * 3), (9, 7), (1, 40)]
+    for dtype in (np.uint8, np.uint16, ml_dtypes.bfloat16, np.float32):
+        for rows, cols in shapes + [(136, 270)]:
             hf = rng.integers(0, 250, size=(cols, rows)).astype(dtype)  # HF [out, in]
-            src = hf.T  # [in, out], rows of hf contiguous
-            for scratch in (None, ih._Scratch()):
-                out = np.full(src.shape, 255, dtype)
-                ih._copy(out, src, scratch)
-                assert np.array_equal(out, np.ascontiguousarray(src)), (dtype, rows, cols)
+            for src in (hf.T, hf.T[5 : rows - 3]):  # [in, out], rows of hf contiguous
+                for scratch in (None, ih._Scratch()):
+                    out = np.full(src.shape, 255, dtype)
+                    ih._copy(out, src, scratch)
+                    want = np.ascontiguousarray(src)
+                    assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), (
+                        dtype,
+                        src.shape,
+                    )
+
+
+def test_the_compiled_transpose_refuses_what_it_cannot_copy():
+    """`storage.transpose.transpose_into` copies only what its kernel can (False, nothing
+    written, for anything else), and the kernel itself refuses a view that is not a
+    transposed one rather than read outside it."""
+    from orbax_maxtext_layout.storage import transpose
+
+    native = transpose.native()
+    if native is None:
+        pytest.skip("the compiled transposing copy was not built here (no C compiler at install)")
+    hf = np.arange(12 * 20, dtype=np.uint16).reshape(20, 12)
+    out = np.zeros((12, 20), np.uint16)
+    assert transpose.transpose_into(out, hf.T) and np.array_equal(out, hf.T)
+    for bad_out, bad_src in [
+        (np.zeros((12, 20), np.uint32), hf.T.astype(np.uint32).T.T),  # 4-byte items
+        (np.zeros((20, 12), np.uint16), hf.T),  # shapes differ
+        (np.zeros((20, 12), np.uint16).T, hf.T),  # out not C-contiguous
+    ]:
+        before = bad_out.copy()
+        assert not transpose.transpose_into(bad_out, bad_src)
+        assert np.array_equal(bad_out, before)
+    for src in (hf, hf.T[::-1], hf.T[:, ::2][:, ::-1]):  # not a transposed view
+        with pytest.raises(ValueError, match="must be a transposed view"):
+            native.transpose(np.zeros(src.shape, np.uint16), src)

@@ -45,6 +45,7 @@ from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
+from ..storage import transpose
 from ..storage.lock import step_lock
 from ..storage.scratch import small_pages
 from ..storage.store import store_for
@@ -650,14 +651,16 @@ def _copy(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None = None) -> 
     """``out[...] = src`` (``out`` C-contiguous), as unsigned integers of the same size: NumPy
     copies an ``ml_dtypes`` bfloat16 element by element through its dtype's functions. A
     transposed view (MaxText's ``reshape_kernel``: HF ``[out, in]`` as ``[in, out]``, maybe
-    with one side split into heads) is copied as the 2-D transpose it is (`_transpose`)."""
+    with one side split into heads) is copied as the 2-D transpose it is: compiled for 2-byte
+    items where the package was built with it (`storage.transpose`), else `_transpose`."""
     if src.dtype.itemsize in (1, 2, 4, 8):
         as_int = np.dtype(f"u{src.dtype.itemsize}")
         out, src = out.view(as_int), src.view(as_int)
     shape, strides = _merged(src.shape, src.strides)
     if len(shape) == 2 and strides[0] == src.itemsize and shape[1] > STRIP:
         src = np.lib.stride_tricks.as_strided(src, shape, strides, writeable=False)
-        _transpose(out.reshape(shape), src, scratch)
+        if not transpose.transpose_into(out.reshape(shape), src):  # compiled, 2-byte items
+            _transpose(out.reshape(shape), src, scratch)
     else:
         np.copyto(out, src)
 

@@ -1,6 +1,7 @@
 """Where bytes live: local disks and ``gs://`` object stores, locks, the page cache, data
 file placement (reflink, hard link, copy), read-only mappings of local files, per-thread
-scratch buffers, and the one rule for paths a checkpoint names itself (`containment`).
+scratch buffers, the compiled transposing copy (the package's one C module), and the one
+rule for paths a checkpoint names itself (`containment`).
 
 `store.store_for(root)` decides once how a root is handled (a disk or an object store);
 every room above hands the store it got down instead of deciding again. Nothing here
@@ -8,5 +9,5 @@ knows what an Orbax item or a model is.
 
 Imports: `base`, `errors`. Offers: `store` (`store_for`, `StepStore`), `objstore`,
 `lock` (`step_lock`), `placement` (`Placer`), `pagecache`, `mapped` (`MappedFiles`),
-`scratch`, `containment`.
+`scratch`, `transpose` (`transpose_into`), `containment`.
 """
