@@ -195,7 +195,9 @@ def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch, comp
     from orbax_maxtext_layout.storage import transpose
 
     if compiled and transpose.native() is None:
-        pytest.skip("the compiled transposing copy was not built here (no C compiler at install)")
+        pytest.skip(
+            "the compiled transposing copy was not built here (no C compiler at install, or run from a source tree: python setup.py build_ext --inplace)"
+        )
     if not compiled:
         monkeypatch.setattr(transpose, "_native", None)
     monkeypatch.setattr(ih, "PACKED_BYTES", 4096)  # a few rows a pass: several passes
@@ -223,7 +225,9 @@ def test_the_compiled_transpose_refuses_what_it_cannot_copy():
 
     native = transpose.native()
     if native is None:
-        pytest.skip("the compiled transposing copy was not built here (no C compiler at install)")
+        pytest.skip(
+            "the compiled transposing copy was not built here (no C compiler at install, or run from a source tree: python setup.py build_ext --inplace)"
+        )
     hf = np.arange(12 * 20, dtype=np.uint16).reshape(20, 12)
     out = np.zeros((12, 20), np.uint16)
     assert transpose.transpose_into(out, hf.T) and np.array_equal(out, hf.T)
