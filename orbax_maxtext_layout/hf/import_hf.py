@@ -659,8 +659,9 @@ def _copy(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None = None) -> 
     shape, strides = _merged(src.shape, src.strides)
     if len(shape) == 2 and strides[0] == src.itemsize and shape[1] > STRIP:
         src = np.lib.stride_tricks.as_strided(src, shape, strides, writeable=False)
-        if not transpose.transpose_into(out.reshape(shape), src):  # compiled, 2-byte items
-            _transpose(out.reshape(shape), src, scratch)
+        dst = out.reshape(shape)
+        if not transpose.transpose_into(dst, src):  # compiled, 2-byte items
+            _transpose(dst, src, scratch)
     else:
         np.copyto(out, src)
 

@@ -1,7 +1,8 @@
 /* The transposing copy of 2-byte items import-hf makes of every Hugging Face kernel
- * (storage/transpose.py): 8 x 8 blocks transposed in SSE2 registers, with the GIL released
- * so that the import's workers transpose side by side. NumPy's strided copy of the same view
- * moves 0.25 GiB/s here, its word-packing path in storage/transpose.py 1.8 to 2.0, this 4.1. */
+ * (called through storage/transpose.py): 8 x 8 blocks transposed in SSE2 registers, with the
+ * GIL released so that the import's workers transpose side by side. NumPy's strided copy of
+ * the same view moves 0.25 GiB/s here, import-hf's word-packing NumPy copy
+ * (hf/import_hf.py, _transpose: the fallback) 1.8 to 2.0, this 4.1. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
