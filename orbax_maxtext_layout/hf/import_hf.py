@@ -17,7 +17,7 @@ as ``to_maxtext`` runs it, with four differences (docs/import-hf.md):
 
 The unit of work is one slice: one HF tensor (or a fused group) of one layer (and expert),
 read with one range read, cast, put through MaxText's hooks and written as its own chunk
-of the stacked MaxText array. Slices run on a worker per core, the bytes in flight held
+of the stacked MaxText array. Slices run on two workers a core, the bytes in flight held
 within the budget (`budget.Budget`). The step is built in a work directory beside
 ``<out>/0`` and appears only once complete (`stepdir.publish_step`).
 """
@@ -407,7 +407,12 @@ def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
 
 
 def _workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """Two workers a core, at most 8: a worker spends most of a slice waiting for tensorstore
+    to encode and write its blocks, and a page-cache write on a VM's disk sleeps in writeback
+    (an 8B import on 2 cores spent 20% of its slices idle or in iowait with one worker a core:
+    27.7 s median against 25.8 s with two; docs/performance.md, import-hf). The budget, not the
+    worker count, bounds what is held: a worker past it waits at the gate."""
+    return max(1, min(8, 2 * (os.cpu_count() or 1)))
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -486,7 +491,7 @@ def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -
 
 
 def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable | None) -> None:
-    """Every slice read, cast, hooked and written, a worker per core, within the budget.
+    """Every slice read, cast, hooked and written, two workers a core (`_workers`), within the budget.
 
     What a real-size import spends its time on is memory traffic, so none of it goes to
     fresh memory where it can be helped (`_Scratch`: a new page is zeroed by the kernel first,
