@@ -15,7 +15,10 @@ where there are ``N`` devices), in interleaved rounds, page cache warm:
   (``Checkpointer(PyTreeCheckpointHandler)``, ``transforms={}``, its restore args);
 - ``oml maxtext`` / ``oml tunix``: ``oml.load_params_from_path`` on each layout;
 - ``floor read``: every byte of the step's files read from the page cache;
-- ``floor h2d``: ``jax.device_put`` of preallocated host arrays of the same shapes.
+- ``floor h2d``: ``jax.device_put`` of preallocated host arrays of the same shapes;
+- ``floor decode``: the step's stored chunks as zstd frames (made once, outside the timing,
+  from the same values at Orbax's level 3), each decoded once into a fresh buffer in small
+  pages, a thread per core: what any restore must do on the host before placing a byte.
 
 Each figure is the median over rounds; the peak host RSS of each is VmHWM over the RSS
 before it (VmHWM reset through ``/proc/self/clear_refs``). Runs unchanged on a CPU host and
@@ -225,6 +228,44 @@ def _rounds(ops: dict, rounds: int) -> tuple[dict[str, list], dict[str, list]]:
     return times, rss
 
 
+def _frames(shapes, chunks: int) -> list[bytes]:
+    """``floor decode``'s input: the step's values (`_write`'s seed) as the zstd frames of its
+    stored chunks, each array's bytes cut into ``chunks`` runs (the step's chunk size),
+    compressed at level 3 as Orbax writes zarr3 arrays; largest first."""
+    import numpy as np
+    import zstandard
+
+    rng, cctx, frames = np.random.default_rng(0), zstandard.ZstdCompressor(level=3), []
+    for shape in shapes.values():
+        x = rng.standard_normal(shape, dtype=np.float32).reshape(-1).view(np.uint8)
+        step = -(-x.size // chunks)
+        frames += [cctx.compress(x[i : i + step]) for i in range(0, x.size, step)]
+    return sorted(frames, key=len, reverse=True)
+
+
+def _decode_all(frames: list[bytes]) -> list:
+    """``floor decode``: every frame decoded once into a fresh buffer in small pages (as the
+    library's are: `scratch.small_pages`), a thread per core."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zstandard
+
+    from orbax_maxtext_layout.storage.scratch import small_pages
+
+    def one(frame: bytes):
+        n = zstandard.get_frame_parameters(frame).content_size
+        out, done = small_pages(n), 0
+        with zstandard.ZstdDecompressor().stream_reader(frame) as reader:
+            view = memoryview(out)
+            while done < n and (got := reader.readinto(view[done:])):
+                done += got
+        assert done == n, (done, n)
+        return out
+
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+        return list(pool.map(one, frames))
+
+
 def _read_all(step: Path) -> int:
     buf = bytearray(64 << 20)
     view = memoryview(buf)
@@ -316,6 +357,7 @@ def main(argv=None) -> int:
     for chunks in a.chunks:
         mesh = Mesh(np.array(devices[:chunks]), ("fsdp",)) if len(devices) >= chunks > 1 else None
         steps = _write(a.work / f"chunks{chunks}", shapes, chunks, mesh)
+        frames = _frames(shapes, chunks)
         targets = {"1 device": lambda shape: SingleDeviceSharding(devices[0])}
         n = max(a.chunks)
         if len(devices) >= n > 1:
@@ -364,6 +406,7 @@ def main(argv=None) -> int:
                 "floor h2d": lambda host=host, place=place: [
                     jax.device_put(host[p], place(s)) for p, s in shapes.items()
                 ],
+                "floor decode": lambda frames=frames: _decode_all(frames),
             }
             times, rss = _rounds(ops, a.rounds)
             del host
@@ -379,7 +422,8 @@ def main(argv=None) -> int:
                 f"chunks {chunks}, {tname}: stock {s:.2f} s | oml maxtext "
                 f"{row['oml maxtext']:.2f} s ({row['oml maxtext'] / s:.2f}x) | oml tunix "
                 f"{row['oml tunix']:.2f} s ({row['oml tunix'] / s:.2f}x) | floors: read "
-                f"{row['floor read']:.2f} s, h2d {row['floor h2d']:.2f} s | peak RSS GiB: stock "
+                f"{row['floor read']:.2f} s, h2d {row['floor h2d']:.2f} s, decode "
+                f"{row['floor decode']:.2f} s | peak RSS GiB: stock "
                 f"{row['stock rss GiB']:.2f}, oml {row['oml maxtext rss GiB']:.2f} / "
                 f"{row['oml tunix rss GiB']:.2f}",
                 flush=True,
