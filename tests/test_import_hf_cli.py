@@ -162,6 +162,31 @@ def test_a_slice_is_written_in_row_blocks_the_last_one_short(tmp_path):
     assert chunk_shape([3, 1 << 20, 64], (0,), 2)[0] == 1  # one layer a chunk, rows cut
 
 
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_a_slice_over_the_budget_is_written_by_the_pool(tmp_path, in_flight):
+    """A slice over the budget runs alone and its row blocks are written by the pool's
+    workers, ``in_flight`` at a time (`_run_slices`): every block lands once, in its place,
+    from a transposed view (MaxText's ``reshape_kernel``) copied by each worker's buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tensorstore as ts
+
+    from orbax_maxtext_layout.hf.import_hf import _write_slice
+
+    spec = {"driver": "zarr3", "kvstore": f"file://{tmp_path}/a"}
+    spec["metadata"] = {
+        "shape": [2, 11, 6],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 3, 6]}},
+    }
+    arr = ts.open(spec, create=True, dtype=ts.uint16).result()
+    src = np.arange(11 * 6, dtype=np.uint16).reshape(6, 11)  # HF's [out, in]
+    with ThreadPoolExecutor(4) as pool:
+        _write_slice(arr, (0,), (1,), src.T, [1, 3, 6], pool=(pool, in_flight))
+    got = arr.read().result()
+    assert np.array_equal(got[1], src.T)
+    assert not got[0].any()  # the other layer untouched
+
+
 def test_row_blocks_divide_the_rows_where_they_can():
     """No edge chunks where a divisor of the rows is near the most a chunk holds: 8B llama's
     MLP kernels (4,096 and 14,336 rows), embedding (128,256) and logits (4,096 rows)."""

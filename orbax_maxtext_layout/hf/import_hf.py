@@ -525,11 +525,15 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     # workers keep taking small slices would leave it to the end, on one core (117 s at 8B).
     # Its row blocks are written by every worker (`_write_slice`'s ``pool``).
     big = [j for j in jobs if HOLD * _slice_bytes(plan, j[0], j[2]) > plan.budget]
+    # each block in flight holds its copy and its encoding: together at most half the budget
+    in_flight = max(1, min(_workers(), plan.budget // (4 * CHUNK_BYTES)))
     with ThreadPoolExecutor(_workers()) as pool:
         for leaf, idx, hf in big:
             made = _slice(plan, leaf, hf, scratch)
             for path, data in zip(leaf.paths, made, strict=True):
-                _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], pool=pool)
+                _write_slice(
+                    arrays[path], leaf.axes, idx, data, chunks[path], pool=(pool, in_flight)
+                )
             del made
             _release(plan.hf, hf)
             tick()
@@ -596,14 +600,14 @@ def _write_slice(
     chunk: list[int],
     *,
     scratch: _Scratch | None = None,
-    pool: ThreadPoolExecutor | None = None,
+    pool: tuple[ThreadPoolExecutor, int] | None = None,
 ) -> None:
     """``data`` written at index ``idx`` on ``axes`` of ``array`` (the whole array for none),
     a chunk's row block at a time: tensorstore holds one block's encoding, never a second copy
     of the slice. A block ``data`` holds contiguous is written from ``data`` itself; any other
     (a transposed view: MaxText's ``reshape_kernel``) is first copied into a buffer of this
-    thread (`_Scratch`, ``scratch``; else a new one). With ``pool``, its workers write the
-    blocks."""
+    thread (`_Scratch`, ``scratch``; else a new one). With ``pool`` (a pool and how many
+    blocks may be in flight), its workers write the blocks."""
     box = [slice(None)] * array.rank
     for axis, i in zip(axes, idx, strict=True):
         box[axis] = i
@@ -616,8 +620,7 @@ def _write_slice(
         step, n = kept[cut], data.shape[cut]
         parts = [(slice(None),) * cut + (slice(lo, min(lo + step, n)),) for lo in range(0, n, step)]
     if pool is not None and len(parts) > 1:
-        per = _workers()
-        local = _Scratch()
+        (pool, per), local = pool, _Scratch()
         futures = [
             pool.submit(_write_blocks, array, data, parts[k::per], local) for k in range(per)
         ]

@@ -137,6 +137,7 @@ class Case:
     scan_layers: bool
     ref: str
     source: str | None = None  # the directory imported, if not `hf`'s (gemma3_renamed)
+    budget: str | None = None  # --memory-budget, if not the default
 
     @property
     def family(self) -> str:
@@ -167,6 +168,16 @@ CASES: list[Case] = [
         True,
         "gemma3_scanned",
         source="gemma3_renamed",
+    ),
+    # a budget under every slice: each runs alone, its blocks written by the pool
+    # (import_hf._run_slices's slices over the budget)
+    Case(
+        "llama31-bf16-scanned-tiny-budget",
+        "llama_bf16",
+        "bfloat16",
+        True,
+        "llama_bf16_scanned",
+        budget="1KiB",
     ),
 ]
 
@@ -272,6 +283,7 @@ def import_job(case: Case, hf_dir: Path, out: Path) -> S.Job:
         str(out.resolve()),
         "--save-dtype",
         case.save_dtype,
+        *(("--memory-budget", case.budget) if case.budget else ()),
         "--maxtext-config",
         str(L.base_yml()),
         *FAMILY_KEYS[case.family],
