@@ -410,8 +410,9 @@ def _workers() -> int:
     """Two workers a core, at most 8: a worker spends most of a slice waiting for tensorstore
     to encode and write its blocks, and a page-cache write on a VM's disk sleeps in writeback
     (an 8B import on 2 cores spent 20% of its slices idle or in iowait with one worker a core:
-    27.7 s median against 25.8 s with two; docs/performance.md, import-hf). The budget, not the
-    worker count, bounds what is held: a worker past it waits at the gate."""
+    a median of 2.09x the read-and-encode floor in 9 runs, 1.95x in 8 with two;
+    docs/performance.md, import-hf). The budget, not the worker count, bounds what is held:
+    a worker past it waits at the gate."""
     return max(1, min(8, 2 * (os.cpu_count() or 1)))
 
 
