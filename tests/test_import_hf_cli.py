@@ -205,6 +205,13 @@ def test_row_blocks_divide_the_rows_where_they_can():
     assert chunk_shape((4099, 14336), (), 2)[0] == CHUNK_BYTES // (14336 * 2)
 
 
+# why the compiled transposing copy's tests skip where it is missing
+NOT_BUILT = (
+    "the compiled transposing copy was not built here (no C compiler at install, or run from "
+    "a source tree: python setup.py build_ext --inplace)"
+)
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch, compiled):
     """`_copy` of a transposed view (MaxText's ``reshape_kernel`` of an HF ``[out, in]``
@@ -220,9 +227,7 @@ def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch, comp
     from orbax_maxtext_layout.storage import transpose
 
     if compiled and transpose.native() is None:
-        pytest.skip(
-            "the compiled transposing copy was not built here (no C compiler at install, or run from a source tree: python setup.py build_ext --inplace)"
-        )
+        pytest.skip(NOT_BUILT)
     if not compiled:
         monkeypatch.setattr(transpose, "_native", None)
     monkeypatch.setattr(ih, "PACKED_BYTES", 4096)  # a few rows a pass: several passes
@@ -250,9 +255,7 @@ def test_the_compiled_transpose_refuses_what_it_cannot_copy():
 
     native = transpose.native()
     if native is None:
-        pytest.skip(
-            "the compiled transposing copy was not built here (no C compiler at install, or run from a source tree: python setup.py build_ext --inplace)"
-        )
+        pytest.skip(NOT_BUILT)
     hf = np.arange(12 * 20, dtype=np.uint16).reshape(20, 12)
     out = np.zeros((12, 20), np.uint16)
     assert transpose.transpose_into(out, hf.T) and np.array_equal(out, hf.T)

@@ -492,7 +492,8 @@ def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -
 
 
 def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable | None) -> None:
-    """Every slice read, cast, hooked and written, two workers a core (`_workers`), within the budget.
+    """Every slice read, cast, hooked and written, two workers a core (`_workers`), within the
+    budget.
 
     What a real-size import spends its time on is memory traffic, so none of it goes to
     fresh memory where it can be helped (`_Scratch`: a new page is zeroed by the kernel first,
@@ -621,9 +622,10 @@ def _write_slice(
         step, n = kept[cut], data.shape[cut]
         parts = [(slice(None),) * cut + (slice(lo, min(lo + step, n)),) for lo in range(0, n, step)]
     if pool is not None and len(parts) > 1:
-        (pool, per), local = pool, _Scratch()
+        executor, per = pool
+        local = _Scratch()
         futures = [
-            pool.submit(_write_blocks, array, data, parts[k::per], local) for k in range(per)
+            executor.submit(_write_blocks, array, data, parts[k::per], local) for k in range(per)
         ]
         for f in futures:
             f.result()
