@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class OrbaxMaxTextLayoutError(Exception):
@@ -54,3 +58,26 @@ def print_error(message: object) -> None:
     """``error: <message>`` on stderr: how the commands, and the MaxText runner
     (`orbax_maxtext_layout.maxtext.run`), report a refusal."""
     print(f"error: {message}", file=sys.stderr)
+
+
+def detached(error: E, *, where: str | None = None) -> E:
+    """``error``, to be kept after its ``except`` block (in a report, a memo, a run's state),
+    with no frame behind it: the traceback of each exception of its chain is dropped.
+
+    A kept exception's traceback holds the frame that kept it, whose locals hold the
+    exception again: a reference cycle, which keeps every local of every frame of it (a
+    restore's arrays, a reader's mappings) until a full collection (issue 57). Clearing the
+    frames' locals is not enough: each frame holds its caller's (``f_back``). With
+    ``where``, each dropped traceback is kept as a note, file and line by line, printed
+    with the error (``where`` says whose frames they were)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            if where is not None:
+                trace = "".join(traceback.format_tb(e.__traceback__)).rstrip()
+                e.add_note(f"{where} ({type(e).__name__}):\n{trace}")
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import os
+import re
 import shutil
 import socket
+import types
 from pathlib import Path
 
 import pytest
@@ -170,6 +173,119 @@ def pytest_xdist_make_scheduler(config, log):
             return super()._split_scope(nodeid)
 
     return GcsOnOneWorker(config, log)
+
+
+_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+
+
+def without_warnings(stderr: str) -> str:
+    """``stderr`` without the warnings Python printed into it (``file:line: XWarning: ...``
+    and the source line after it): a TPU host's libtpu warns at every start ("Transparent
+    hugepages are not enabled"), even in a child pinned to the CPU. A test compares what
+    the command said, never a host's warnings."""
+    out, skip = [], False
+    for line in stderr.splitlines(keepends=True):
+        if _WARNING.match(line):
+            skip = True
+            continue
+        if skip and line.startswith("  "):
+            continue
+        skip = False
+        out.append(line)
+    return "".join(out)
+
+
+def address_space_cap() -> int:
+    """The address space (``RLIMIT_AS``) of a child that runs hostile input: 3 GiB on a
+    2-core machine, and 512 MiB more a core (2 GiB + 512 MiB a core). Each core brings JAX's,
+    tensorstore's and glibc's per-thread reservations (thread stacks, malloc arenas of 64
+    MiB, up to 8 a core), which reserve address space without using memory: under a flat 3
+    GiB, XLA's CPU client could not start its threads on the 13-core TPU host
+    (``pthread_create`` failed, the child aborted). What the cap is for (a forged size that
+    asks for terabytes) is refused under any of these caps."""
+    return (2 << 30) + len(os.sched_getaffinity(0)) * (512 << 20)
+
+
+# -- no reference cycle of the package's own (issue 57) -------------------------------------
+PACKAGE = "orbax_maxtext_layout"
+
+
+def pytest_collection_finish(session):
+    """In each process that runs tests, what is alive once the tests are collected (JAX,
+    Orbax, the test modules) is frozen, so that `package_cycles`' collection after every
+    test walks only what the tests made. The library never freezes (issue 57); a test
+    process may."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(
+        session.config, "workerinput"
+    ):
+        return  # the xdist controller runs no test
+    gc.collect()
+    gc.freeze()
+
+
+def _is_package_object(o) -> bool:
+    """An object of the package's own types, or a function of its (a closure that calls
+    itself, say); not the command line's (argparse's parsers and actions are cycles by
+    design, and a command owns its process)."""
+    if isinstance(o, types.FunctionType):
+        module = o.__module__
+    else:
+        module = type(o).__dict__.get("__module__")
+    return (
+        isinstance(module, str)
+        and module.startswith(PACKAGE)
+        and not module.startswith(f"{PACKAGE}.cli")
+    )
+
+
+def _on_a_cycle(o, garbage: dict[int, object]) -> bool:
+    """Whether ``o`` reaches itself through the objects of ``garbage`` (an object only held
+    by some other cycle is not on one), never through a frame of code outside the package:
+    a test that keeps the error it caught (``pytest.raises(...) as e``) makes a cycle
+    through its own frame, which a caller may make with any exception."""
+    todo, seen = list(gc.get_referents(o)), set()
+    while todo:
+        x = todo.pop()
+        if x is o:
+            return True
+        if id(x) in seen or id(x) not in garbage:
+            continue
+        seen.add(id(x))
+        if isinstance(x, types.FrameType) and f"/{PACKAGE}/" not in x.f_code.co_filename:
+            continue
+        todo.extend(gc.get_referents(x))
+    return False
+
+
+def package_cycles() -> list[str]:
+    """The package's own objects found on a reference cycle by a full collection (kept for
+    the look with ``gc.DEBUG_SAVEALL``, then dropped): each such cycle kept what it held
+    alive until that collection (a restore's shards, a reader's mappings)."""
+    debug = gc.get_debug()
+    gc.set_debug(debug | gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        garbage = {id(o): o for o in gc.garbage}
+        found = [o for o in gc.garbage if _is_package_object(o) and _on_a_cycle(o, garbage)]
+        return sorted(
+            {
+                f"{type(o).__module__}.{getattr(o, '__qualname__', type(o).__qualname__)}"
+                for o in found
+            }
+        )
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(debug)
+
+
+@pytest.fixture(autouse=True)
+def no_package_cycles():
+    """After every test: no object of the package's on a reference cycle (a cycle frees what
+    it holds only at a full collection, which a trainer may not run for a long time)."""
+    yield
+    cycles = package_cycles()
+    if cycles:
+        pytest.fail(f"reference cycles through the package's objects: {cycles}", pytrace=False)
 
 
 def copy_fixture(rel: str, dest: Path) -> Path:

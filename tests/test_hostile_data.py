@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import zstandard
-from conftest import MAXTEXT_NATIVE, child_env, copy_fixture, tree_digest
+from conftest import MAXTEXT_NATIVE, address_space_cap, child_env, copy_fixture, tree_digest
 from etils import epath
 from ocdbt_craft import crc32c  # tests/ocdbt_craft.py, proved by test_ocdbt_craft
 
@@ -42,7 +42,7 @@ V1_RL = "tunix_snapshot_v1/rl_run/checkpoints/actor/2"  # zarr3, Orbax's shards
 LORA = "maxtext025/lora_run/checkpoints/2"
 BASE = "maxtext025/pretrain_run/checkpoints/1"
 KERNEL = "base.decoder.layers.mlp.wi_0.kernel.value"  # float32[16, 3, 32] in RL and V1_RL
-CAP = 3 << 30  # the children's address space
+CAP = address_space_cap()  # the children's address space (scales with the cores)
 W = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)  # 2 MiB: streamed (`SMALL`)
 
 

@@ -29,26 +29,31 @@ def flatten(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> FlatT
     of tree paths: its result needs no other.
     """
     out: FlatTree = {}
-
-    def rec(node: Any, path: Path) -> None:
-        if node is None:
-            return
-        if is_leaf is not None and is_leaf(node):
-            out[path] = node
-        elif hasattr(node, "_fields"):  # namedtuple (optax states)
-            for name in node._fields:
-                rec(getattr(node, name), (*path, name))
-        elif isinstance(node, Mapping):
-            for k, v in node.items():
-                rec(v, (*path, k if isinstance(k, str) else str(k)))
-        elif _is_seq(node):
-            for i, v in enumerate(node):
-                rec(v, (*path, i))
-        else:
-            out[path] = node
-
-    rec(tree, ())
+    _flatten_into(out, tree, (), is_leaf)
     return out
+
+
+def _flatten_into(
+    out: FlatTree, node: Any, path: Path, is_leaf: Callable[[Any], bool] | None
+) -> None:
+    # A module function, not a closure calling itself: such a closure is a reference
+    # cycle (function -> cell -> function) that kept ``out`` and every leaf alive until
+    # a full collection (issue 57).
+    if node is None:
+        return
+    if is_leaf is not None and is_leaf(node):
+        out[path] = node
+    elif hasattr(node, "_fields"):  # namedtuple (optax states)
+        for name in node._fields:
+            _flatten_into(out, getattr(node, name), (*path, name), is_leaf)
+    elif isinstance(node, Mapping):
+        for k, v in node.items():
+            _flatten_into(out, v, (*path, k if isinstance(k, str) else str(k)), is_leaf)
+    elif _is_seq(node):
+        for i, v in enumerate(node):
+            _flatten_into(out, v, (*path, i), is_leaf)
+    else:
+        out[path] = node
 
 
 def unflatten(flat: Mapping[Path, Any]) -> Any:

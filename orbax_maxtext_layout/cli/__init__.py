@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from ..base.gcfreeze import freeze_for_exit
 from ..errors import OrbaxMaxTextLayoutError, UsageError, print_error
-from .common import on_cpu, parse_size, positionals_first
+from .common import on_cpu, owned_process, parse_size, positionals_first
 from .convert import add_convert
 from .demo import add_demo
 from .export_hf import add_export_hf
@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(positionals_first(argv))
     on_cpu()
     try:
-        return args.fn(args)
+        with owned_process():
+            return args.fn(args)
     except UsageError as e:
         print_error(e)
         return 2

@@ -1,17 +1,22 @@
 """What several commands share: the target (``--target-from`` | ``--target`` |
 ``--maxtext-config``), sizes (`parse_size`), the hint for a ROOT that holds no steps, the
 option adders (scan form, memory budget, ``--json``), and the argument handling `main` does
-before any command runs (`positionals_first`, `on_cpu`)."""
+before any command runs (`positionals_first`, `on_cpu`, `owned_process`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 from etils import epath
 
+from ..base.gcfreeze import frozen_heap
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError, print_error
 from ..execute.write import DEFAULT_BUDGET
 from ..model.target import Target
@@ -203,6 +208,46 @@ def positionals_first(argv: Sequence[str]) -> list[str]:
         (values if "=" in out[j] else moved).append(out[j])
         j += 1
     return out[:i] + moved + out[i : i + 2] + values + out[j:]
+
+
+@contextlib.contextmanager
+def owned_process() -> Iterator[None]:
+    """What a command, which owns its process, tunes in it; never a library call (a guest in
+    a trainer's process changes none of its settings, issue 57).
+
+    - glibc returns large freed buffers to the OS at once: it raises its mmap threshold after
+      freeing a large block (up to 32 MiB), so later chunk-sized buffers would come from the
+      heap and stay resident, and copying many multi-MiB chunks would grow the RSS far past
+      the budget. A fixed 1 MiB threshold keeps every chunk buffer in its own mapping.
+    - NumPy asks for no transparent huge pages: a huge page's first touch zeroes 2 MiB at a
+      time, 4x slower than small pages on this kind of VM (0.6 vs 2.3 GiB/s).
+    - BLAS runs on one thread: merge-lora's and export-hf's workers run one matmul each, a
+      worker a core, and BLAS's own threads would spin against them (a fifth of the CPU
+      time, measured). OpenBLAS's count is the process's (its per-thread setter sets the
+      global count too, in NumPy's build), so a library call leaves it alone.
+    - The objects alive when the command starts (MaxText's, JAX's) are frozen while it runs
+      (`gcfreeze.frozen_heap`): an operation over many leaves triggers full collections,
+      each of which would walk them all.
+    """
+    from threadpoolctl import threadpool_limits  # sets KMP_DUPLICATE_LIB_OK on import
+
+    _tune_allocator()
+    with threadpool_limits(1, user_api="blas"), frozen_heap():
+        yield
+
+
+def _tune_allocator() -> None:
+    try:
+        np._core.multiarray._set_madvise_hugepage(False)
+    except AttributeError:  # pragma: no cover - a NumPy without the switch
+        pass
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except OSError:  # pragma: no cover - no libc to load
+        pass
 
 
 def on_cpu() -> None:

@@ -11,7 +11,7 @@ import sys
 
 from etils import epath
 
-from ..errors import OrbaxMaxTextLayoutError, ReadOnlyStepError, UsageError
+from ..errors import OrbaxMaxTextLayoutError, ReadOnlyStepError, UsageError, detached
 from ..execute.convert import StepReport, check_rescan_destination, convert_placed
 from ..execute.options import FLAGS, ConvertOptions
 from ..execute.options import check as check_options
@@ -210,7 +210,7 @@ def _convert_one(
         report = StepReport(str(p.info.path), "failed", p.info.layout.value, notes=[str(e)])
         if isinstance(e, LoraAdapterStepError):
             report.lora = e.adapters.to_dict()
-        return report, e
+        return report, detached(e)
     return report, None
 
 

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import jax
 from etils import epath
 
-from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import flatten, keystr, norm_key
 from ..errors import (
     CheckpointReadError,
@@ -133,7 +132,6 @@ class StepReport:
         return "\n".join(lines)
 
 
-@frozen_heap()
 def convert_step(
     step_dir: epath.PathLike,
     target: Target,

@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tensorstore as ts
-from threadpoolctl import threadpool_limits
 
 from ..base.treepaths import Path
+from ..errors import detached
 from ..orbax_io import item_writer, orbax_files
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import FAST_DECODING, TS_DECODING, ItemReader
@@ -69,26 +69,32 @@ def write_merges(
     """Writes every merge_lora move in ``moves`` into the database ``dst_json``."""
     if not moves:
         return
-    item_writer.release_large_buffers()
     kernels = _kernels(moves, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
     slice_bytes = max(_layer_bytes(m) for m in moves)
     ledger = _Ledger(budget + 3 * slice_bytes)
     keep = max(t.cost for k in kernels for t in k.tasks)  # room for one layer in flight
     decoder = ThreadPoolExecutor(1, "merge-decode")
+    # BLAS's own threads spin against the workers (a fifth of the CPU time, measured): the
+    # command line runs with one BLAS thread (`cli.common.owned_process`); a library call
+    # leaves the process's BLAS as it found it (issue 57).
     pool = ThreadPoolExecutor(MERGE_WORKERS, "merge")
-    # BLAS's own threads would spin against the workers (a fifth of the CPU time, measured).
     try:
-        with threadpool_limits(1, user_api="blas"):
-            decoded = [decoder.submit(k.decode, ledger, keep) for k in kernels]
-            pending: list = []
-            for k, job in zip(kernels, decoded, strict=True):
-                job.result()
-                for t in k.tasks:
-                    ledger.take_layer(t.cost)
-                    pending = [f for f in pending if not _raised(f)]
-                    pending.append(pool.submit(k.run, t, ledger))
-            for f in pending:
-                f.result()
+        decoded = [decoder.submit(k.decode, ledger, keep) for k in kernels]
+        pending: list = []
+        for k, job in zip(kernels, decoded, strict=True):
+            job.result()
+            for t in k.tasks:
+                ledger.take_layer(t.cost)
+                pending = [f for f in pending if not _raised(f)]
+                pending.append(pool.submit(k.run, t, ledger))
+        for f in pending:
+            f.result()
+    except BaseException as e:
+        # The futures hold the error: none may be left in this frame, which its traceback
+        # holds (a reference cycle); nor the workers' frames behind it (`detached`).
+        decoded = pending = job = f = None
+        detached(e, where="in a merge worker")
+        raise
     finally:  # on a failure, the decodes still queued or waiting for memory stop
         ledger.stop()
         decoder.shutdown(wait=True, cancel_futures=True)

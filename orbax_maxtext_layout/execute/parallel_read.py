@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import CheckpointReadError
+from ..errors import CheckpointReadError, detached
 from ..orbax_io import chunks
 from ..orbax_io.reader import ItemReader
 from ..orbax_io.values import PIECE
@@ -114,9 +114,16 @@ def _is_key(dtype: Any) -> bool:
 # -- the work: boxes and chunk tasks -------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class _Box:
-    """One distinct index of an array's target shards, and the devices that hold it."""
+    """One distinct index of an array's target shards, and the devices that hold it.
 
-    array: _Array
+    A box never refers to its `_Array` (which lists its boxes): a cycle between the two
+    kept every placed shard, the item's reader and its mappings alive after the caller's
+    ``del``, until a full collection (issue 57). It holds what it needs of the array: the
+    dtype, and the array's list of placed single-device arrays.
+    """
+
+    dtype: np.dtype
+    placed: list  # the array's single-device jax arrays (`_Array.placed`, shared)
     start: tuple[int, ...]
     stop: tuple[int, ...]
     devices: list  # jax devices; [None] for a host array
@@ -131,7 +138,7 @@ class _Box:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.array.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,12 +158,14 @@ class _Array:
 def _boxes(arr: _Array) -> list[_Box]:
     shape, sharding = arr.lay.shape, arr.req.sharding
     if sharding is None:
-        return [_Box(arr, (0,) * len(shape), shape, [None])]
+        return [_Box(arr.dtype, arr.placed, (0,) * len(shape), shape, [None])]
     by_index: dict[tuple, _Box] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         start = tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
         stop = tuple(s.indices(n)[1] for s, n in zip(index, shape, strict=True))
-        box = by_index.setdefault((start, stop), _Box(arr, start, stop, []))
+        box = by_index.get((start, stop))
+        if box is None:
+            box = by_index[start, stop] = _Box(arr.dtype, arr.placed, start, stop, [])
         box.devices.append(device)
     return list(by_index.values())
 
@@ -235,7 +244,7 @@ def _own(x: np.ndarray) -> np.ndarray:
 
 
 def _view(buf: np.ndarray, box: _Box) -> np.ndarray:
-    return buf[: box.nbytes].view(box.array.dtype).reshape(box.shape)
+    return buf[: box.nbytes].view(box.dtype).reshape(box.shape)
 
 
 # -- the engine --------------------------------------------------------------------------------
@@ -266,6 +275,22 @@ def read_across(
     """`read_arrays` over arrays of several items (``{key: (reader, request)}``), in one
     pool: a Tunix step's ``model_params`` and ``optimizer_state`` decode side by side,
     with no idle cores at the end of the first item's arrays."""
+    outcome = _read_all(reads, workers, budget)
+    if isinstance(outcome, BaseException):
+        try:
+            raise outcome
+        finally:  # this frame, in the error's traceback, must not hold the error itself
+            outcome = None
+    return outcome
+
+
+def _read_all(
+    reads: Mapping[Hashable, tuple[ItemReader, ArrayRequest]],
+    workers: int | None,
+    budget: int | None,
+) -> dict[Hashable, Any] | BaseException:
+    """The arrays read, or the error a task met, returned rather than raised: nothing of
+    the run (placed shards, staging buffers) outlives this call on the error path."""
     arrays = []
     for key, (reader, req) in reads.items():
         arr = _Array(key, reader, req, reader.layout(req.name))
@@ -303,9 +328,22 @@ def read_across(
         for f in futures:
             f.result()
         run.populating.shutdown(cancel_futures=True)
+    run.populating = None
     if run.error is not None:
-        raise run.error
+        _discard(arrays)
+        error, run.error = run.error, None
+        return detached(error, where="in a restore worker")
     return {arr.key: run.result(arr) for arr in arrays}
+
+
+def _discard(arrays: list[_Array]) -> None:
+    """A failed run's placed shards freed on their devices now, its buffers dropped."""
+    for arr in arrays:
+        for x in arr.placed:
+            x.delete()
+        arr.placed.clear()
+        for box in arr.boxes:
+            box.buf = box.ahead = None
 
 
 class _Run:
@@ -385,7 +423,7 @@ class _Run:
             placed += [jax.device_put(_own(view), d) for d in box.devices[1:]]
         box.buf = None
         with self.lock:
-            box.array.placed.extend(placed)
+            box.placed.extend(placed)
 
     def result(self, arr: _Array) -> Any:
         if arr.req.sharding is None:

@@ -19,7 +19,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
@@ -447,7 +446,6 @@ class RestoreRequest:
         abstract = {p: v for p, v in self.target.abstract.items() if p[:1] != OPT_ROOT}
         return Target(self.target.params, self.target.nnx_aux, abstract=abstract)
 
-    @frozen_heap()
     def restore(
         self,
         step_dir: epath.Path,

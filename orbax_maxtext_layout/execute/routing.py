@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from ..base.futures import results
 from ..base.treepaths import Path
 from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
@@ -135,9 +136,7 @@ def walk(
                         visit(m, start, data)
 
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
-        futures = [pool.submit(one, k, ms) for k, ms in groups.items()]
-        for f in concurrent.futures.as_completed(futures):
-            f.result()
+        results(pool.submit(one, k, ms) for k, ms in groups.items())
 
 
 class _Factors:

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import FlatTree, keystr
 from ..errors import LayoutMismatchError
 from ..model.target import Target
@@ -95,7 +94,6 @@ def replay_rescan(prov: Mapping[str, Any], specs: FlatTree) -> tuple[Plan, dict[
     return plan, {MAXTEXT_ITEM: source / MAXTEXT_ITEM}
 
 
-@frozen_heap()
 def verify_step(
     step_dir: epath.PathLike,
     *,

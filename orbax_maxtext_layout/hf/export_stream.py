@@ -20,8 +20,8 @@ import concurrent.futures
 from typing import Any, NamedTuple
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
+from ..base.futures import results
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError
 from ..orbax_io import chunks, item_writer
@@ -39,7 +39,6 @@ def run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budget
     """The params ``groups`` (param keys -> their units) of ``ep`` written into the files of
     ``where`` (HF tensor name -> its open `ShardFile`; a tensor not in it is not written),
     `WORKERS` jobs at a time within ``budget`` bytes, largest first."""
-    item_writer.release_large_buffers()  # freed slices go back to the OS, not to a grown heap
     ctx = item_writer.ts_context()
     sources = {n: ItemReader.open(d, ctx) for n, d in ep.sources.items()}
     gate = Budget(budget)
@@ -73,14 +72,10 @@ def run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budget
         finally:
             gate.give(held)
 
-    # One BLAS thread per worker, as in merge-lora (`merge_writer`): its own would spin.
-    with (
-        threadpool_limits(1, user_api="blas"),
-        concurrent.futures.ThreadPoolExecutor(WORKERS) as pool,
-    ):
-        futures = [pool.submit(job, k, groups[k]) for k in largest_first(ep.moves, groups)]
-        for f in concurrent.futures.as_completed(futures):
-            f.result()
+    # BLAS's own threads would spin against the workers: one BLAS thread in the command
+    # line, as in merge-lora (`merge_writer`).
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        results(pool.submit(job, k, groups[k]) for k in largest_first(ep.moves, groups))
 
 
 def _write_unit(model: HfModel, u: Unit, layers: list[np.ndarray], where: dict) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import os
 import threading
@@ -41,6 +40,7 @@ import tensorstore as ts
 from etils import epath
 
 from .._version import __version__
+from ..base.futures import results
 from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..orbax_io import item_writer, orbax_files, stepdir
@@ -110,15 +110,17 @@ class Leaf:
 
     def slices(self) -> Iterator[tuple[tuple[int, ...], Any]]:
         """``(index on axes, the HF name(s) of that slice)``, every slice."""
+        yield from _slices(self.hf, ())
 
-        def walk(node: Any, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Any]]:
-            if isinstance(node, list):
-                for i, sub in enumerate(node):
-                    yield from walk(sub, (*idx, i))
-            else:
-                yield idx, node
 
-        yield from walk(self.hf, ())
+def _slices(node: Any, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Any]]:
+    """`Leaf.slices` below ``node`` (a module function: a closure calling itself is a
+    reference cycle)."""
+    if isinstance(node, list):
+        for i, sub in enumerate(node):
+            yield from _slices(sub, (*idx, i))
+    else:
+        yield idx, node
 
 
 @dataclasses.dataclass
@@ -209,15 +211,9 @@ def import_hf(
       StepExistsError: ``<out>/0`` exists.
       UsageError: an unknown ``save_dtype``.
     """
-    # no garbage collection meanwhile: the import makes few cycles, and each full pass walks
-    # every object of MaxText's config and JAX (2% of an 8B import's CPU time)
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress)
-    finally:
-        if collecting:
-            gc.enable()
+    # The collector is left as the caller set it (a library call changes no process setting,
+    # issue 57); the command line runs with the objects alive at its start frozen.
+    return _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress)
 
 
 def _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress):
@@ -540,8 +536,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
             _release(plan.hf, hf)
             tick()
         scratch.drop()  # this thread's read buffer (the largest slice's size), reused till here
-        for f in [pool.submit(one, j) for j in jobs if j not in big]:
-            f.result()
+        results(pool.submit(one, j) for j in jobs if j not in big)
 
 
 def _release(hf: HfDir, names: Any) -> None:
@@ -624,11 +619,9 @@ def _write_slice(
     if pool is not None and len(parts) > 1:
         executor, per = pool
         local = _Scratch()
-        futures = [
+        results(
             executor.submit(_write_blocks, array, data, parts[k::per], local) for k in range(per)
-        ]
-        for f in futures:
-            f.result()
+        )
         return
     _write_blocks(array, data, parts, scratch)
 

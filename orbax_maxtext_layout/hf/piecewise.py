@@ -104,19 +104,25 @@ def _held(jaxpr: Any, shape: tuple[int, ...], dtype: Any) -> float:
 
     size = max(1, math.prod(shape) * np.dtype(dtype).itemsize)
 
-    def nbytes(v: Any) -> int:
-        return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+    return 1 + (_made(jaxpr) + sum(_nbytes(v) for v in jaxpr.outvars)) / size
 
-    def walk(j: Any) -> int:
-        n = 0
-        for e in j.eqns:
-            if e.primitive.name in _NESTED:
-                n += walk(getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]))
-            elif e.primitive.name not in _VIEWS:
-                n += sum(nbytes(v) for v in e.outvars)
-        return n
 
-    return 1 + (walk(jaxpr) + sum(nbytes(v) for v in jaxpr.outvars)) / size
+def _nbytes(v: Any) -> int:
+    import numpy as np
+
+    return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+
+
+def _made(jaxpr: Any) -> int:
+    """Bytes of every output of ``jaxpr``'s ops that is not a view of its input (nested
+    jaxprs included; a module function: a closure calling itself is a reference cycle)."""
+    n = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name in _NESTED:
+            n += _made(getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]))
+        elif e.primitive.name not in _VIEWS:
+            n += sum(_nbytes(v) for v in e.outvars)
+    return n
 
 
 def _supported(jaxpr: Any) -> bool:

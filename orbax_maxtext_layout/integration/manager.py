@@ -78,6 +78,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import orbax.checkpoint as ocp
@@ -99,23 +101,41 @@ logger = logging.getLogger(__name__)
 Numbering = Literal["maxtext", "as_written"]
 # The items only a Tunix-layout caller names (Tunix's own CheckpointManager registers them).
 TUNIX_ITEMS = frozenset({TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM})
-_STOCK_INIT = inspect.signature(ocp.CheckpointManager.__init__)
+_DECLARING = ("item_names", "item_handlers", "checkpointers")
 
 
 def declared_numbering(args: tuple, kwargs: dict) -> Numbering:
     """``"as_written"`` when ``ocp.CheckpointManager(*args, **kwargs)`` declares a Tunix-layout
     item (``item_names``, ``item_handlers`` or ``checkpointers`` naming ``model_params`` or
-    ``optimizer_state``), else ``"maxtext"``."""
-    try:
-        bound = _STOCK_INIT.bind_partial(None, *args, **kwargs).arguments
-    except TypeError:  # the stock constructor reports it
-        return "maxtext"
+    ``optimizer_state``), else ``"maxtext"``.
+
+    Keywords are read as given (Tunix passes them so). Positional arguments are bound to
+    the stock constructor's own signature, read at the call and unwrapped (``__wrapped__``):
+    a profiler or test harness that wrapped ``ocp.CheckpointManager.__init__`` as
+    ``(*args, **kwargs)`` must not turn every Tunix caller into a MaxText one (issue 57)."""
+    declared = [kwargs[k] for k in _DECLARING if k in kwargs]
+    if args:
+        try:
+            init = inspect.unwrap(ocp.CheckpointManager.__init__)
+            bound = inspect.signature(init).bind_partial(None, *args).arguments
+        except (TypeError, ValueError):  # the stock constructor reports it
+            bound = {}
+        declared += [bound[k] for k in _DECLARING if k in bound]
     names: set[str] = set()
-    for key in ("item_names", "item_handlers", "checkpointers"):
-        declared = bound.get(key)
-        if isinstance(declared, (dict, list, tuple, set, frozenset)):
-            names |= {str(n) for n in declared}
+    for d in declared:
+        if isinstance(d, (dict, list, tuple, set, frozenset)):
+            names |= {str(n) for n in d}
     return "as_written" if names & TUNIX_ITEMS else "maxtext"
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        return ref()(*args)
+
+    return call
 
 
 def _names_tunix_items(args: Any) -> bool:
@@ -152,8 +172,13 @@ class CheckpointManager(ocp.CheckpointManager):
         # Before Orbax's constructor, which lists the steps through _load_checkpoint_infos.
         # The two bound methods work from then on: Orbax sets the directory, step name
         # format and multiprocessing options they read before it lists.
+        # Weakly: a manager and its bookkeeping holding each other would be a reference cycle,
+        # which keeps both (and what Orbax's manager holds) until a full collection.
         self._legacy_steps = LegacySteps(
-            self._home, self._is_primary, migrate=migrate, remove_legacy=remove_legacy
+            _weakly(self._home),
+            _weakly(self._is_primary),
+            migrate=migrate,
+            remove_legacy=remove_legacy,
         )
         super().__init__(*args, **kwargs)
         if self._maxtext:

@@ -115,12 +115,10 @@ def _maxtext_for_config() -> types.SimpleNamespace:
 def _maxtext_prng() -> Iterator[None]:
     import jax
 
-    previous = jax.config.jax_default_prng_impl
-    jax.config.update("jax_default_prng_impl", MAXTEXT_PRNG_IMPL)
-    try:
+    # JAX's context form of the option: this thread only, not the process's setting (a
+    # trainer's other threads never see it; issue 57).
+    with jax.default_prng_impl(MAXTEXT_PRNG_IMPL):
         yield
-    finally:
-        jax.config.update("jax_default_prng_impl", previous)
 
 
 def _maxtext_config(pyconfig: Any, args: list[str], scratch: str) -> Any:

@@ -101,38 +101,6 @@ def check_complete(reads: Sequence[Read], sources: Mapping[str, ItemReader]) -> 
         )
 
 
-def release_large_buffers() -> None:
-    """Make glibc return large freed buffers to the OS at once.
-
-    glibc raises its mmap threshold after freeing a large block (up to 32 MiB), so
-    later chunk-sized buffers come from the heap and stay resident: copying many
-    multi-MiB chunks then grows RSS far past the budget. A fixed 1 MiB threshold
-    keeps every chunk buffer in its own mapping. No-op off glibc.
-    """
-    import ctypes
-    import ctypes.util
-
-    global _TUNED
-    if _TUNED:
-        return
-    _TUNED = True
-    try:  # NumPy asks for transparent huge pages for large arrays: first touch then zeroes
-        # 2 MiB at a time, 4x slower than small pages on this kind of VM (0.6 vs 2.3 GiB/s)
-        np._core.multiarray._set_madvise_hugepage(False)
-    except AttributeError:  # pragma: no cover - a NumPy without the switch
-        pass
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "mallopt"):
-            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except OSError:
-        pass
-
-
-_TUNED = False
-
-
 def copy_chunks(
     renames: Sequence[Rename],
     sources: Mapping[str, ItemReader],
@@ -150,7 +118,6 @@ def copy_chunks(
     """
     if not renames:
         return 0
-    release_large_buffers()
     written = 0
     batch: list[tuple[Rename, list[bytes]]] = []
     held = 0

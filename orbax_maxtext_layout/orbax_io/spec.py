@@ -12,7 +12,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import FlatTree, Path, flatten, norm_key
 from ..errors import CheckpointReadError
 from .orbax_files import (
@@ -103,7 +102,6 @@ def _is_meta_leaf(x: Any) -> bool:
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or type(x).__name__.endswith("Metadata")
 
 
-@frozen_heap()
 def read_specs(item_dir: epath.Path) -> FlatTree:
     """``{path: LeafSpec}`` of one Orbax PyTree item, from its metadata alone (no array bytes).
 

@@ -19,7 +19,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from etils import epath
 
-from ..errors import CheckpointReadError, OrbaxMaxTextLayoutError, StepExistsError, StepLocked
+from ..errors import (
+    CheckpointReadError,
+    OrbaxMaxTextLayoutError,
+    StepExistsError,
+    StepLocked,
+    detached,
+)
 from ..orbax_io import stepdir, stepmeta
 from ..orbax_io.layout import Layout, maxtext_number, tunix_step_number
 from ..storage.lock import RENUMBER_LOCK_NAME, holder, step_lock
@@ -94,7 +100,7 @@ def plan_run(
             try:
                 plans[info.path] = plan_of(info.path)
             except OrbaxMaxTextLayoutError as e:
-                errors[info.path] = e
+                errors[info.path] = detached(e)  # kept: no frame of this call behind it
     movable = [i for i in infos if i.path not in errors]
     if renumber:
         known = {d: p.step for d, p in plans.items()}  # the update count each plan was read for
@@ -256,7 +262,7 @@ def _apply_in(
             try:
                 plan = plan_of(here.path) if here.layout is Layout.TUNIX else None
             except OrbaxMaxTextLayoutError as e:
-                result[p.info.path] = dataclasses.replace(p, error=e)
+                result[p.info.path] = dataclasses.replace(p, error=detached(e))
                 continue
             p = dataclasses.replace(p, plan=plan)
         live.append(dataclasses.replace(p, error=None))

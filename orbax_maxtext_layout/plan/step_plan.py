@@ -18,9 +18,8 @@ from typing import Literal
 import numpy as np
 from etils import epath
 
-from ..base.gcfreeze import frozen_heap
 from ..base.treepaths import FlatTree, Path, keystr
-from ..errors import LayoutMismatchError, UsageError
+from ..errors import LayoutMismatchError, UsageError, detached
 from ..model import lora
 from ..model import rules as R
 from ..model.layermap import scanned_form
@@ -328,7 +327,7 @@ def _run(
             except ValueError as e:
                 if memo is None:
                     raise
-                done = e
+                done = detached(e)  # memoised: no frame of this call behind it
             if memo is not None:
                 memo[key] = done
         else:
@@ -454,7 +453,6 @@ def _synthesize_counts(
 
 
 # -- a step directory ----------------------------------------------------------------------
-@frozen_heap()
 def plan_step(
     step_dir: epath.PathLike,
     target: Target,
@@ -568,7 +566,6 @@ _ROOTS: tuple[tuple[Path, Dest], ...] = (
 )
 
 
-@frozen_heap()
 def plan_maxtext_step(
     step_dir: epath.PathLike,
     target: Target,

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..base.futures import results
+
 REFLINK, HARDLINK, COPY = "reflink", "hardlink", "copy"
 KINDS = (REFLINK, HARDLINK, COPY)
 SHARE_MODE, COPY_MODE, SERVER_SIDE = "share", "copy", "server-side"
@@ -181,8 +183,7 @@ class Placer:
             rest = pairs[i + 1 :]
             if self.placed.files[COPY] > copied and len(rest) > 1 and workers > 1:
                 with ThreadPoolExecutor(workers, thread_name_prefix="omtl-copy") as pool:
-                    for f in [pool.submit(self.place, *pair) for pair in rest]:
-                        f.result()
+                    results(pool.submit(self.place, *pair) for pair in rest)
                 return
 
     def _dev(self, directory: str) -> int:

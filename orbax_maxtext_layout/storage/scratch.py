@@ -8,6 +8,7 @@ size, so it keeps one buffer per use and rewrites it.
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
@@ -47,25 +48,29 @@ def aligned(nbytes: int) -> np.ndarray:
 def small_pages(nbytes: int) -> np.ndarray:
     """A new uint8 buffer in small pages.
 
-    NumPy asks for transparent huge pages for a large array, and on a VM whose free memory
-    goes back to the host (virtio-balloon free page reporting, as here) a huge page's first
-    touch waits for the host to back 2 MiB: 0.5 GB/s here, against 2.6 GB/s in small pages
-    (a trainer's first restore gets such memory; a huge page the process itself freed a
-    moment ago comes back at 10 GB/s, which only a benchmark that repeats in one process
-    sees). Small pages cost the same whatever the memory's history."""
-    switch = getattr(getattr(np, "_core", None), "multiarray", None)
-    switch = getattr(switch, "_set_madvise_hugepage", None)
-    if switch is None:  # pragma: no cover - a NumPy without the switch
+    NumPy asks for transparent huge pages for an array of 4 MiB or more, and on a VM whose
+    free memory goes back to the host (virtio-balloon free page reporting, as here) a huge
+    page's first touch waits for the host to back 2 MiB: 0.5 GB/s here, against 2.6 GB/s in
+    small pages (a trainer's first restore gets such memory; a huge page the process itself
+    freed a moment ago comes back at 10 GB/s, which only a benchmark that repeats in one
+    process sees). Small pages cost the same whatever the memory's history.
+
+    Such a buffer is a mapping of its own, advised against huge pages (``MADV_NOHUGEPAGE``,
+    this mapping only), never NumPy's switch, which is the whole process's (issue 57: a
+    library call leaves process settings alone). It is unmapped when the array goes."""
+    if nbytes < _NUMPY_HUGE_FROM:
         return np.empty(nbytes, np.uint8)
-    with _PAGES_LOCK:  # one switch for the process: set and restored by one thread at a time
-        was = switch(False)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
         try:
-            return np.empty(nbytes, np.uint8)
-        finally:
-            switch(was)
+            m.madvise(advice)
+        except OSError:  # pragma: no cover - a kernel without transparent huge pages
+            pass
+    return np.frombuffer(m, np.uint8)
 
 
-_PAGES_LOCK = threading.Lock()
+_NUMPY_HUGE_FROM = 4 << 20  # NumPy advises huge pages for arrays this large and larger
 
 
 def populate(buf: np.ndarray, start: int, stop: int) -> bool:

@@ -150,6 +150,29 @@ def _caller(frame) -> str:
     return frame.f_code.co_name
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of the child, or None where the kernel has none (gVisor: the TPU host)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def _exited(pid: int, pidfd: int | None, deadline: float) -> tuple[bool, int | None]:
+    """Waits until the child exits or ``deadline``: ``(exited, wait status)``. Through a
+    pidfd the child is not reaped (status None); polling ``waitpid`` reaps it."""
+    remaining = deadline - time.monotonic()
+    if pidfd is not None:
+        return remaining > 0 and bool(select.select([pidfd], [], [], remaining)[0]), None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return True, status
+        if time.monotonic() >= deadline:
+            return False, None
+        time.sleep(0.005)
+
+
 def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints of the server itself go to stderr, never into the protocol
@@ -168,15 +191,14 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 _child(req, proto.fileno())
-            jobs[next_id] = (pid, time.monotonic(), os.pidfd_open(pid))
+            jobs[next_id] = (pid, time.monotonic(), _pidfd(pid))
             proto.write(json.dumps({"id": next_id, "pid": pid}) + "\n")
             next_id += 1
         elif op == "wait":
             pid, start, pidfd = jobs.pop(req["id"])
             kill_after = req.get("kill_after")
             limit = kill_after if kill_after is not None else req.get("timeout", 600)
-            remaining = start + limit - time.monotonic()
-            ready = remaining > 0 and select.select([pidfd], [], [], remaining)[0]
+            ready, status = _exited(pid, pidfd, start + limit)
             killed = False
             if not ready:
                 try:
@@ -184,9 +206,11 @@ def main() -> None:
                     killed = True
                 except ProcessLookupError:
                     pass
-            _, status = os.waitpid(pid, 0)
+            if status is None:
+                _, status = os.waitpid(pid, 0)
             elapsed = time.monotonic() - start
-            os.close(pidfd)
+            if pidfd is not None:
+                os.close(pidfd)
             rc = os.waitstatus_to_exitcode(status)
             killed = killed and rc == -signal.SIGKILL
             reply = {"rc": rc, "killed": killed, "elapsed": elapsed}

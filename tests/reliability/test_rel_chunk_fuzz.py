@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import rel_support as S
+from conftest import address_space_cap
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,7 +44,7 @@ SETTINGS = settings(
     derandomize=not S.FULL,  # CI: the same inputs on every machine
     suppress_health_check=list(HealthCheck),
 )
-CAP = 3 << 30
+CAP = address_space_cap()  # the child's address space (scales with the cores)
 KERNEL = "base.decoder.layers.mlp.wi_0.kernel.value"  # float32[16, 3, 32]
 COUNT = "base.decoder.dropout.rngs.params.count.value"  # a scalar
 ITEMS = {  # fixture -> (item, zarr3, sharded)

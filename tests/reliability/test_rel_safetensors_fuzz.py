@@ -37,9 +37,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rel_support as S
+from conftest import address_space_cap
 from safetensors.numpy import save_file
 
-CAP = 3 << 30  # the child's address space
+CAP = address_space_cap()  # the child's address space (scales with the cores)
 CASE_SECONDS = 20  # the time bound of one case (each takes milliseconds)
 TRUNCATE_EVERY = S.scale(3, 1)  # bytes between truncation points in a header
 FLIPS = S.scale(250, 4000)
