@@ -5,7 +5,7 @@ each naming the options as its caller wrote them."""
 from __future__ import annotations
 
 import pytest
-from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, tree_digest
+from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, tree_digest, without_warnings
 from test_cli import cli
 
 import orbax_maxtext_layout as oml

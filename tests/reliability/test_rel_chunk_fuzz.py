@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 import rel_support as S
-from conftest import address_space_cap
 import zstandard
+from conftest import address_space_cap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
