@@ -18,7 +18,14 @@ where there are ``N`` devices), in interleaved rounds, page cache warm:
 - ``floor h2d``: ``jax.device_put`` of preallocated host arrays of the same shapes;
 - ``floor decode``: the step's stored chunks as zstd frames (made once, outside the timing,
   from the same values at Orbax's level 3), each decoded once into a fresh buffer in small
-  pages, a thread per core: what any restore must do on the host before placing a byte.
+  pages, a thread per core: what any restore must do on the host before placing a byte. One
+  frame decodes on one thread, so the largest chunk bounds it from below (``floor largest``:
+  that frame alone); a restore onto a device also copies to it (``decode+h2d``, the sum).
+
+``--model stacked`` is issue 57's step of large stacked arrays: 16 layers, emb 2048, MLP 8192,
+vocab 32768, each stacked MLP kernel one 1 GiB chunk when saved whole. ``--in-a-row N``
+then restores each layout N times in a row onto the first target, with no collection
+between (a trainer's loop): each time, and the device memory in use after each ``del``.
 
 Each figure is the median over rounds; the peak host RSS of each is VmHWM over the RSS
 before it (VmHWM reset through ``/proc/self/clear_refs``). Runs unchanged on a CPU host and
@@ -49,6 +56,13 @@ def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--params", type=float, default=671e6)
+    p.add_argument(
+        "--model",
+        choices=["llama", "stacked"],
+        default="llama",
+        help="llama: widened to --params; stacked: issue 57's 1 GiB stacked MLP kernels",
+    )
+    p.add_argument("--in-a-row", type=int, default=0, help="restores in a row, no collection")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 8])
     p.add_argument("--devices", type=int, default=8, help="host devices on a CPU host")
     p.add_argument("--rounds", type=int, default=3)
@@ -63,15 +77,18 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def _shapes(n_params: float) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """A MaxText llama-like scanned decoder (layers on axis 1), about ``n_params`` big."""
+def _shapes(n_params: float, model: str = "llama") -> dict[tuple[str, ...], tuple[int, ...]]:
+    """A MaxText llama-like scanned decoder (layers on axis 1), about ``n_params`` big; or
+    (``stacked``) 16 layers of emb 2048, MLP 8192, vocab 32768."""
     layers, emb = 8, 256
-    while True:  # widen until the size is reached: emb a multiple of 256
+    while model == "llama":  # widen until the size is reached: emb a multiple of 256
         mlp, vocab = 4 * emb, 16 * emb
         total = 2 * vocab * emb + layers * (4 * emb * emb + 3 * emb * mlp + 2 * emb) + emb
         if total >= n_params:
             break
         emb += 256
+    if model == "stacked":
+        layers, emb, mlp, vocab = 16, 2048, 8192, 32768
     lay = ("params", "decoder", "layers")
     return {
         ("params", "token_embedder", "embedding"): (vocab, emb),
@@ -266,6 +283,35 @@ def _decode_all(frames: list[bytes]) -> list:
         return list(pool.map(one, frames))
 
 
+def _in_a_row(restore, n: int, device) -> dict:
+    """``restore()`` ``n`` times in a row, each result dropped with ``del`` and no collection
+    between (as a trainer's loop): each time, and the device bytes in use after each ``del``
+    (``memory_stats``; the distinct buffers of ``jax.live_arrays()`` where it has none)."""
+    import jax
+
+    def in_use() -> int:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_in_use" in stats:
+            return int(stats["bytes_in_use"])
+        seen = {}
+        for x in jax.live_arrays():
+            for sh in x.addressable_shards:
+                seen[sh.data.unsafe_buffer_pointer()] = sh.data.nbytes
+        return sum(seen.values())
+
+    gc.collect()
+    base = in_use()
+    times, held = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = restore()
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t)
+        del out
+        held.append(in_use() - base)
+    return {"times": times, "held after del": held}
+
+
 def _read_all(step: Path) -> int:
     buf = bytearray(64 << 20)
     view = memoryview(buf)
@@ -346,7 +392,7 @@ def main(argv=None) -> int:
     import orbax_maxtext_layout as oml
 
     devices = jax.devices()
-    shapes = _shapes(a.params)
+    shapes = _shapes(a.params, a.model)
     n_params = sum(math.prod(s) for s in shapes.values())
     print(
         f"{jax.default_backend()}: {len(devices)} devices; {n_params / 1e6:.0f} M params, "
@@ -407,6 +453,7 @@ def main(argv=None) -> int:
                     jax.device_put(host[p], place(s)) for p, s in shapes.items()
                 ],
                 "floor decode": lambda frames=frames: _decode_all(frames),
+                "floor largest": lambda frames=frames: _decode_all(frames[:1]),
             }
             times, rss = _rounds(ops, a.rounds)
             del host
@@ -416,6 +463,7 @@ def main(argv=None) -> int:
                 **{k: statistics.median(v) for k, v in times.items()},
                 **{f"{k} rss GiB": max(v) for k, v in rss.items()},
             }
+            row["decode+h2d"] = row["floor decode"] + row["floor h2d"]
             results.append(row)
             s = row["stock"]
             print(
@@ -423,11 +471,27 @@ def main(argv=None) -> int:
                 f"{row['oml maxtext']:.2f} s ({row['oml maxtext'] / s:.2f}x) | oml tunix "
                 f"{row['oml tunix']:.2f} s ({row['oml tunix'] / s:.2f}x) | floors: read "
                 f"{row['floor read']:.2f} s, h2d {row['floor h2d']:.2f} s, decode "
-                f"{row['floor decode']:.2f} s | peak RSS GiB: stock "
+                f"{row['floor decode']:.2f} s (largest chunk {row['floor largest']:.2f} s), "
+                f"oml over decode+h2d {row['oml maxtext'] / row['decode+h2d']:.2f} / "
+                f"{row['oml tunix'] / row['decode+h2d']:.2f} | peak RSS GiB: stock "
                 f"{row['stock rss GiB']:.2f}, oml {row['oml maxtext rss GiB']:.2f} / "
                 f"{row['oml tunix rss GiB']:.2f}",
                 flush=True,
             )
+            if a.in_a_row and tname == "1 device":
+                for layout, restore in (
+                    ("oml maxtext", ops["oml maxtext"]),
+                    ("oml tunix", ops["oml tunix"]),
+                ):
+                    got = _in_a_row(restore, a.in_a_row, devices[0])
+                    row[f"{layout} in a row"] = got
+                    t = got["times"]
+                    print(
+                        f"chunks {chunks}, {layout}, {a.in_a_row} in a row: first {t[0]:.2f} s, "
+                        f"median {statistics.median(t):.2f} s, slowest {max(t):.2f} s; device "
+                        f"bytes held after del: most {max(got['held after del'])}",
+                        flush=True,
+                    )
     if a.full_state:
         results.append(_full_state(a, devices))
     if a.json:
@@ -437,6 +501,7 @@ def main(argv=None) -> int:
                     "backend": jax.default_backend(),
                     "devices": len(devices),
                     "params": n_params,
+                    "model": a.model,
                     "cores": len(os.sched_getaffinity(0)),
                     "rows": results,
                 },

@@ -71,13 +71,16 @@ def detached(error: E, *, where: str | None = None) -> E:
     ``where``, each dropped traceback is kept as a note, file and line by line, printed
     with the error (``where`` says whose frames they were)."""
     seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
+    todo: list[BaseException | None] = [error]
+    while todo:  # the cause and the context alike (``raise X from Y`` inside ``except Z``)
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         if e.__traceback__ is not None:
             if where is not None:
                 trace = "".join(traceback.format_tb(e.__traceback__)).rstrip()
                 e.add_note(f"{where} ({type(e).__name__}):\n{trace}")
             e.__traceback__ = None
-        e = e.__cause__ or e.__context__
+        todo += [e.__cause__, e.__context__]
     return error

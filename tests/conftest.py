@@ -212,9 +212,9 @@ PACKAGE = "orbax_maxtext_layout"
 
 def pytest_collection_finish(session):
     """In each process that runs tests, what is alive once the tests are collected (JAX,
-    Orbax, the test modules) is frozen, so that `package_cycles`' collection after every
-    test walks only what the tests made. The library never freezes (issue 57); a test
-    process may."""
+    Orbax, the test modules) is frozen, and after each test what outlived it, so that
+    `package_cycles`' collection after every test walks only what that test made. The
+    library never freezes (issue 57); a test process may."""
     if getattr(session.config.option, "numprocesses", None) and not hasattr(
         session.config, "workerinput"
     ):
@@ -276,6 +276,7 @@ def package_cycles() -> list[str]:
     finally:
         gc.garbage.clear()
         gc.set_debug(debug)
+        gc.collect()  # what was saved is cyclic garbage again: freed now, not found again
 
 
 @pytest.fixture(autouse=True)
@@ -284,6 +285,9 @@ def no_package_cycles():
     it holds only at a full collection, which a trainer may not run for a long time)."""
     yield
     cycles = package_cycles()
+    # What outlived the test (caches, module state) is frozen too: the next test's look walks
+    # only what that test made, not the whole process's objects again.
+    gc.freeze()
     if cycles:
         pytest.fail(f"reference cycles through the package's objects: {cycles}", pytrace=False)
 

@@ -352,17 +352,25 @@ def test_peak_memory_stays_under_budget_plus_largest_array(tmp_path, use_ocdbt):
         return json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_kib"] * 1024
 
     base = peak("plan")
-    used = peak("convert") - base
-    slack = 48 << 20  # allocator and tensorstore thread arenas
-    if use_ocdbt:
-        # Grafting copies files and B-tree references: no array is ever in memory.
-        assert used <= slack, used >> 20
-    else:
-        # Chunk copy: a batch of at most `budget`, and the largest array in flight
-        # as the bytes read plus tensorstore's write buffers.
-        assert used <= budget + 3 * max(sizes) + slack, (used >> 20, max(sizes) >> 20)
-    assert used < sum(sizes) // 2  # far below holding the step
-    assert detect_layout(step) is Layout.MAXTEXT and verify_step(step).ok
+    for mode in ("command", "convert"):
+        if mode == "convert":
+            shutil.rmtree(step / "items")  # converted again, as a library call
+        used = peak(mode) - base
+        # Allocator and tensorstore thread arenas. The command line fixes glibc's mmap
+        # threshold for its process (`owned_process`); a library call leaves the caller's
+        # allocator alone (issue 57): 150-190 MiB used here where the command uses about
+        # 97 (CHANGELOG, Known issues), even with the copy trimming the heap per batch.
+        slack = (48 if mode == "command" else 128) << 20
+        if use_ocdbt:
+            # Grafting copies files and B-tree references: no array is ever in memory.
+            assert used <= slack, (mode, used >> 20)
+        else:
+            # Chunk copy: a batch of at most `budget`, and the largest array in flight
+            # as the bytes read plus tensorstore's write buffers.
+            assert used <= budget + 3 * max(sizes) + slack, (mode, used >> 20, max(sizes) >> 20)
+        # far below holding the step
+        assert used < sum(sizes) // (2 if mode == "command" else 3 / 2), (mode, used >> 20)
+        assert detect_layout(step) is Layout.MAXTEXT and verify_step(step).ok
 
 
 def test_out_writes_a_separate_destination_and_leaves_the_source_alone(tmp_path):

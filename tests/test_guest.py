@@ -412,9 +412,13 @@ def test_no_library_call_changes_a_process_setting(tmp_path, collector):
             with freezes_watched() as seen:
                 call()
             after = process_settings()
+            # A freed frozen object leaves the permanent generation (the suite's guard freezes
+            # what outlives each test): fewer is fine, more is a freeze, none an unfreeze.
+            frozen = (before.pop("gc frozen"), after.pop("gc frozen"))
+            assert frozen[0] - 1000 <= frozen[1] <= frozen[0], f"{name}: frozen {frozen}"
             changed = {k: _diff(before[k], after[k]) for k in before if before[k] != after[k]}
             assert not changed, f"{name} changed {changed}"
-            assert all(c == before["gc frozen"] for c in seen), f"{name} froze the heap: {seen}"
+            assert all(c <= frozen[0] for c in seen), f"{name} froze the heap: {seen}"
             if collector == "off":
                 assert any(o is mine for o in gc.get_objects(0)), f"{name} moved our objects"
     finally:

@@ -28,6 +28,7 @@ from ..errors import CheckpointReadError
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..orbax_io.ocdbt import damaged_value_files
 from ..orbax_io.reader import ItemReader
+from ..orbax_io.values import PIECE
 from ..plan.moves import Move, Op, Plan, apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
@@ -194,9 +195,12 @@ def _check_data(tmp: epath.Path, sources: Mapping[str, ItemReader], chunked, ctx
         name = head.removeprefix(item_writer.CHILD_PREFIX)
         where = sources[name].dir / rest if head.startswith(item_writer.CHILD_PREFIX) else tmp / rel
         problems.append(f"{where}: {what}")
-    for m in chunked:  # one array at a time
+    for m in chunked:  # one array at a time, piece by piece into this thread's buffer
         try:
-            sources[m.item].read_array(m.src)
+            for _ in sources[m.item].pieces(
+                orbax_files.param_name(m.src), max_bytes=PIECE, reuse=True
+            ):
+                pass
         except CheckpointReadError as e:
             problems.append(str(e))
     if problems:

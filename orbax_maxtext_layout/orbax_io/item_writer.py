@@ -17,6 +17,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import CheckpointReadError
+from ..storage import scratch
 from .ocdbt import keys, keys_by_array
 from .orbax_files import read_context, sub_kv
 from .reader import ItemReader
@@ -130,10 +131,12 @@ def copy_chunks(
         if batch and held + r.nbytes > budget:
             written += _flush(batch, sources, dst)
             batch, held = [], 0
+            scratch.trim()  # the batch's buffers leave the process (`scratch.trim`)
         batch.append((r, stored))
         held += r.nbytes
     if batch:
         written += _flush(batch, sources, dst)
+        scratch.trim()
     return written
 
 
@@ -141,17 +144,23 @@ def _flush(batch: list[tuple[Rename, list[bytes]]], sources: Mapping[str, ItemRe
     # All reads are issued before any is awaited, so tensorstore overlaps the I/O;
     # writes go out as each read lands, and the batch is awaited as a whole. The
     # OCDBT driver coalesces concurrent writes into few commits.
+    # Each read's future is let go once its value is handed to the write (which holds it
+    # until written), so a value is held once, not once more until the whole batch is written.
     reads = [(r, key, sources[r.item].kv.read(key)) for r, stored in batch for key in stored]
+    reads.reverse()
     writes = []
     written = 0
-    for r, key, fut in reads:
+    while reads:
+        r, key, fut = reads.pop()
         got = fut.result()
+        del fut
         if got.state != "value":
             raise CheckpointReadError(f"{sources[r.item].dir}: key {key!r} vanished while copying.")
         writes.append(dst.write(r.dst.encode() + key[len(r.src) :], got.value))
         written += len(got.value)
-    for w in writes:
-        w.result()
+        del got
+    while writes:
+        writes.pop().result()
     return written
 
 

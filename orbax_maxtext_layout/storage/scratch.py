@@ -140,3 +140,29 @@ class Ahead:
                     self.state[i] = 2
                 while self.state[i] == 1:
                     self.cond.wait()
+
+
+# -- freed memory back to the OS ------------------------------------------------------------
+_malloc_trim = None
+
+
+def trim() -> None:
+    """Returns the heap's free memory to the OS now (glibc's ``malloc_trim(0)``, every arena).
+
+    glibc raises its mmap threshold after freeing a large block (up to 32 MiB), so
+    chunk-sized buffers (a copy's values, tensorstore's write buffers, on many threads'
+    arenas) come from the heap, and what they free stays in the process: a copy of many
+    multi-MiB chunks grew the RSS to 400 MiB past a 16 MiB budget. The command line fixes
+    the threshold for its whole process (`cli.common.owned_process`); a library call may
+    not (issue 57), so a streaming copy trims after each batch instead: an action on the
+    allocator, which changes none of its settings. No-op off glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
+        except OSError:  # pragma: no cover - no C library to load
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
