@@ -1,9 +1,11 @@
-"""The ground floor: names, tree paths, boxes and the garbage collector's freeze.
+"""The ground floor: names, tree paths, boxes, a pool's results and the collector's freeze.
 
 Owns what every room shares and nothing that reads or writes: the entry names of a step
 directory in both layouts (`names`), flat views of nested trees (`treepaths`), boxes of
-arrays and the flat runs they cover (`boxes`), and `gcfreeze.frozen_heap` for operations
-over many leaves (`gcfreeze.freeze_for_exit` for the CLI's and the runner's exits).
+arrays and the flat runs they cover (`boxes`), a pool's results with its first error raised
+and no worker's frame behind it (`futures.results`), and `gcfreeze` (`frozen_heap`,
+`freeze_for_exit`), which only the command line and the runner use, for their own
+processes: a library call never freezes the heap (issue 57).
 
 Imports: nothing of the package but `errors`. Everything may import it.
 """

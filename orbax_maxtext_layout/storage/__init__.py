@@ -1,6 +1,7 @@
 """Where bytes live: local disks and ``gs://`` object stores, locks, the page cache, data
 file placement (reflink, hard link, copy), read-only mappings of local files, per-thread
-scratch buffers, the compiled transposing copy (the package's one C module), and the one
+scratch buffers and fresh memory (freed heap memory given back: `scratch.trim`), the compiled
+transposing copy (the package's one C module), and the one
 rule for paths a checkpoint names itself (`containment`).
 
 `store.store_for(root)` decides once how a root is handled (a disk or an object store);
