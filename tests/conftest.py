@@ -219,8 +219,14 @@ def pytest_collection_finish(session):
         session.config, "workerinput"
     ):
         return  # the xdist controller runs no test
+    if session.items and all(_interop(i) for i in session.items):
+        return  # the interop suite runs without the guard (`no_package_cycles`)
     gc.collect()
     gc.freeze()
+
+
+def _interop(item) -> bool:
+    return "interop" in Path(str(item.path)).parts
 
 
 def _is_package_object(o) -> bool:
@@ -280,9 +286,13 @@ def package_cycles() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_package_cycles():
-    """After every test: no object of the package's on a reference cycle (a cycle frees what
-    it holds only at a full collection, which a trainer may not run for a long time)."""
+def no_package_cycles(request):
+    """After every test of the core suite: no object of the package's on a reference cycle
+    (a cycle frees what it holds only at a full collection, which a trainer may not run for
+    a long time). Not yet in the interop suite (MaxText's own objects, Python 3.12)."""
+    if _interop(request.node):
+        yield
+        return
     yield
     cycles = package_cycles()
     # What outlived the test (caches, module state) is frozen too: the next test's look walks

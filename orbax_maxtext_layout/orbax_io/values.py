@@ -82,8 +82,8 @@ class FileValue:
 
     zstandard's stream reader asks for more input only once it has used all it was given,
     so one buffer serves a whole stream. A fresh ``bytes`` per read cost a fresh mapping
-    each time (glibc maps buffers over 1 MiB, `release_large_buffers`), whose pages the
-    kernel zeroes on first touch: 8% of the CPU of an 8B ``export-hf``."""
+    each time (the command line has glibc map buffers over 1 MiB: `cli.common.owned_process`),
+    whose pages the kernel zeroes on first touch: 8% of the CPU of an 8B ``export-hf``."""
 
     def __init__(
         self,
