@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import importlib
 import os
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 from etils import epath
 
 from ..base.gcfreeze import frozen_heap
@@ -22,6 +19,7 @@ from ..execute.write import DEFAULT_BUDGET
 from ..model.target import Target
 from ..plan import rescan
 from ..plan.steps import find_step_roots, find_steps
+from ..storage import scratch
 
 Subparsers = argparse._SubParsersAction  # the type of `add_subparsers`' result
 
@@ -215,12 +213,8 @@ def owned_process() -> Iterator[None]:
     """What a command, which owns its process, tunes in it; never a library call (a guest in
     a trainer's process changes none of its settings, issue 57).
 
-    - glibc returns large freed buffers to the OS at once: it raises its mmap threshold after
-      freeing a large block (up to 32 MiB), so later chunk-sized buffers would come from the
-      heap and stay resident, and copying many multi-MiB chunks would grow the RSS far past
-      the budget. A fixed 1 MiB threshold keeps every chunk buffer in its own mapping.
-    - NumPy asks for no transparent huge pages: a huge page's first touch zeroes 2 MiB at a
-      time, 4x slower than small pages on this kind of VM (0.6 vs 2.3 GiB/s).
+    - The allocator: glibc's mmap threshold fixed, NumPy's huge pages off
+      (`scratch.tune_for_command`: a copy's RSS within its budget, fresh pages cheap).
     - BLAS runs on one thread: merge-lora's and export-hf's workers run one matmul each, a
       worker a core, and BLAS's own threads would spin against them (a fifth of the CPU
       time, measured). OpenBLAS's count is the process's (its per-thread setter sets the
@@ -231,23 +225,9 @@ def owned_process() -> Iterator[None]:
     """
     from threadpoolctl import threadpool_limits  # sets KMP_DUPLICATE_LIB_OK on import
 
-    _tune_allocator()
+    scratch.tune_for_command()
     with threadpool_limits(1, user_api="blas"), frozen_heap():
         yield
-
-
-def _tune_allocator() -> None:
-    try:
-        np._core.multiarray._set_madvise_hugepage(False)
-    except AttributeError:  # pragma: no cover - a NumPy without the switch
-        pass
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "mallopt"):
-            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except OSError:  # pragma: no cover - no libc to load
-        pass
 
 
 def on_cpu() -> None:

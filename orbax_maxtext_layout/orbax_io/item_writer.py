@@ -144,23 +144,17 @@ def _flush(batch: list[tuple[Rename, list[bytes]]], sources: Mapping[str, ItemRe
     # All reads are issued before any is awaited, so tensorstore overlaps the I/O;
     # writes go out as each read lands, and the batch is awaited as a whole. The
     # OCDBT driver coalesces concurrent writes into few commits.
-    # Each read's future is let go once its value is handed to the write (which holds it
-    # until written), so a value is held once, not once more until the whole batch is written.
     reads = [(r, key, sources[r.item].kv.read(key)) for r, stored in batch for key in stored]
-    reads.reverse()
     writes = []
     written = 0
-    while reads:
-        r, key, fut = reads.pop()
+    for r, key, fut in reads:
         got = fut.result()
-        del fut
         if got.state != "value":
             raise CheckpointReadError(f"{sources[r.item].dir}: key {key!r} vanished while copying.")
         writes.append(dst.write(r.dst.encode() + key[len(r.src) :], got.value))
         written += len(got.value)
-        del got
-    while writes:
-        writes.pop().result()
+    for w in writes:
+        w.result()
     return written
 
 
