@@ -31,7 +31,7 @@ from orbax_maxtext_layout import (
     read_specs,
     verify_step,
 )
-from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
+from orbax_maxtext_layout.orbax_io.orbax_files import ItemFiles, io_counts, reads_each_item_once
 from orbax_maxtext_layout.orbax_io.spec import orbax_specs
 
 REPO = Path(__file__).parent.parent
@@ -47,8 +47,10 @@ def test_read_specs_is_orbax_metadata(item):
     with io_counts() as counts:
         fast = read_specs(item)
     assert list(fast.items()) == list(orbax_specs(item).items())
-    # One batch of zarr metadata reads and no listing: it did not fall back to Orbax's.
-    assert list(counts.values()) == [1] and next(iter(counts))[0] == "zarr metadata", counts
+    # One batch of zarr metadata reads, one parse of the item's files and no listing: it
+    # did not fall back to Orbax's.
+    assert sorted(k for k, _ in counts) == ["item files", "zarr metadata"], counts
+    assert set(counts.values()) == {1}, counts
 
 
 def test_read_specs_of_unsorted_metadata_is_in_orbax_order(tmp_path):
@@ -71,7 +73,7 @@ def test_read_specs_of_numpy_scalar_and_string_leaves_is_orbax_metadata(tmp_path
         fast = read_specs(item)
     assert list(fast.items()) == list(orbax_specs(item).items())
     assert sorted(fast) == [("a",), ("n",), ("s",), ("x",)]
-    assert [k for k, _ in counts] == ["zarr metadata"]
+    assert sorted(k for k, _ in counts) == ["item files", "zarr metadata"], counts
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +109,9 @@ def test_verify_lists_each_database_once_and_reads_its_metadata_once(many_leaves
     assert set(listed.values()) == {1}, listed
     metadata = _by_kind(counts, "zarr metadata")
     assert sorted(metadata) == sorted(f"{d}/" for d in items) and set(metadata.values()) == {1}
+    parsed = _by_kind(counts, "item files")  # the plan's specs and the readers share one parse
+    assert sorted(parsed) == sorted(items), parsed
+    assert set(parsed.values()) == {1}, parsed
 
 
 def test_transparent_restore_plans_from_each_item_once(many_leaves, tmp_path):
@@ -123,6 +128,8 @@ def test_transparent_restore_plans_from_each_item_once(many_leaves, tmp_path):
     want = [f"{tmp_path / 'run' / '3' / n}/" for n in ("model_params", "optimizer_state")]
     assert sorted(metadata) == want and set(metadata.values()) == {1}, metadata
     assert not _by_kind(counts, "listing")
+    parsed = _by_kind(counts, "item files")  # planned twice, read by the engine: one parse
+    assert sorted(parsed) == [w.rstrip("/") for w in want] and set(parsed.values()) == {1}, parsed
 
 
 @pytest.mark.parametrize("how", ["convert", "dry_run", "inspect"])
@@ -165,6 +172,35 @@ def test_in_place_conversion_reads_each_item_once(many_leaves, tmp_path):
     items = [str(step / n) for n in ("items", "model_params", "optimizer_state")]
     assert sorted(metadata) == sorted(f"{d}/" for d in items) and set(metadata.values()) == {1}
     assert set(_by_kind(counts, "listing").values()) == {1}, counts
+    parsed = _by_kind(counts, "item files")
+    assert sorted(parsed) == sorted(items) and set(parsed.values()) == {1}, parsed
+
+
+def test_an_item_rewritten_within_an_operation_is_read_again(many_leaves, tmp_path):
+    """Within `reads_each_item_once` an item's files are parsed once while its _METADATA is
+    the same file; an item replaced meanwhile (a new _METADATA) is read afresh, and
+    outside any operation nothing is kept."""
+    _, _, converted = many_leaves
+    item = tmp_path / "items"
+    shutil.copytree(converted / "items", item)
+
+    @reads_each_item_once
+    def twice_then_replaced() -> tuple:
+        first, again = ItemFiles.read(item), ItemFiles.read(item)
+        shutil.rmtree(item)
+        shutil.copytree(converted / "items", item)
+        meta = json.loads((item / "_METADATA").read_text())
+        meta["custom"] = "rewritten"
+        (item / "_METADATA").write_text(json.dumps(meta))
+        return first, again, ItemFiles.read(item)
+
+    with io_counts() as counts:
+        first, again, replaced = twice_then_replaced()
+    assert again is first and replaced is not first and replaced.meta.get("custom") == "rewritten"
+    assert _by_kind(counts, "item files") == {str(item): 2}
+    with io_counts() as counts:
+        assert ItemFiles.read(item) is not ItemFiles.read(item)
+    assert _by_kind(counts, "item files") == {str(item): 2}
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ from ..orbax_io.layout import (
     tunix_items,
     tunix_step_number,
 )
-from ..orbax_io.orbax_files import ItemFiles
+from ..orbax_io.orbax_files import ItemFiles, reads_each_item_once
 from ..orbax_io.spec import spec_of
 from ..plan import merge, renumbering
 from ..plan.moves import Op
@@ -132,6 +132,7 @@ class StepReport:
         return "\n".join(lines)
 
 
+@reads_each_item_once
 def convert_step(
     step_dir: epath.PathLike,
     target: Target,
@@ -654,6 +655,7 @@ class MergeReport:
 
 
 # -- merge-lora: the same writer, lock and publication ----------------------------------------
+@reads_each_item_once
 def merge_lora(
     adapter_step: epath.PathLike,
     base: epath.PathLike,

@@ -22,7 +22,7 @@ from ..errors import LayoutMismatchError
 from ..model.target import Target
 from ..orbax_io.layout import MAXTEXT_ITEM, Layout, tunix_items
 from ..orbax_io.ocdbt import keys_by_array
-from ..orbax_io.orbax_files import param_name, read_context, sub_kv
+from ..orbax_io.orbax_files import param_name, read_context, reads_each_item_once, sub_kv
 from ..orbax_io.reader import ItemReader, same_stored
 from ..orbax_io.spec import read_specs
 from ..orbax_io.stepmeta import read_provenance
@@ -94,6 +94,7 @@ def replay_rescan(prov: Mapping[str, Any], specs: FlatTree) -> tuple[Plan, dict[
     return plan, {MAXTEXT_ITEM: source / MAXTEXT_ITEM}
 
 
+@reads_each_item_once
 def verify_step(
     step_dir: epath.PathLike,
     *,
@@ -312,16 +313,21 @@ def _unequal_in_files(
     each streamed through reused buffers (`same_stored`): the moves (by ``id``) of
     which a value differs, and the pairs left to compare through the kvstores."""
 
-    def same(pair: tuple[Move, bytes, bytes]) -> bool | None:
-        m, a, b = pair
-        return same_stored(srcs[m.item], a.decode(), dst, b.decode())
+    def same(part: list[tuple[Move, bytes, bytes]]) -> list[bool | None]:
+        return [same_stored(srcs[m.item], a.decode(), dst, b.decode()) for m, a, b in part]
 
+    # Two workers, each given every other pair: one future per worker, not per pair (a
+    # future per leaf is a dozen objects the collector tracks, and with thousands of leaves
+    # they alone pushed it into full collections).
+    halves = [pairs[0::2], pairs[1::2]]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(same, halves))
     unequal: set[int] = set()
     rest = []
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for pair, got in zip(pairs, pool.map(same, pairs), strict=True):
-            if got is None:
+    for half, answers in zip(halves, got, strict=True):
+        for pair, same_value in zip(half, answers, strict=True):
+            if same_value is None:
                 rest.append(pair)
-            elif not got:
+            elif not same_value:
                 unequal.add(id(pair[0]))
     return unequal, rest

@@ -30,7 +30,7 @@ from ..orbax_io.layout import (
     detect_layout,
     step_dir_of,
 )
-from ..orbax_io.orbax_files import METADATA_FILE
+from ..orbax_io.orbax_files import METADATA_FILE, reads_each_item_once
 from ..orbax_io.spec import read_specs, spec_of
 from ..plan.step_plan import OptimizerMode
 
@@ -79,6 +79,7 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
         # from the stock PyTreeCheckpointHandler's.
         return "orbax_maxtext_layout.MaxTextLayoutHandler"
 
+    @reads_each_item_once
     def restore(
         self,
         directory: epath.Path,

@@ -15,11 +15,13 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -106,8 +108,8 @@ def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
     for f in sorted(folder.iterdir()):
         try:
             for entry in read_json(f, "array metadata")["array_metadatas"]:
-                meta = entry["array_metadata"]
-                out[str(meta["param_name"])] = dict(meta)
+                meta = entry["array_metadata"]  # read-only: writers copy what they change
+                out[str(meta["param_name"])] = meta
         except CheckpointReadError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -145,8 +147,22 @@ class ItemFiles:
 
     @classmethod
     def read(cls, item_dir: epath.PathLike, meta: dict | None = None) -> ItemFiles:
-        """Reads the item's JSON files (``meta``: its ``_METADATA``, if already parsed)."""
+        """Reads the item's JSON files (``meta``: its ``_METADATA``, if already parsed); in
+        an operation that reads each item once (`reads_each_item_once`), the files it read
+        before, while ``_METADATA`` is the same file."""
         item_dir = epath.Path(item_dir)
+        key = _once_key(item_dir)
+        known = _READ_ONCE.get().get(key) if key is not None else None  # type: ignore[union-attr]
+        if known is not None and (meta is None or meta is known.meta):
+            return known
+        files = cls._read(item_dir, meta)
+        if key is not None:
+            _READ_ONCE.get()[key] = files  # type: ignore[index]
+        return files
+
+    @classmethod
+    def _read(cls, item_dir: epath.Path, meta: dict | None) -> ItemFiles:
+        count("item files", str(item_dir))
         if meta is None:
             meta = read_json(item_dir / METADATA_FILE, "Orbax metadata")
         try:
@@ -166,6 +182,55 @@ class ItemFiles:
             except (ValueError, TypeError, AttributeError) as e:
                 raise CheckpointReadError(f"{item_dir}/{SHARDING_FILE}: invalid ({e!r}).") from e
         return cls(item_dir, meta, value_meta, shardings, read_array_metadatas(item_dir))
+
+
+# -- each item's JSON files parsed once per operation ----------------------------------------
+# An operation reads an item's files in several places (its specs for the plan, then the
+# reader of its arrays); parsed again each time, a ``_METADATA`` of thousands of leaves is
+# tens of thousands of objects for the collector, whose full passes then cost more than the
+# parse (issue 57). Within `reads_each_item_once`, `ItemFiles.read` hands out what it read
+# before while ``_METADATA`` is the same file (inode, size, modification time): an item
+# rewritten meanwhile is a new file and is read again. Scoped to the calling thread's
+# context (a `contextvars` variable): nothing outside the call sees it, and the parses are
+# dropped when it returns. Local disks only: on an object store the check would be a
+# request of its own.
+_READ_ONCE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "orbax_maxtext_layout_item_files", default=None
+)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def reads_each_item_once(fn: _F) -> _F:
+    """``fn``, reading each item's JSON files once (the outermost such call keeps them)."""
+
+    @functools.wraps(fn)
+    def once(*args: Any, **kwargs: Any) -> Any:
+        if _READ_ONCE.get() is not None:
+            return fn(*args, **kwargs)
+        token = _READ_ONCE.set({})
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _READ_ONCE.reset(token)
+
+    return once  # type: ignore[return-value]
+
+
+def known_metadata(item_dir: epath.Path) -> dict | None:
+    """The item's parsed ``_METADATA`` if this operation read its files already."""
+    key = _once_key(item_dir)
+    known = _READ_ONCE.get().get(key) if key is not None else None  # type: ignore[union-attr]
+    return known.meta if known is not None else None
+
+
+def _once_key(item_dir: epath.Path) -> tuple | None:
+    if _READ_ONCE.get() is None or "://" in str(item_dir):
+        return None
+    try:
+        st = os.stat(os.path.join(str(item_dir), METADATA_FILE))
+    except OSError:
+        return None
+    return (os.path.abspath(str(item_dir)), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def read_context(cache_bytes: int = READ_CACHE_BYTES) -> ts.Context:
@@ -222,8 +287,9 @@ def io_counts() -> Iterator[collections.Counter]:
     """Counts, while active (in any thread), the reads that cost a pass over an item's
     index: ``("listing", database)`` for each key listing (`ocdbt.keys`,
     `ocdbt.keys_by_array`) and ``("zarr metadata", database)`` for each batch of
-    `read_zarr_metadata`, and ``("step metadata", step)`` for each read of a step's
-    metadata file (`stepmeta.read`). An operation should make each once per database, not once per
+    `read_zarr_metadata`, ``("step metadata", step)`` for each read of a step's
+    metadata file (`stepmeta.read`) and ``("item files", item)`` for each parse of an
+    item's JSON files (`ItemFiles.read`). An operation should make each once per database, not once per
     array. Decodes are counted too: ``("chunk decoded", "<item>/<array>/<chunk>")`` for each
     stored chunk the chunk-aware reader decodes (`chunks.pieces`), ``("array decoded", ...)``
     for each whole array and ``("layer decoded", ...)`` for each layer tensorstore reads on

@@ -202,11 +202,15 @@ class ItemReader:
 
 def same_stored(a: ItemReader, a_key: str, b: ItemReader, b_key: str) -> bool | None:
     """Whether stored values ``a_key`` of ``a`` and ``b_key`` of ``b`` hold the same bytes,
-    read from their data files piece by piece into this thread's two buffers; None where
-    either does not lie whole in a local data file (`ItemReader.value_file`; a file cut
+    read from their data files piece by piece into this thread's two buffers (or, both
+    stored inline in their B-trees, as the walk read them); None where either does not
+    lie whole in a local data file (`ItemReader.value_file`; a file cut
     short, even both names of one file: compare through the kvstore, which reports it). A
     kvstore read makes a fresh buffer of each whole value, whose pages the kernel zeroes
     first: most of the time of ``verify``'s copied arrays at 8B."""
+    ia, ib = a._inline(a_key), b._inline(b_key)
+    if ia is not None and ib is not None:  # both small, read with the B-trees already
+        return ia == ib
     wa, wb = a.value_file(a_key), b.value_file(b_key)
     if wa is None or wb is None:
         return None

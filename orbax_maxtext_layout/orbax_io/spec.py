@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from .orbax_files import (
     ItemFiles,
     absolute,
     key_impls,
+    known_metadata,
     open_kvstore,
     parse_json,
     read_context,
@@ -150,11 +152,13 @@ def _item_metadata(item_dir: epath.Path) -> dict:
             "(an interrupted save, or the wrong directory)."
         )
     f = item_dir / "_METADATA"
-    try:  # bounded (`ITEM_JSON_LIMIT`): checkpoints are untrusted input
-        raw = read_limited(f, ITEM_JSON_LIMIT, "Orbax metadata")
-    except OSError as e:  # gone since the check: e.g. moved by another converter meanwhile
-        raise CheckpointReadError(f"{item_dir}/_METADATA: cannot be read ({e}).") from e
-    meta = parse_json(raw, f, "JSON")  # also JSON nested too deeply for Python's parser
+    meta = known_metadata(item_dir)  # this operation read it already
+    if meta is None:
+        try:  # bounded (`ITEM_JSON_LIMIT`): checkpoints are untrusted input
+            raw = read_limited(f, ITEM_JSON_LIMIT, "Orbax metadata")
+        except OSError as e:  # gone since the check: e.g. moved by another converter meanwhile
+            raise CheckpointReadError(f"{item_dir}/_METADATA: cannot be read ({e}).") from e
+        meta = parse_json(raw, f, "JSON")  # also JSON nested too deeply for Python's parser
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise CheckpointReadError(
             f"{item_dir}/_METADATA: not an Orbax PyTree metadata file (no tree_metadata object)."
@@ -224,8 +228,18 @@ def _specs_from_files(item_dir: epath.Path, meta: dict) -> FlatTree | None:
         dtype = _zarr_dtype(z["data_type"] if files.use_zarr3 else z["dtype"])
         shape = () if vm["value_type"] == "scalar" else tuple(int(d) for d in z["shape"])
         out[path] = LeafSpec(shape, dtype, str(impls[name]) if name in impls else None)
-    # Orbax's tree is a jax pytree: mapping keys sorted, sequences in order.
-    return {p: out[p] for p in sorted(out, key=lambda p: tuple((isinstance(k, str), k) for k in p))}
+    return {p: out[p] for p in _tree_order(out)}
+
+
+def _tree_order(paths: Iterable[Path]) -> list[Path]:
+    """``paths`` in the order of Orbax's tree, a jax pytree: mapping keys sorted, sequences
+    in order. Paths of string keys alone (most items) sort as they are; only where an
+    index appears is each key tagged with its kind (a key per path of several tuples is
+    that many more objects for the collector)."""
+    paths = list(paths)
+    if all(isinstance(k, str) for p in paths for k in p):
+        return sorted(paths)
+    return sorted(paths, key=lambda p: tuple((isinstance(k, str), k) for k in p))
 
 
 def _check_shardings(files: ItemFiles, names: list[str]) -> None:
