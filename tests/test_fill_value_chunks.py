@@ -186,3 +186,41 @@ def test_a_missing_chunk_of_a_step_that_stores_every_chunk_is_refused(saved, tmp
         _stock(epath.Path(item), args)
     with pytest.raises(CheckpointReadError, match=r"cannot read w: (chunk|shard) .* not stored"):
         restore_pytree(epath.Path(item), args, _stock)
+
+
+def test_a_shards_unwritten_inner_chunks_restore_as_stock(saved, tmp_path, caplog):
+    """A zarr3 shard of several inner chunks, written by tensorstore without
+    ``store_data_equal_to_fill_value`` (its default): the all-zero inner chunks are left out
+    of the shard (their index entries say "missing"), and a shard all zero is not written."""
+    path, fmt, tree = saved
+    if fmt != "zarr3":
+        pytest.skip("zarr3 shards")
+    item = tmp_path / "inner"
+    shutil.copytree(path, item)
+    meta = json.loads(bytes(_kv(item, True).read("w/zarr.json").result().value))
+    shard = meta["codecs"][0]["configuration"]
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [64, 500]  # 2 shards
+    shard["chunk_shape"] = [64, 125]  # of 4 inner chunks each
+    kvspec = {"driver": "ocdbt", "base": f"file://{item}/", "path": "w/"}
+    w = ts.open(
+        {"driver": "zarr3", "kvstore": kvspec, "metadata": meta},
+        create=True,
+        delete_existing=True,
+    ).result()
+    value = tree["w"].copy()
+    value[:, 500:] = 0  # the second shard: all zero, never written
+    w.write(value).result()
+    kv = _kv(item, True)
+    assert kv.read("w/c/0/1").result().state == "missing"
+    doc = json.loads((item / "_METADATA").read_text())
+    del doc["store_array_data_equal_to_fill_value"]
+    (item / "_METADATA").write_text(json.dumps(doc))
+    args = _args(tree)
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = restore_pytree(epath.Path(item), args, _stock)
+    assert _engine_count(caplog) == 3
+    want = _stock(epath.Path(item), args)
+    assert _digest(got) == _digest(want)
+    assert np.asarray(got["w"]).tobytes() == value.tobytes()
+    src = ItemReader.open(epath.Path(item), item_writer.ts_context())
+    assert src.read_whole("w").tobytes() == value.tobytes()
