@@ -7,7 +7,9 @@ read that tries to allocate what a forged shape asks for fails here, and an abor
 (``std::bad_alloc``) ends this process, not the test worker: the test sees the exit status.
 Each job is ``{"cli": [ARGV...]}`` (`orbax_maxtext_layout.cli.main`, its stdout and stderr
 captured) or ``{"call": FUNC, "item": DIR, "name": ARRAY}`` with FUNC one of ``read_whole``,
-``pieces``, ``read_chunk``, ``read_specs``, ``step_metadata`` (``item``: the step). One JSON
+``pieces``, ``read_chunk``, ``read_specs``, ``step_metadata`` (``item``: the step),
+``restore`` or ``stock_restore`` (array ``name`` of the item restored as a host array, by
+the library's `restore_pytree`, whose engine reads it, or by stock Orbax). One JSON
 line per job on stdout, written as it ends (what was done before an abort is kept): ``rc``
 (CLI), ``stderr``, ``error`` (the type of an exception that escaped, or None), ``read_error``
 (whether it is a `CheckpointReadError`), ``message``,
@@ -44,7 +46,9 @@ def _call(job: dict) -> None:
     from orbax_maxtext_layout.orbax_io.spec import read_specs
 
     func, item = job["call"], epath.Path(job["item"])
-    if func == "read_specs":
+    if func in ("restore", "stock_restore"):
+        _restore(item, job["name"], stock=func == "stock_restore")
+    elif func == "read_specs":
         read_specs(item)
     elif func == "step_metadata":
         stepmeta.read(item)
@@ -61,6 +65,20 @@ def _call(job: dict) -> None:
             lay = src.layout(name)
             shape = tuple(min(c, n) for c, n in zip(lay.chunk, lay.shape, strict=True))
             src.read_chunk(name, (0,) * len(shape), shape)
+
+
+def _restore(item, name: str, *, stock: bool) -> None:
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from orbax_maxtext_layout.execute.restore import restore_pytree
+
+    def through_stock(path, args):
+        return ocp.PyTreeCheckpointHandler().restore(path, args=args)
+
+    rargs = {name: ocp.RestoreArgs(restore_type=np.ndarray)}
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs, partial_restore=True)
+    (through_stock if stock else lambda p, a: restore_pytree(p, a, through_stock))(item, args)
 
 
 def _run(job: dict) -> dict:

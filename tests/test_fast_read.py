@@ -70,7 +70,9 @@ def _item(tmp_path, zarr3: bool, data: np.ndarray, chunk: tuple) -> ItemReader:
     out = item_writer.create_array(kv.spec().to_json(), "w", data.shape, data.dtype, chunk,
                             use_zarr3=zarr3, context=ctx)  # fmt: skip
     out.write(data).result()
-    files = type("F", (), {"use_zarr3": zarr3, "use_ocdbt": True, "dir": epath.Path(tmp_path)})
+    # this library's writer stores every chunk: one missing is damage (`fills_missing`)
+    attrs = {"use_zarr3": zarr3, "use_ocdbt": True, "dir": epath.Path(tmp_path)}
+    files = type("F", (), {**attrs, "fills_missing": False})
     kv = orbax_files.open_kvstore(epath.Path(tmp_path), ctx, use_ocdbt=True)
     return ItemReader(files(), kv, store_for(epath.Path(tmp_path)), ctx)
 

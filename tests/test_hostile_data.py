@@ -233,19 +233,24 @@ def _converted(tmp_path: Path, rel: str) -> Path:
 
 def _forge_chunk_shape(item: Path, zarr3: bool, chunk: list[int]) -> str:
     """Sets the chunk shape of `KERNEL` in ``item``; returns its metadata key."""
+    return _forge_chunk_shape_of(item, KERNEL, zarr3, chunk)
+
+
+def _forge_chunk_shape_of(item: Path, name: str, zarr3: bool, chunk: list[int]) -> str:
+    """Sets the chunk shape of array ``name`` in ``item``; returns its metadata key."""
     if zarr3:
 
         def change(m):
             m["chunk_grid"]["configuration"]["chunk_shape"] = chunk
             m["codecs"][0]["configuration"]["chunk_shape"] = chunk
 
-        key = f"{KERNEL}/zarr.json"
+        key = f"{name}/zarr.json"
     else:
 
         def change(m):
             m["chunks"] = chunk
 
-        key = f"{KERNEL}/.zarray"
+        key = f"{name}/.zarray"
     _edit_json(item, key, change)
     return key
 
@@ -314,6 +319,29 @@ def test_a_forged_array_shape_is_refused_before_it_is_allocated(saved, tmp_path)
     for g in got[2:]:
         _refused(g, meta, "w/.zarray", "_METADATA write_shape")
     assert {p: tree_digest(p) for p in (zarr, meta)} == digests
+
+
+@pytest.mark.parametrize("zarr3", [False, True], ids=["zarr2", "zarr3"])
+def test_a_grid_of_millions_of_tiny_chunks_is_refused_before_any_work(tmp_path, zarr3):
+    """Issue 58: zarr metadata that claims [1, 1] chunks for a float32[2048, 2048] array
+    (4.2 M chunks). The engine planned a task per claimed chunk first (~330 bytes each: 1.4
+    GB and 20 s), then failed on the one stored chunk; stock fails at once on the missing
+    chunks. Refused now from the metadata, naming the array's metadata key, in at most
+    twice stock's time and memory (both in capped children)."""
+    import orbax.checkpoint as ocp
+
+    item = tmp_path / "item"
+    tree = {"w": np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)}
+    c = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3))
+    c.save(epath.Path(item), args=ocp.args.PyTreeSave(tree))
+    c.close()
+    key = _forge_chunk_shape_of(item, "w", zarr3, [1, 1])
+    ours = _child([{"call": "restore", "item": str(item), "name": "w"}])[0]
+    _refused(ours, item, key, "a grid of 4,194,304 chunks")
+    stock = _child([{"call": "stock_restore", "item": str(item), "name": "w"}])[0]
+    assert stock["error"], stock  # stock refuses too (a chunk it expects is not stored)
+    assert ours["seconds"] <= 2 * stock["seconds"] + 0.5, (ours, stock)
+    assert ours["peak_rss_kib"] <= 2 * stock["peak_rss_kib"], (ours, stock)
 
 
 # -- JSON files ---------------------------------------------------------------------------

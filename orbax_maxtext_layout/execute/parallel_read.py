@@ -6,12 +6,13 @@ zstd frame on one thread and into fresh memory (the kernel zeroes each page on f
 touch). Here each array's target shards become *boxes* (one per distinct index: replicas
 share one), each box needs the stored chunks it overlaps, and one task per stored chunk
 (`chunks.decode_cell`) decodes it once and copies what it holds into every box that needs
-it, cast to the box's dtype as Orbax casts (numpy's ``astype``). A chunk that is exactly one
-box, in the box's dtype, is decoded straight into the box (`chunks.decode_cell_into`). A
-pool sized to the cores runs the tasks, the largest first. A box is placed on its devices
-(`jax.device_put`, one copy per device as Orbax makes them) by the task that completes it,
-so transfers overlap decoding; its host buffer then goes back to a pool of buffers, reused
-by later boxes within ``budget`` bytes: the whole model is never held twice on the host.
+it, cast to the box's dtype as Orbax casts (tensorstore's ``cast`` driver: `orbax_io.casts`).
+A chunk that is exactly one box, in the box's dtype, is decoded straight into the box
+(`chunks.decode_cell_into`). A pool sized to the cores runs the tasks, the largest first.
+A box is placed on its devices (`jax.device_put`, one copy per device as Orbax makes them)
+by the task that completes it, so transfers overlap decoding; its host buffer then goes
+back to a pool of buffers, reused by later boxes within ``budget`` bytes: the whole model
+is never held twice on the host.
 Host arrays (a request without a sharding) are decoded into their own fresh buffers, which
 are the result.
 
@@ -38,7 +39,7 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointReadError, detached
-from ..orbax_io import chunks
+from ..orbax_io import casts, chunks
 from ..orbax_io.reader import ItemReader
 from ..orbax_io.values import PIECE
 from ..orbax_io.zarr import Layout, np_dtype
@@ -94,6 +95,8 @@ def why_not(reader: ItemReader, req: ArrayRequest) -> str | None:
         return "a PRNG key"
     if np_dtype(np.dtype(req.dtype).name) is None:
         return f"dtype {req.dtype}"
+    if not casts.castable(lay.dtype, np.dtype(req.dtype)):
+        return f"a cast from {lay.dtype} to {np.dtype(req.dtype)}"  # stock raises its error
     if req.sharding is not None:
         if getattr(req.sharding, "memory_kind", None) not in (None, "device"):
             return f"memory kind {req.sharding.memory_kind}"
@@ -444,7 +447,7 @@ def _copy(piece: chunks.Piece, box: _Box) -> None:
         first, last = _byte_bounds(into)
         base = box.buf.ctypes.data
         box.ahead.claim(first - base, last - base)
-    np.copyto(into, piece.data[src], casting="unsafe")
+    casts.cast_into(into, piece.data[src])  # as Orbax casts: tensorstore's cast driver
 
 
 try:  # numpy 2

@@ -22,6 +22,7 @@ from etils import epath
 from ..base.treepaths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
+from ..orbax_io import casts
 from ..orbax_io.layout import tunix_items
 from ..orbax_io.orbax_files import absolute, param_name, reads_each_item_once
 from ..orbax_io.reader import ItemReader
@@ -341,7 +342,7 @@ def assemble_flat(plan: Plan, sources: Mapping[str, FlatTree]) -> FlatTree:
         elif m.op is Op.CAST:
             x = sources[m.item][m.src]
             if np.dtype(x.dtype) != m.cast:
-                x = np.asarray(x).astype(m.cast)
+                x = casts.astype(x, m.cast)  # as Orbax casts (tensorstore's cast)
         else:
             x = apply_op(m, lambda item, p: np.asarray(sources[item][p]))
         if m.out_spec.key_impl and _is_key_data(x):

@@ -84,8 +84,9 @@ def pieces(
     machine (the kernel zeroes every page on first touch: 2.3 GiB/s here, 0.6 GiB/s in
     transparent huge pages, against 9 GiB/s to rewrite a buffer).
 
-    Raises `CheckpointReadError` naming the array for a chunk that is missing (Orbax
-    stores every chunk: a missing one is damage, never the fill value) or undecodable.
+    Raises `CheckpointReadError` naming the array for a chunk that is missing (Orbax 0.12
+    stores every chunk) or undecodable. A missing chunk of a step that does not say so
+    (`ItemFiles.fills_missing`: older Orbax) is the array's fill value, as stock reads it.
     """
     return _pieces(src, name, ctx, max_bytes, "decode" if reuse else None)
 
@@ -103,8 +104,11 @@ def _pieces(
         _check_fits(what, lay.chunk_bytes, "a chunk")  # tensorstore decodes whole chunks
         yield from _tensorstore_pieces(src, name, lay, ctx, what)
         return
+    fill = functools.partial(src.fill_value, name)
     for origin, frame in _frames(src, name, lay, what, scratch=scratch_kind):
-        yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind=scratch_kind)
+        yield from _decode(
+            what, frame, lay, origin, max_bytes, scratch_kind=scratch_kind, fill=fill
+        )
 
 
 def read_chunk(
@@ -127,7 +131,10 @@ def read_chunk(
     what = f"{src.dir}: cannot read {name}"
     _check_fits(what, lay.chunk_bytes, "a chunk")  # decoded whole, into one buffer
     for _, frame in _frames(src, name, lay, what, only=cell, scratch="check"):
-        got = list(_decode(what, frame, lay, origin, lay.chunk_bytes, scratch_kind="check"))
+        fill = functools.partial(src.fill_value, name)
+        got = list(
+            _decode(what, frame, lay, origin, lay.chunk_bytes, scratch_kind="check", fill=fill)
+        )
         return got[0].data
     return None
 
@@ -135,13 +142,18 @@ def read_chunk(
 def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratch=None):
     """``(origin, frame)`` of each stored chunk in storage order, each counted as decoded
     (``only``: the chunk at that grid cell alone), read into this thread's buffer
-    ``<scratch>-read`` (None: each frame its own). Raises `CheckpointReadError` for a
-    chunk or a shard index that is not stored."""
+    ``<scratch>-read`` (None: each frame its own). A chunk, a shard or a shard's inner
+    chunk that is not stored is ``(origin, None)`` where the step reads it as the fill value
+    (`ItemFiles.fills_missing`); else `CheckpointReadError`."""
     scratch = None if scratch is None else f"{scratch}-read"
+    fills = src.files.fills_missing
     if lay.shard is None:
         for cell in [only] if only is not None else lay.grid(lay.chunk):
             origin = cell_origin(lay, cell)
             value = src.stored_value(f"{name}/{lay.key(cell)}", scratch)
+            if value is None and fills:
+                yield origin, None
+                continue
             if value is None:
                 raise CheckpointReadError(f"{what}: chunk {lay.key(cell)} is not stored.")
             with value:
@@ -157,20 +169,27 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
     for cell in shards:
         key = f"{name}/{lay.key(cell)}"
         value = src.stored_value(key, scratch)
+        if value is None and fills:  # every inner chunk of it is the fill value
+            for sub in itertools.product(*(range(n) for n in inner)):
+                origin = _inner_origin(lay, cell, sub)
+                past = any(o >= n for o, n in zip(origin, lay.shape, strict=False))
+                if not past and (only is None or sub == want):
+                    yield origin, None
+            continue
         if value is None:
             raise CheckpointReadError(f"{what}: shard {lay.key(cell)} is not stored.")
         with value:
             tail = _shard_index(value, lay, f"{what}: shard {lay.key(cell)}")
             for k, sub in enumerate(itertools.product(*(range(n) for n in inner))):
-                origin = tuple(
-                    c * s + i * n
-                    for c, s, i, n in zip(cell, lay.shard, sub, lay.chunk, strict=False)
-                )
+                origin = _inner_origin(lay, cell, sub)
                 if any(o >= n for o, n in zip(origin, lay.shape, strict=False)):
                     continue  # an inner chunk wholly past the array's edge
                 if only is not None and sub != want:
                     continue
                 offset, size = struct.unpack_from("<QQ", tail, 16 * k)
+                if offset == MISSING and fills:
+                    yield origin, None
+                    continue
                 if offset == MISSING:
                     raise CheckpointReadError(
                         f"{what}: shard {lay.key(cell)} lacks inner chunk {sub}."
@@ -183,6 +202,11 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
                 count("chunk decoded", f"{src.dir}/{key}#{k}")
                 with value.part(offset, size) as part:  # exited: its mapped pages go
                     yield origin, part
+
+
+def _inner_origin(lay: Layout, cell: tuple[int, ...], sub: tuple[int, ...]) -> tuple[int, ...]:
+    """Where inner chunk ``sub`` of the shard at grid ``cell`` starts in the array."""
+    return tuple(c * s + i * n for c, s, i, n in zip(cell, lay.shard, sub, lay.chunk, strict=False))
 
 
 def _shard_index(value, lay: Layout, where: str) -> bytes:
@@ -223,7 +247,8 @@ def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piec
     once): for small arrays, scalars and codecs zstandard does not take."""
     driver = "zarr3" if src.use_zarr3 else "zarr"
     spec = {"driver": driver, "kvstore": sub_kv(src.kv.spec().to_json(), name)}
-    spec["fill_missing_data_reads"] = False  # a missing chunk must fail, not read as zeros
+    # a missing chunk fails, unless the step says it is the fill value (as stock reads it)
+    spec["fill_missing_data_reads"] = src.files.fills_missing
     try:
         store = ts.open(spec, open=True, context=ctx).result()
         if lay.piece_shape(0) == lay.shape:
@@ -242,16 +267,24 @@ def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piec
         raise CheckpointReadError(f"{what}: {e}") from e
 
 
-def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, *, scratch_kind: str | None):
+def _decode(
+    what: str,
+    frame,
+    lay: Layout,
+    origin,
+    max_bytes: int,
+    *,
+    scratch_kind: str | None,
+    fill: Callable[[], np.ndarray] | None = None,
+):
     """The pieces of one stored chunk at ``origin``: its zstd frame streamed, in runs of
     whole rows of at most ``max_bytes`` (rows: on the first axis whose rows fit), each
-    decoded into this thread's scratch buffer ``scratch_kind`` (None: fresh arrays)."""
-    chunk, item = lay.chunk, lay.dtype.itemsize
-    k, run = lay.rows(max_bytes) if lay.chunk_bytes > max_bytes else (0, chunk[0])
-    size = math.prod(chunk[k + 1 :]) * min(run, chunk[k])
-    scratch = None
-    if scratch_kind is not None:
-        scratch = scratch_buffer(scratch_kind, size * item).view(lay.dtype)[:size]
+    decoded into this thread's scratch buffer ``scratch_kind`` (None: fresh arrays).
+    ``frame`` None: a chunk not stored, whose pieces hold ``fill()`` (`_frames`)."""
+    if frame is None:
+        value = fill()
+        yield from _runs(lay, origin, max_bytes, scratch_kind, lambda buf: np.copyto(buf, value))
+        return
     # The stream must hold exactly the chunk (issue 46; as tensorstore requires): a frame
     # that declares another size is refused before it is decoded (`_Framed`), and one that
     # decodes past the chunk's last row (more frames, or a frame that declares no size) too.
@@ -260,20 +293,32 @@ def _decode(what: str, frame, lay: Layout, origin, max_bytes: int, *, scratch_ki
         with zstd.ZstdDecompressor().stream_reader(
             stream, read_size=values.PIECE, read_across_frames=True
         ) as r:
-            for lead in itertools.product(*(range(n) for n in chunk[:k])):
-                for r0 in range(0, chunk[k], run):
-                    shape = (1,) * k + (min(run, chunk[k] - r0),) + chunk[k + 1 :]
-                    if scratch is None:
-                        buf = np.empty(shape, lay.dtype)
-                    else:
-                        buf = scratch[: math.prod(shape)].reshape(shape)
-                    read_exactly(r, buf)
-                    start = tuple(o + i for o, i in zip(origin, (*lead, r0), strict=False))
-                    got = _crop(start + origin[k + 1 :], buf, lay.shape)
-                    if got is not None:
-                        yield got
+            yield from _runs(lay, origin, max_bytes, scratch_kind, lambda buf: read_exactly(r, buf))
             if r.read(1):
                 raise _Long
+
+
+def _runs(lay: Layout, origin, max_bytes: int, scratch_kind: str | None, put) -> Iterator[Piece]:
+    """The chunk at ``origin`` as pieces of runs of whole rows (`_decode`), each written by
+    ``put(buf)``, cropped to the array."""
+    chunk, item = lay.chunk, lay.dtype.itemsize
+    k, run = lay.rows(max_bytes) if lay.chunk_bytes > max_bytes else (0, chunk[0])
+    size = math.prod(chunk[k + 1 :]) * min(run, chunk[k])
+    scratch = None
+    if scratch_kind is not None:
+        scratch = scratch_buffer(scratch_kind, size * item).view(lay.dtype)[:size]
+    for lead in itertools.product(*(range(n) for n in chunk[:k])):
+        for r0 in range(0, chunk[k], run):
+            shape = (1,) * k + (min(run, chunk[k] - r0),) + chunk[k + 1 :]
+            if scratch is None:
+                buf = np.empty(shape, lay.dtype)
+            else:
+                buf = scratch[: math.prod(shape)].reshape(shape)
+            put(buf)
+            start = tuple(o + i for o, i in zip(origin, (*lead, r0), strict=False))
+            got = _crop(start + origin[k + 1 :], buf, lay.shape)
+            if got is not None:
+                yield got
 
 
 @contextlib.contextmanager
@@ -317,8 +362,9 @@ def decode_cell(
     until the next piece), cropped to the array."""
     lay = src.layout(name)
     what = f"{src.dir}: cannot read {name}"
+    fill = functools.partial(src.fill_value, name)
     for origin, frame in _frames(src, name, lay, what, only=cell, scratch="engine"):
-        yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind="engine")
+        yield from _decode(what, frame, lay, origin, max_bytes, scratch_kind="engine", fill=fill)
 
 
 def decode_cell_into(
@@ -336,6 +382,11 @@ def decode_cell_into(
     what = f"{src.dir}: cannot read {name}"
     flat = out.reshape(-1).view(np.uint8)
     for origin, frame in _frames(src, name, lay, what, only=cell, scratch="engine"):
+        if frame is None:  # not stored: the fill value, as stock reads it (`_frames`)
+            if before is not None:
+                before(0, flat.nbytes)
+            np.copyto(out, src.fill_value(name))  # an array: a NaN's payload kept
+            continue
         with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
             stream = _Framed(frame, lay.chunk_bytes)
             with zstd.ZstdDecompressor().stream_reader(

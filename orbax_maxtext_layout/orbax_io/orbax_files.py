@@ -145,6 +145,15 @@ class ItemFiles:
     def use_ocdbt(self) -> bool:
         return bool(self.meta.get("use_ocdbt", True))
 
+    @property
+    def fills_missing(self) -> bool:
+        """Whether a chunk that is not stored reads as the array's fill value, as stock
+        Orbax reads it: unless ``_METADATA`` says ``store_array_data_equal_to_fill_value``
+        (Orbax 0.12 writes it true; older Orbax wrote none, and tensorstore then leaves a
+        chunk equal to the fill value, an all-zero one, unwritten), Orbax opens the array
+        with ``fill_missing_data_reads`` (issue 58). With it, a missing chunk is damage."""
+        return not bool(self.meta.get("store_array_data_equal_to_fill_value", False))
+
     @classmethod
     def read(cls, item_dir: epath.PathLike, meta: dict | None = None) -> ItemFiles:
         """Reads the item's JSON files (``meta``: its ``_METADATA``, if already parsed); in

@@ -53,6 +53,8 @@ class ItemReader:
     _value_files: dict | None = dataclasses.field(default=None, repr=False, compare=False)
     # array name -> its stored layout (`layout`), once read
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # array name -> its fill value (`fill_value`), once read
+    _fills: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # the local data files mapped for reading (`stored_value`), each once
     _mapped: MappedFiles = dataclasses.field(default_factory=MappedFiles, repr=False, compare=False)
 
@@ -98,6 +100,24 @@ class ItemReader:
             self._layouts[name] = read_layout(self, name)
         return self._layouts[name]
 
+    def fill_value(self, name: str) -> np.ndarray:
+        """What a chunk of array ``name`` that is not stored holds (`ItemFiles.fills_missing`),
+        a 0-d array of its stored dtype: tensorstore's own reading of the zarr metadata's
+        ``fill_value`` (zarr2's null: zeros; zarr3's "NaN", hex and the like), read once,
+        only when a chunk is missing."""
+        if name not in self._fills:
+            spec = {"driver": "zarr3" if self.use_zarr3 else "zarr"}
+            spec["kvstore"] = sub_kv(self.kv.spec().to_json(), name)
+            try:
+                store = ts.open(spec, open=True, context=self.context).result()
+            except ValueError as e:
+                raise CheckpointReadError(f"{self.dir}: cannot read {name}: {e}") from e
+            fill = store.fill_value
+            self._fills[name] = (
+                np.zeros((), store.dtype.numpy_dtype) if fill is None else np.asarray(fill)
+            )
+        return self._fills[name]
+
     # -- arrays ------------------------------------------------------------------------
 
     def pieces(self, name: str, *, max_bytes: int, reuse: bool = False) -> Iterator[chunks.Piece]:
@@ -125,8 +145,9 @@ class ItemReader:
         count("array decoded" if layer is None else "layer decoded", f"{self.dir}/{name}")
         driver = "zarr3" if self.use_zarr3 else "zarr"
         spec = {"driver": driver, "kvstore": sub_kv(self.kv.spec().to_json(), name)}
-        # A missing chunk must fail, not read as the fill value (e.g. a `step` of 0).
-        spec["fill_missing_data_reads"] = False
+        # A missing chunk fails (a `step` of 0 is not made up), unless the step says it
+        # reads as the fill value, as stock Orbax reads it (`ItemFiles.fills_missing`).
+        spec["fill_missing_data_reads"] = self.files.fills_missing
         try:
             array = ts.open(spec, open=True, context=self.context).result()
             if layer is not None:

@@ -42,6 +42,8 @@ class Stored(Protocol):
 
     def layout(self, name: str): ...
 
+    def fill_value(self, name: str) -> np.ndarray: ...
+
 
 class Short(Exception):
     """A stream ended before the bytes it should hold."""

@@ -28,6 +28,18 @@ SMALL = 1 << 20
 
 MISSING = (1 << 64) - 1  # a shard index's offset of a chunk never written
 
+# A chunk grid is bounded by the array's bytes, not by what the metadata claims (issue 58):
+# every reader plans per stored chunk (the restore engine: ~330 bytes of task a chunk), so a
+# grid of [1, 1] chunks over a 4096 x 4096 array (16.7 M chunks) cost 2.5 GB and 81 s of
+# planning before any data was read. Orbax's chunks are per-device shards, cut further only
+# into chunks of ``chunk_byte_size`` (MiBs); the smallest legitimate ones are a small
+# array's shards on a large slice (a [4096] norm scale in bfloat16 over 256 fsdp devices:
+# 32-byte chunks), so the bound has two parts: any grid of up to ``GRID_FREE`` chunks (what
+# a job of that many devices writes; its plan is a few MiB), and beyond that, chunks of at
+# least ``GRID_MIN_CHUNK`` bytes on average (a grid of 2**20 chunks needs a 4 GiB array).
+GRID_FREE = 1 << 16
+GRID_MIN_CHUNK = 4096
+
 
 def _plain_zstd(codecs: list) -> bool:
     """zarr3 codecs ``bytes`` (little-endian) then ``zstd``, nothing else."""
@@ -248,6 +260,7 @@ def check_zarr_metadata(
     if np_dtype(dtype) is None:
         raise CheckpointRefusedError(f"{where}: unsupported dtype {_short(dtype)}; refused.")
     codecs = _check_encoding(meta, where, use_zarr3=use_zarr3)
+    finest = grid  # the chunks readers decode one by one: a shard's inner chunks
     if codecs and codecs[0]["name"] == "sharding_indexed":
         inner = _member(codecs[0], "configuration", "chunk_shape")
         inner = _dims(inner, where, "inner chunk shape", 1, grid)
@@ -256,6 +269,8 @@ def check_zarr_metadata(
                 f"{where}: inner chunk {list(inner)} does not divide the shard {list(grid)}; "
                 "refused."
             )
+        finest = inner
+    _check_grid(where, shape, finest, np_dtype(dtype).itemsize)
     # ``[]``: none (this library recorded a scalar's for the layers of it it stacked).
     if isinstance(value_meta, dict) and value_meta.get("write_shape") not in (None, []):
         _dims(value_meta["write_shape"], where, "_METADATA write_shape", 0, shape, empty=0)
@@ -263,6 +278,22 @@ def check_zarr_metadata(
         for key, empty in (("write_shape", 0), ("chunk_shape", 1)):
             if array_meta.get(key) not in (None, []):
                 _dims(array_meta[key], where, f"array_metadatas {key}", 0, shape, empty=empty)
+
+
+def _check_grid(where: str, shape: tuple, chunk: tuple, itemsize: int) -> None:
+    """Refuses a grid of more chunks than the array's bytes allow (`GRID_FREE`,
+    `GRID_MIN_CHUNK`), before any reader plans a task per chunk."""
+    if 0 in shape:
+        return
+    count = math.prod(-(-n // c) for n, c in zip(shape, chunk, strict=True))
+    nbytes = math.prod(shape) * itemsize
+    if count > max(GRID_FREE, nbytes // GRID_MIN_CHUNK):
+        raise CheckpointRefusedError(
+            f"{where}: a grid of {count:,} chunks of {list(chunk)} for an array of "
+            f"{list(shape)} ({nbytes:,} bytes): more than {GRID_FREE:,} chunks of under "
+            f"{GRID_MIN_CHUNK:,} bytes on average, which no Orbax writer makes (damaged or "
+            "forged); refused. Restore from another copy of the step."
+        )
 
 
 def _dims(

@@ -37,6 +37,7 @@ from ..base.boxes import flat_run
 from ..base.names import Dest
 from ..base.treepaths import Path, keystr
 from ..model.rng import fresh_rng
+from ..orbax_io import casts
 from ..orbax_io.spec import LeafSpec
 from ..storage.scratch import scratch_buffer
 
@@ -219,7 +220,7 @@ def apply_op(m: Move, read: Reader) -> np.ndarray:
     if m.op is Op.COPY:
         return np.asarray(read(m.item, m.src))
     if m.op is Op.CAST:
-        return np.asarray(read(m.item, m.src)).astype(m.cast)
+        return casts.astype(read(m.item, m.src), m.cast)  # as Orbax casts
     if m.op is Op.CONSTANT:
         return np.asarray(m.value, dtype=m.spec.dtype).reshape(m.spec.shape)
     if m.op is Op.FRESH:
@@ -258,7 +259,7 @@ def piece_parts(
     if m.op is Op.COPY:
         yield start, data
     elif m.op is Op.CAST:
-        yield start, data.astype(m.cast)
+        yield start, casts.astype(data, m.cast)
     elif m.op is Op.SLICE:
         a = m.axis
         assert a is not None and m.index is not None
