@@ -52,6 +52,7 @@ import itertools
 import json
 import mmap
 import os
+import re
 import stat
 import struct
 import threading
@@ -63,7 +64,7 @@ from etils import epath
 
 from ..errors import UsageError
 from ..orbax_io.orbax_files import CheckpointRefusedError
-from ..storage.containment import escape
+from ..storage.containment import LinkLeaves, escape, open_beneath
 from ..storage.mapped import POPULATE_READ, advise, map_readonly, may_map, release
 from ..storage.store import store_for
 
@@ -76,6 +77,8 @@ HEADER_LIMIT = 100_000_000  # a safetensors header: the safetensors library's ow
 MAX_NDIM = 64  # NumPy's
 REMOTE_PIECE = 64 << 20  # an object-store read is made of ranged reads of this size
 SNAPSHOTS, BLOBS = "snapshots", "blobs"  # a Hub cache repo: snapshots/<rev>/ -> blobs/
+HUB_REPO = "models--"  # how the Hub cache names a model's repo: models--<org>--<name>
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NAME_SHOWN = 160  # a name from the input is shown (repr) up to this many characters
 
 # safetensors' dtype names; the sub-byte ones (F4, F6_*) are not read
@@ -99,6 +102,18 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+# A header's JSON is checked for its shape before it is parsed (`_structure`): Python's
+# parser builds every list and object it meets before any check can run (100 MB of nested
+# empty lists cost it 2.68 GB; the safetensors library 111 MB), and a header has a fixed
+# shape: an object of objects (``__metadata__`` and the tensors), their lists of integers.
+HEADER_DEPTH = 3  # {"name": {"shape": [1, 2]}}
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+_LIST_HOLDS_MORE = re.compile(rb"\[[^\[\]{}]*[\[{]")  # a list or object in a list (strings blanked)
+_LONG_LIST = re.compile(rb"\[(?:[^\],]*,){%d}" % MAX_NDIM)  # a list of over MAX_NDIM items
+_NESTING = np.zeros(256, np.int8)
+_NESTING[list(b"{[")], _NESTING[list(b"}]")] = 1, -1
+_SCAN = 1 << 20  # the depth is counted this many bytes at a time
 
 
 class HfInputError(CheckpointRefusedError):
@@ -138,11 +153,11 @@ class _Short(Exception):
 
 
 class _LocalFile:
-    """A regular file on a disk, opened once; `read_into` is ``os.preadv`` (thread-safe)."""
+    """A regular file on a disk, opened once (``fd``, by `containment.open_beneath`; closed
+    here if it is not a regular file); `read_into` is ``os.preadv`` (thread-safe)."""
 
-    def __init__(self, real: str) -> None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        self.fd = os.open(real, flags)
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
         try:
             st = os.fstat(self.fd)
             if not stat.S_ISREG(st.st_mode):
@@ -243,9 +258,36 @@ def _parse(data: np.ndarray, where: object, what: str, *, unique: bool) -> Any:
         )
     except _Duplicate as e:
         raise _refuse(where, f"{_q(e.key)} is named twice in the {what}") from None
-    except (ValueError, RecursionError, MemoryError) as e:  # UnicodeDecodeError is one
+    except UnicodeDecodeError as e:  # its own message shows the byte: not shown
+        raise _refuse(
+            where, f"the {what} is not valid JSON (not UTF-8 at byte {e.start})"
+        ) from None
+    except (ValueError, RecursionError, MemoryError) as e:
         why = {RecursionError: "nested too deeply", MemoryError: "too large to parse"}
         raise _refuse(where, f"the {what} is not valid JSON ({why.get(type(e), e)})") from None
+
+
+def _structure(text: np.ndarray) -> str | None:
+    """Why the header ``text`` cannot be a safetensors header (`HEADER_DEPTH`: nested
+    deeper, an object below the tensors' entries, a list holding a list or an object or
+    more than `MAX_NDIM` items), found without parsing it, in memory no larger than the
+    text; None where it may be one (the parse checks the rest)."""
+    bare = _STRING.sub(b'""', memoryview(text))  # no bracket inside a string counts
+    if _LIST_HOLDS_MORE.search(bare):
+        return "a list in it holds a list or an object"
+    if _LONG_LIST.search(bare):
+        return f"a list in it holds more than {MAX_NDIM} items"
+    depth = 0
+    for lo in range(0, len(bare), _SCAN):
+        part = np.frombuffer(bare, np.uint8, min(_SCAN, len(bare) - lo), lo)
+        at = np.cumsum(_NESTING[part], dtype=np.int32)
+        at += depth
+        if at.size and int(at.max()) > HEADER_DEPTH:
+            return f"nested deeper than {HEADER_DEPTH} levels"
+        if np.any((part == ord("{")) & (at >= HEADER_DEPTH)):
+            return "an object inside a tensor's entry"
+        depth = int(at[-1]) if at.size else depth
+    return None
 
 
 class HfDir:
@@ -266,12 +308,18 @@ class HfDir:
         self._index: dict[str, str] = {}  # the index's weight_map, once checked
         self._bytes_read = 0
         self._lock = threading.Lock()
-        self._root = self._blobs = ""
+        # On a disk, every file is opened by a walk beneath ``_top`` (`open_beneath`, from
+        # a descriptor open while `open` runs): the directory itself, or in a Hub cache
+        # snapshot (``models--<org>--<name>/snapshots/<rev>``) its repo, the walk starting
+        # at ``_start`` and ending only in the snapshot or directly in the repo's blobs/.
+        self._root = self._top_path = self._start = ""
+        self._top = -1
         if not self.remote:
-            self._root = os.path.realpath(os.fspath(hf_dir))
-            parent = os.path.dirname(self._root)
-            if os.path.basename(parent) == SNAPSHOTS:  # <repo>/snapshots/<rev>
-                self._blobs = os.path.realpath(os.path.join(os.path.dirname(parent), BLOBS))
+            self._root = self._top_path = os.path.realpath(os.fspath(hf_dir))
+            parent, rev = os.path.split(self._root)
+            repo, snapshots = os.path.split(parent)
+            if snapshots == SNAPSHOTS and os.path.basename(repo).startswith(HUB_REPO):
+                self._top_path, self._start = repo, f"{SNAPSHOTS}/{rev}/"
 
     # -- opening: everything checked, no tensor data read ------------------------------
     @classmethod
@@ -287,8 +335,22 @@ class HfDir:
         return self
 
     def _open(self) -> None:
-        if not self.remote and not os.path.isdir(self._root):
+        if self.remote:
+            self._open_all()
+            return
+        if not os.path.isdir(self._root):
             raise _refuse(self.dir, "no such directory", forged=False)
+        try:
+            self._top = os.open(self._top_path, _DIR_FLAGS)
+        except OSError as e:
+            raise _refuse(self.dir, f"cannot be read ({e.strerror or e})", forged=False) from None
+        try:
+            self._open_all()
+        finally:
+            top, self._top = self._top, -1
+            os.close(top)
+
+    def _open_all(self) -> None:
         config = self._read_json(CONFIG_FILE, CONFIG_LIMIT, "config", unique=False)
         if not isinstance(config, dict):
             raise _refuse(self._where(CONFIG_FILE), "the config is not a JSON object")
@@ -359,20 +421,16 @@ class HfDir:
         try:
             if self.remote:
                 return _RemoteFile(self.dir / rel)
-            path = os.path.join(self._root, rel)
-            os.lstat(path)
-            real = os.path.realpath(path)
-            inside = real.startswith(self._root.rstrip("/") + "/")
-            blob = bool(self._blobs) and os.path.dirname(real) == self._blobs
-            if not (inside or blob):
-                raise _refuse(
-                    where,
-                    f"{about}a link to {_q(real)}, outside {self.dir} (only a Hub cache "
-                    f"snapshot's links into its repo's {BLOBS}/ are followed)",
-                )
-            if not stat.S_ISREG(os.stat(real).st_mode):
-                raise IsADirectoryError("not a regular file")
-            return _LocalFile(real)
+            return _LocalFile(
+                open_beneath(self._top, self._top_path, self._start + rel, self._ends)
+            )
+        except LinkLeaves as e:
+            raise _refuse(
+                where,
+                f"{about}a link to {_q(e.target)}, outside {self.dir} (by way of {_q(e.link)}; "
+                f"only a Hub cache snapshot's links into a real {BLOBS}/ directory of its "
+                "own repo are followed)",
+            ) from None
         except FileNotFoundError:
             raise _refuse(where, f"{about}missing", forged=False) from None
         except IsADirectoryError:
@@ -381,6 +439,14 @@ class HfDir:
             raise _refuse(
                 where, f"{about}cannot be read ({e.strerror or e})", forged=False
             ) from None
+
+    def _ends(self, at: tuple[str, ...]) -> bool:
+        """Whether a file may be opened in the directory ``at`` (components beneath
+        ``_top``): anywhere in the directory; in a Hub cache snapshot, in the snapshot or
+        directly in its repo's ``blobs/`` (walked into as a real directory, never a link)."""
+        if not self._start:
+            return True
+        return at[:2] == tuple(self._start.split("/")[:2]) or at == (BLOBS,)
 
     def _add_shard(self, rel: str, listed: list[str] | None) -> None:
         """Shard ``rel`` opened and its header checked; its tensors added. ``listed``: the
@@ -413,11 +479,25 @@ class HfDir:
         if f.size < 8:
             raise _refuse(where, f"{f.size} bytes, shorter than a safetensors header length")
         (n,) = struct.unpack("<Q", self._read(f, rel, None, 0, 8).tobytes())
+        # the length is the file's first 8 bytes: a refusal never shows it (a file that is
+        # no safetensors file would have them printed, "TOPSECRE" as an integer)
         if n > HEADER_LIMIT:
-            raise _refuse(where, f"its header length {n} is over the limit ({HEADER_LIMIT})")
+            raise _refuse(
+                where,
+                f"the header length its first 8 bytes give is implausible: over the limit "
+                f"of {HEADER_LIMIT:,} bytes (the file has {f.size:,}); not a safetensors file",
+            )
         if n > f.size - 8:
-            raise _refuse(where, f"its header length {n} runs past the end ({f.size} bytes)")
-        header = _parse(self._read(f, rel, None, 8, n), where, "header", unique=True)
+            raise _refuse(
+                where,
+                "the header length its first 8 bytes give is implausible: past the end of "
+                f"the file's {f.size:,} bytes; not a safetensors file, or cut short",
+            )
+        text = self._read(f, rel, None, 8, n)
+        why = _structure(text)
+        if why is not None:
+            raise _refuse(where, f"the header is not a safetensors header's JSON ({why})")
+        header = _parse(text, where, "header", unique=True)
         if not isinstance(header, dict):
             raise _refuse(where, "the header is not a JSON object")
         meta = header.pop("__metadata__", None)
