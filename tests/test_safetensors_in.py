@@ -420,6 +420,22 @@ def test_no_memory_in_proportion_to_what_a_header_claims(tmp_path):
         assert peak < 1 << 20, (name, peak)
 
 
+def test_brackets_inside_strings_do_not_count_and_escapes_are_followed(tmp_path):
+    """A header's shape is checked before it is parsed (`si._structure`), strings left out:
+    brackets in a name or in metadata (behind escaped quotes and backslashes) are text, and
+    a name ending in an escaped backslash ends where its quote does."""
+    hf = new_dir(tmp_path)
+    w = values(np.float32, (2,))
+    odd = 'w"[[{\\"]]\\'
+    header = {"__metadata__": {"format": 'p"t[[\\'}, odd: {**F32x2}}
+    craft(hf / si.WEIGHTS_FILE, header, w.tobytes())
+    with HfDir.open(hf) as d:
+        assert equal(d.read(odd), w)
+    craft(hf / si.WEIGHTS_FILE, b'{"w\\\\": [[], []]}', b"")  # the name: w, one backslash
+    with pytest.raises(HfInputError, match="a list in it holds a list"):
+        HfDir.open(hf)
+
+
 def test_the_refusal_is_a_checkpoint_read_error():
     assert issubclass(HfInputError, CheckpointReadError)
     assert issubclass(HfInputError, si.CheckpointRefusedError)

@@ -3,7 +3,8 @@
 A directory holds ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file) with its
 shards, on a local disk or under a ``gs://`` prefix. A Hub cache snapshot
-(``<repo>/snapshots/<rev>/``, every file a symlink ``-> ../../blobs/<hash>``) reads too.
+(``models--<org>--<name>/snapshots/<rev>/``, every file a symlink ``-> ../../blobs/<hash>``)
+reads too.
 
 As transformers does, ``model.safetensors`` is read where there is one, else the index.
 
@@ -13,15 +14,20 @@ reads a byte of tensor data; anything wrong is an `HfInputError`, one line namin
 file and, where there is one, the tensor:
 
 - a file named by the index (or this module) must stay inside the directory:
-  `containment`'s rule (no absolute path, no empty, ``.`` or ``..`` component, no NUL),
-  and on a disk its real path (symlinks resolved) inside the directory, or, in a Hub
-  cache snapshot, a file of the repo's own ``blobs/``; it must be a regular file;
+  `containment`'s rule (no absolute path, no empty, ``.`` or ``..`` component, no NUL);
+  on a disk it is opened by a walk from the directory's descriptor, one component at a
+  time (`containment.open_beneath`: each symlink on the way read and walked by the walk,
+  never followed by the kernel, so nothing swapped in meanwhile leads out), ending inside
+  the directory or, in a Hub cache snapshot, directly in a real ``blobs/`` directory of
+  its own repo (a ``blobs`` that is a link is walked as a link: out of the repo, refused);
+  it must be a regular file;
 - ``config.json`` and the index are read only below a size (`CONFIG_LIMIT`,
   `INDEX_LIMIT`), must be JSON objects, and ``weight_map`` a str -> str mapping, no name
   twice;
 - a safetensors header (an 8-byte little-endian length, then that much JSON) is read
-  only once its length is checked against `HEADER_LIMIT` and the file's size; it must be
-  UTF-8 JSON, an object whose entries are ``__metadata__`` (str -> str, optional) and
+  only once its length is checked against `HEADER_LIMIT` and the file's size (a refusal
+  never shows the length: it is the file's first bytes); it must have a header's shape
+  before it is parsed (`_structure`), then be UTF-8 JSON, an object whose entries are ``__metadata__`` (str -> str, optional) and
   tensors of exactly ``dtype`` (one of `DTYPES`), ``shape`` (at most 64 non-negative ints)
   and ``data_offsets`` (``[begin, end]`` inside the data), each dtype's itemsize times the
   shape's product equal to ``end - begin``, no two tensors overlapping, no name twice;
@@ -30,10 +36,13 @@ file and, where there is one, the tensor:
 
 Nothing is allocated from a size the input declares before it is checked against the
 file's real size: a tensor's buffer is allocated only for its checked bytes, and a header
-is read only for the bytes the file really holds. Parsing those costs memory in proportion
-to them: a real header is a few KiB per hundred tensors, while a forged one of the whole
-`HEADER_LIMIT`, made of empty lists, costs Python's JSON parser 2.3 GiB and 12 s here
-before it is refused (measured; the safetensors library accepts headers that large).
+is read only for the bytes the file really holds. A header's JSON is checked for a
+header's shape (`HEADER_DEPTH` levels, lists of at most `MAX_NDIM` numbers) before Python's
+parser builds anything of it: a 100 MB header of nested empty lists cost 2.4 GiB and 24 s
+before its refusal, and 195 MiB and 1 s with the check (bench/hf_headers.py; the
+safetensors library 1.1 GiB). A header of that shape costs the parser in proportion to its
+entries: a real header is a few KiB per hundred tensors, a forged one of a million empty
+tensors (70 MB) 840 MiB, accepted, as the safetensors library accepts it.
 
 Reads (`HfDir.read`, `HfDir.read_rows`) are one range read each (in `REMOTE_PIECE` parts
 on an object store), from a file opened once, safe from several threads at once:
@@ -105,10 +114,9 @@ _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 # A header's JSON is checked for its shape before it is parsed (`_structure`): Python's
 # parser builds every list and object it meets before any check can run (100 MB of nested
-# empty lists cost it 2.68 GB; the safetensors library 111 MB), and a header has a fixed
-# shape: an object of objects (``__metadata__`` and the tensors), their lists of integers.
+# empty lists cost it 2.4 GiB), and a header has a fixed shape: an object of objects
+# (``__metadata__`` and the tensors), their lists of integers.
 HEADER_DEPTH = 3  # {"name": {"shape": [1, 2]}}
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
 _LIST_HOLDS_MORE = re.compile(rb"\[[^\[\]{}]*[\[{]")  # a list or object in a list (strings blanked)
 _LONG_LIST = re.compile(rb"\[(?:[^\],]*,){%d}" % MAX_NDIM)  # a list of over MAX_NDIM items
 _NESTING = np.zeros(256, np.int8)
@@ -272,7 +280,7 @@ def _structure(text: np.ndarray) -> str | None:
     deeper, an object below the tensors' entries, a list holding a list or an object or
     more than `MAX_NDIM` items), found without parsing it, in memory no larger than the
     text; None where it may be one (the parse checks the rest)."""
-    bare = _STRING.sub(b'""', memoryview(text))  # no bracket inside a string counts
+    bare = _bare(text)
     if _LIST_HOLDS_MORE.search(bare):
         return "a list in it holds a list or an object"
     if _LONG_LIST.search(bare):
@@ -288,6 +296,51 @@ def _structure(text: np.ndarray) -> str | None:
             return "an object inside a tensor's entry"
         depth = int(at[-1]) if at.size else depth
     return None
+
+
+def _bare(text: np.ndarray) -> memoryview:
+    """The JSON ``text`` with every string (its quotes included) left out: what is left is
+    its structure, where no bracket inside a string counts. Vectorized a `_SCAN` at a time
+    (a regular expression's replacement per string took 50 s for 100 MB of quotes): a quote
+    is a string's edge unless an odd run of backslashes precedes it."""
+    out, kept, in_string, run = np.empty(len(text), np.uint8), 0, 0, 0
+    for lo in range(0, len(text), _SCAN):
+        part = text[lo : lo + _SCAN]
+        quote = part == ord('"')
+        slash = part == ord("\\")
+        if run or slash.any():  # ``run``: the backslashes ending the previous part
+            quote &= ~_escaped(slash, run)
+            run = _trailing(slash, run)
+        # 1 from a string's opening quote to the character before its closing one
+        inside = np.bitwise_xor.accumulate(quote.view(np.uint8)) ^ in_string
+        left = part[(inside == 0) & ~quote]
+        out[kept : kept + len(left)] = left
+        kept, in_string = kept + len(left), int(inside[-1])
+    return memoryview(out)[:kept]
+
+
+def _escaped(slash: np.ndarray, run: int) -> np.ndarray:
+    """Which characters follow an odd run of backslashes (``slash``), ``run`` of them ending
+    the text before."""
+    at = np.arange(len(slash))
+    first = slash.copy()
+    first[1:] &= ~slash[:-1]
+    if run and slash[0]:
+        first[0] = False  # the run goes on from the previous part
+    starts = np.where(first, at, -run if run else -(1 << 40))
+    starts = np.maximum.accumulate(starts)  # where the run each backslash is in began
+    before = np.zeros(len(slash), np.int64)  # the backslashes right before each character
+    before[1:] = np.where(slash[:-1], at[:-1] - starts[:-1] + 1, 0)
+    before[0] = run
+    return (before & 1).astype(bool)
+
+
+def _trailing(slash: np.ndarray, run: int) -> int:
+    """How many backslashes end ``slash``'s text, ``run`` of them ending the text before."""
+    if not slash[-1]:
+        return 0
+    others = np.flatnonzero(~slash)
+    return len(slash) - int(others[-1]) - 1 if others.size else run + len(slash)
 
 
 class HfDir:

@@ -9,6 +9,14 @@ name here first, with that same rule, on a disk and on ``gs://`` alike (an objec
 has no ``..``, but a name that means "outside" on a disk is refused everywhere, so a
 checkpoint reads the same wherever it lies). Symlinks inside a checkpoint are followed,
 as stock follows them.
+
+`open_beneath` opens a file a directory names (a Hugging Face directory's shards) by a walk
+from the directory's descriptor, one component at a time with ``O_NOFOLLOW``, each symlink
+read and walked by the walk itself: resolving a path and then opening it by name leaves a
+window in which an intermediate folder swapped for a link leads the open outside
+(``O_NOFOLLOW`` guards only the last component). A pure ``openat`` walk, not ``openat2``'s
+``RESOLVE_BENEATH``: it holds on every kernel (gVisor included), and the walk must see each
+link anyway, to end only where the caller allows.
 """
 
 from __future__ import annotations
