@@ -140,12 +140,32 @@ def _exchange(a: Path, b: Path) -> None:
         raise OSError(err, os.strerror(err), str(a))
 
 
+def _exchanges(a: Path, b: Path) -> bool:
+    """Whether this kernel swaps two names in one step (gVisor has no ``RENAME_EXCHANGE``,
+    an old C library no ``renameat2``)."""
+    try:
+        _exchange(a, b)
+        _exchange(a, b)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 def _swap(folder: Path, outside: Path, stop: threading.Event) -> None:
-    """``folder`` replaced by a symlink to ``outside`` and back, until ``stop``."""
+    """``folder`` replaced by a symlink to ``outside`` and back, until ``stop``: atomically
+    where the kernel can, else by renames (the name then goes missing in between)."""
     link = folder.with_name(folder.name + ".link")
     link.symlink_to(outside)
+    if _exchanges(folder, link):
+        while not stop.is_set():
+            _exchange(folder, link)
+        return
+    real = folder.with_name(folder.name + ".real")
     while not stop.is_set():
-        _exchange(folder, link)
+        os.rename(folder, real)
+        os.rename(link, folder)
+        os.rename(folder, link)
+        os.rename(real, folder)
 
 
 def _race(tmp_path: Path, layout: str, tries: int) -> dict:
