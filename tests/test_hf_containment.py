@@ -7,7 +7,8 @@ real ``blobs/`` directory of its own repo. Here, with real safetensors files wri
 ``safetensors.numpy.save_file``:
 
 - ``blobs`` a symlink out of the repo (to a folder holding a blob of the same name and other
-  values) is refused, naming it, and nothing outside is opened;
+  values) is refused, naming it; so is a snapshot of the same layout outside a
+  ``models--`` repo; links that stay inside the directory are still followed;
 - two races, an intermediate folder (or ``blobs``) swapped for a symlink to an outside one
   by a thread while the reader opens and reads the directory again and again: no read ever
   returns the outside values (3,000 tries; 30,000 in the slow pass);
@@ -115,6 +116,24 @@ def test_a_hub_snapshot_whose_blobs_is_a_link_out_of_its_repo_is_refused(tmp_pat
     blobs.symlink_to("elsewhere")  # the same blobs, inside the repo, but not its blobs/
     with pytest.raises(HfInputError, match=r"a link to '.*/models--org--tiny/elsewhere/"):
         HfDir.open(snap)
+
+
+def test_links_that_stay_inside_the_directory_are_followed(tmp_path):
+    """The walk follows what resolving the path followed, as long as it stays inside: an
+    absolute link to a file of the directory, a relative one through ``..`` and a folder
+    link, a chain of links."""
+    hf, sub, _ = _folder(tmp_path)
+    (hf / "deep").mkdir()
+    (hf / "deep" / "up").symlink_to("../sub")  # a folder link through ..
+    (hf / "abs.safetensors").symlink_to(sub / SHARD)  # absolute, inside
+    (hf / "chain.safetensors").symlink_to("abs.safetensors")
+    for rel in (f"deep/up/{SHARD}", "abs.safetensors", "chain.safetensors"):
+        (hf / si.INDEX_FILE).write_text(json.dumps({"weight_map": {"w": rel}}))
+        assert _read(hf) == INSIDE, rel
+    (hf / "deep" / "out").symlink_to("../../outside")
+    (hf / si.INDEX_FILE).write_text(json.dumps({"weight_map": {"w": f"deep/out/{SHARD}"}}))
+    with pytest.raises(HfInputError, match=r"by way of '.*/hf/deep/out'"):
+        HfDir.open(hf)
 
 
 def test_outside_the_hub_layout_a_snapshot_s_links_into_blobs_are_refused(tmp_path):
