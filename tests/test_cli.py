@@ -403,6 +403,40 @@ def test_out_writes_a_separate_destination_and_leaves_the_source_alone(tmp_path)
     assert "--copy" in res.stderr and "--in-place" in res.stderr
 
 
+def test_a_link_named_like_a_dead_run_s_work_directory_is_never_followed(tmp_path):
+    """In a shared ``--out``, a symlink named like the work directory a dead run left
+    (``<step>.orbax-checkpoint-tmp-<hex>.<host>.<pid>``) is left as it is, with a warning
+    naming it: its target is neither read nor removed (it was ``rmtree``'d: a traceback),
+    while a real one is removed."""
+    import socket
+
+    root = tmp_path / "run"
+    shutil.copytree(RL, root / "actor" / "2")
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    victim = tmp_path / "victim"
+    (victim / "keep").mkdir(parents=True)
+    (victim / "keep" / "data").write_text("not the importer's")
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # its pid is a dead run's
+    work = f"2.orbax-checkpoint-tmp-{'a' * 12}.{socket.gethostname()}.{done.pid}"
+    out = tmp_path / "out"
+    (out / "actor").mkdir(parents=True)
+    planted = out / "actor" / work
+    planted.symlink_to(victim)
+    dead = out / "actor" / work.replace("a" * 12, "b" * 12)
+    (dead / "items").mkdir(parents=True)  # a real dead run's work: removed
+    before = tree_digest(victim)
+    keep = "--keep-step-numbers"
+    res = cli("convert", str(root), "--target-from", str(MAXTEXT_NATIVE), "--out", str(out), keep)
+    assert "Traceback" not in res.stderr
+    assert f"{planted}: named like a dead run's work directory, but a symlink" in res.stderr
+    assert planted.is_symlink() and os.readlink(planted) == str(victim)
+    assert tree_digest(victim) == before
+    assert not dead.exists()
+    assert detect_layout(out / "actor" / "2") is Layout.MAXTEXT
+
+
 def test_a_failed_out_leaves_no_step_a_stock_manager_lists(tmp_path):
     import orbax.checkpoint as ocp
 

@@ -17,6 +17,7 @@ import gc
 import hashlib
 import json
 import os
+import stat
 import struct
 import tracemalloc
 import types
@@ -138,13 +139,17 @@ def open_fds() -> set[str]:
 
 
 def spy_on_open(monkeypatch) -> list[str]:
-    """The real path of every file `os.open` opens from now until the test ends."""
+    """The real path of everything `os.open` opens from now until the test ends (as the
+    kernel names the descriptor it gave: a walk opens each component from its parent's
+    descriptor), a directory's with a trailing ``/``."""
     seen: list[str] = []
     real_open = os.open
 
     def spy(path, flags, *args, **kwargs):
-        seen.append(os.path.realpath(os.fsdecode(path)))
-        return real_open(path, flags, *args, **kwargs)
+        fd = real_open(path, flags, *args, **kwargs)
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        seen.append(real + "/" if stat.S_ISDIR(os.fstat(fd).st_mode) else real)
+        return fd
 
     monkeypatch.setattr(os, "open", spy)
     return seen
@@ -153,6 +158,11 @@ def spy_on_open(monkeypatch) -> list[str]:
 @pytest.fixture
 def opened(monkeypatch) -> list[str]:
     return spy_on_open(monkeypatch)
+
+
+def files(seen: list[str]) -> list[str]:
+    """What `spy_on_open` saw opened, but directories (walked, never read)."""
+    return [p for p in seen if not p.endswith("/")]
 
 
 def equal(got: np.ndarray, want: np.ndarray) -> bool:
@@ -302,8 +312,9 @@ def test_a_hub_cache_snapshot_reads_through_its_links_into_blobs(tmp_path, opene
     with HfDir.open(snap) as d:
         for name, a in want.items():
             assert equal(d.read(name), a)
-    blobs = os.path.realpath(tmp_path / "models--org--tiny" / "blobs")
-    assert opened and all(p.startswith(blobs + "/") for p in opened)
+    repo = os.path.realpath(tmp_path / "models--org--tiny")
+    assert files(opened) and all(p.startswith(f"{repo}/blobs/") for p in files(opened))
+    assert all(p.startswith(f"{repo}/") for p in opened)  # nothing outside even walked
 
 
 def test_remote_reads_through_epath(tmp_path, monkeypatch):
@@ -407,6 +418,22 @@ def test_no_memory_in_proportion_to_what_a_header_claims(tmp_path):
         finally:
             tracemalloc.stop()
         assert peak < 1 << 20, (name, peak)
+
+
+def test_brackets_inside_strings_do_not_count_and_escapes_are_followed(tmp_path):
+    """A header's shape is checked before it is parsed (`si._structure`), strings left out:
+    brackets in a name or in metadata (behind escaped quotes and backslashes) are text, and
+    a name ending in an escaped backslash ends where its quote does."""
+    hf = new_dir(tmp_path)
+    w = values(np.float32, (2,))
+    odd = 'w"[[{\\"]]\\'
+    header = {"__metadata__": {"format": 'p"t[[\\'}, odd: {**F32x2}}
+    craft(hf / si.WEIGHTS_FILE, header, w.tobytes())
+    with HfDir.open(hf) as d:
+        assert equal(d.read(odd), w)
+    craft(hf / si.WEIGHTS_FILE, b'{"w\\\\": [[], []]}', b"")  # the name: w, one backslash
+    with pytest.raises(HfInputError, match="a list in it holds a list"):
+        HfDir.open(hf)
 
 
 def test_the_refusal_is_a_checkpoint_read_error():
@@ -597,16 +624,23 @@ def too_short_for_a_length(hf, outside, mp):
     return [WEIGHTS + ": 4 bytes, shorter than a safetensors header length"]
 
 
+NOT_A_HEADER = "the header is not a safetensors header's JSON ("
+IMPLAUSIBLE = "the header length its first 8 bytes give is implausible: "
 TWICE = f'{{"w": {json.dumps(F32x2)}, "w": {json.dumps(F32x2)}}}'.encode()
 NOT_STR_TO_STR = "its __metadata__ is not a mapping of strings to strings"
 REFUSALS |= {
     "length_over_the_limit": _header(
-        b"{}", b"", f"its header length {(1 << 64) - 1} is over the limit", (1 << 64) - 1
+        b"{}",
+        b"",
+        IMPLAUSIBLE + "over the limit of 100,000,000 bytes (the file has 10)",
+        (1 << 64) - 1,
     ),
     "length_past_the_end": _header(
-        {"w": F32x2}, b"\0" * 8, "its header length 4096 runs past the end", 4096
+        {"w": F32x2}, b"\0" * 8, IMPLAUSIBLE + "past the end of the file's 77 bytes", 4096
     ),
-    "header_not_utf8": _header(b'{"w\xff": 1}', b"", "the header is not valid JSON ('utf-8'"),
+    "header_not_utf8": _header(
+        b'{"w\xff": 1}', b"", "the header is not valid JSON (not UTF-8 at byte 3)"
+    ),
     "header_not_json": _header(b'{"w": {"dtype": "F32", ', b"", "the header is not valid JSON"),
     "header_not_an_object": _header(b"[]", b"", "the header is not a JSON object"),
     "header_names_a_tensor_twice": _header(TWICE, b"\0" * 8, "'w' is named twice in the header"),
@@ -614,6 +648,20 @@ REFUSALS |= {
         {"__metadata__": ["format", "pt"], "w": F32x2}, b"\0" * 8, NOT_STR_TO_STR
     ),
     "metadata_value_not_a_string": _header({"__metadata__": {"format": 1}}, b"", NOT_STR_TO_STR),
+    # refused before the JSON is parsed (`_structure`): no tensor named
+    "shape_of_65_dims": _header(
+        {"w": {**F32x2, "shape": [1] * 65}}, b"\0" * 8, NOT_A_HEADER + "a list in it holds more"
+    ),
+    "a_list_of_lists": _header({"w": [[], []]}, b"", NOT_A_HEADER + "a list in it holds a list"),
+    "an_object_in_an_entry": _header(
+        {"w": {**F32x2, "dtype": {"F32": 1}}}, b"\0" * 8, NOT_A_HEADER + "an object inside"
+    ),
+    "lists_nested_50000_deep": _header(
+        b'{"w": {"shape": [' + b"[" * 50_000, b"", NOT_A_HEADER + "a list in it holds a list"
+    ),
+    "objects_nested_50000_deep": _header(
+        b'{"w": ' * 50_000, b"", NOT_A_HEADER + "nested deeper than 3 levels"
+    ),
 }
 
 
@@ -636,7 +684,6 @@ REFUSALS |= {
     "shape_negative": _entry_refused({**F32x2, "shape": [-2]}, "shape [-2] holds"),
     "shape_float": _entry_refused({**F32x2, "shape": [2.0]}, "shape [2.0] holds"),
     "shape_bool": _entry_refused({**F32x2, "shape": [True, 2]}, "shape [True, 2] holds"),
-    "shape_of_65_dims": _entry_refused({**F32x2, "shape": [1] * 65}, "is not a list of at most 64"),
     "offsets_three": _entry_refused({**F32x2, "data_offsets": [0, 4, 8]}, "is not [begin, end]"),
     "offsets_floats": _entry_refused({**F32x2, "data_offsets": [8.0, 16]}, "is not [begin, end]"),
     "offsets_reversed": _entry_refused({**F32x2, "data_offsets": [16, 8]}, "are not a range"),
@@ -741,4 +788,5 @@ def test_a_hub_cache_snapshot_follows_links_into_its_own_blobs_only(tmp_path, op
     (snap_moved,) = moved.iterdir()
     with pytest.raises(HfInputError, match=r"config.json: a link to .*, outside"):
         HfDir.open(snap_moved)
-    assert not [p for p in opened if "models--org--other" in p or "not-snapshots" in p]
+    assert not [p for p in opened if "models--org--other" in p]
+    assert not [p for p in files(opened) if "not-snapshots" in p]

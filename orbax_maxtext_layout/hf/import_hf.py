@@ -372,7 +372,11 @@ def _missing(hf: HfDir, model: HfModel, leaf: Leaf) -> list[str]:
         want = model.shape_map.get(name)
         if info is None:
             out.append(f"{leaf.keys[0]}: no tensor {name}")
-        elif want is not None and math.prod(info.shape) != math.prod(want):
+        elif want is not None and tuple(info.shape) != tuple(want):
+            # the shape, not only its count: the hooks reshape what they are given, so a
+            # permuted label would pass through them as scrambled values (HF_SHAPE is the
+            # HF side's shape, before MaxText's transposes: each family the interop suite
+            # writes with transformers stores exactly it)
             out.append(f"{name}: {list(info.shape)}, MaxText's {model.model_name} has {list(want)}")
     return out
 

@@ -3,7 +3,8 @@
 A directory holds ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file) with its
 shards, on a local disk or under a ``gs://`` prefix. A Hub cache snapshot
-(``<repo>/snapshots/<rev>/``, every file a symlink ``-> ../../blobs/<hash>``) reads too.
+(``models--<org>--<name>/snapshots/<rev>/``, every file a symlink ``-> ../../blobs/<hash>``)
+reads too.
 
 As transformers does, ``model.safetensors`` is read where there is one, else the index.
 
@@ -13,27 +14,36 @@ reads a byte of tensor data; anything wrong is an `HfInputError`, one line namin
 file and, where there is one, the tensor:
 
 - a file named by the index (or this module) must stay inside the directory:
-  `containment`'s rule (no absolute path, no empty, ``.`` or ``..`` component, no NUL),
-  and on a disk its real path (symlinks resolved) inside the directory, or, in a Hub
-  cache snapshot, a file of the repo's own ``blobs/``; it must be a regular file;
+  `containment`'s rule (no absolute path, no empty, ``.`` or ``..`` component, no NUL);
+  on a disk it is opened by a walk from the directory's descriptor, one component at a
+  time (`containment.open_beneath`: each symlink on the way read and walked by the walk,
+  never followed by the kernel, so nothing swapped in meanwhile leads out), ending inside
+  the directory or, in a Hub cache snapshot, directly in a real ``blobs/`` directory of
+  its own repo (a ``blobs`` that is a link is walked as a link: out of the repo, refused);
+  it must be a regular file;
 - ``config.json`` and the index are read only below a size (`CONFIG_LIMIT`,
   `INDEX_LIMIT`), must be JSON objects, and ``weight_map`` a str -> str mapping, no name
   twice;
 - a safetensors header (an 8-byte little-endian length, then that much JSON) is read
-  only once its length is checked against `HEADER_LIMIT` and the file's size; it must be
-  UTF-8 JSON, an object whose entries are ``__metadata__`` (str -> str, optional) and
-  tensors of exactly ``dtype`` (one of `DTYPES`), ``shape`` (at most 64 non-negative ints)
-  and ``data_offsets`` (``[begin, end]`` inside the data), each dtype's itemsize times the
-  shape's product equal to ``end - begin``, no two tensors overlapping, no name twice;
+  only once its length is checked against `HEADER_LIMIT` and the file's size (a refusal
+  never shows the length: it is the file's first bytes); it must have a header's shape
+  before it is parsed (`_structure`), then be UTF-8 JSON, an object whose entries are
+  ``__metadata__`` (str -> str, optional) and tensors of exactly ``dtype`` (one of
+  `DTYPES`), ``shape`` (at most 64 non-negative ints) and ``data_offsets`` (``[begin,
+  end]`` inside the data), each dtype's itemsize times the shape's product equal to ``end -
+  begin``, no two tensors overlapping, no name twice;
 - each tensor lies in exactly one shard: the one the index maps it to (a tensor the index
   does not list is refused too).
 
 Nothing is allocated from a size the input declares before it is checked against the
 file's real size: a tensor's buffer is allocated only for its checked bytes, and a header
-is read only for the bytes the file really holds. Parsing those costs memory in proportion
-to them: a real header is a few KiB per hundred tensors, while a forged one of the whole
-`HEADER_LIMIT`, made of empty lists, costs Python's JSON parser 2.3 GiB and 12 s here
-before it is refused (measured; the safetensors library accepts headers that large).
+is read only for the bytes the file really holds. A header's JSON is checked for a
+header's shape (`HEADER_DEPTH` levels, lists of at most `MAX_NDIM` numbers) before Python's
+parser builds anything of it: a 100 MB header of nested empty lists cost 2.4 GiB and 24 s
+before its refusal, and 195 MiB and 1 s with the check (bench/hf_headers.py; the
+safetensors library 1.1 GiB). A header of that shape costs the parser in proportion to its
+entries: a real header is a few KiB per hundred tensors, a forged one of a million empty
+tensors (70 MB) 840 MiB, accepted, as the safetensors library accepts it.
 
 Reads (`HfDir.read`, `HfDir.read_rows`) are one range read each (in `REMOTE_PIECE` parts
 on an object store), from a file opened once, safe from several threads at once:
@@ -52,6 +62,7 @@ import itertools
 import json
 import mmap
 import os
+import re
 import stat
 import struct
 import threading
@@ -63,7 +74,7 @@ from etils import epath
 
 from ..errors import UsageError
 from ..orbax_io.orbax_files import CheckpointRefusedError
-from ..storage.containment import escape
+from ..storage.containment import LinkLeaves, escape, open_beneath
 from ..storage.mapped import POPULATE_READ, advise, map_readonly, may_map, release
 from ..storage.store import store_for
 
@@ -76,6 +87,8 @@ HEADER_LIMIT = 100_000_000  # a safetensors header: the safetensors library's ow
 MAX_NDIM = 64  # NumPy's
 REMOTE_PIECE = 64 << 20  # an object-store read is made of ranged reads of this size
 SNAPSHOTS, BLOBS = "snapshots", "blobs"  # a Hub cache repo: snapshots/<rev>/ -> blobs/
+HUB_REPO = "models--"  # how the Hub cache names a model's repo: models--<org>--<name>
+_DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC  # walked, not read
 _NAME_SHOWN = 160  # a name from the input is shown (repr) up to this many characters
 
 # safetensors' dtype names; the sub-byte ones (F4, F6_*) are not read
@@ -99,6 +112,17 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+# A header's JSON is checked for its shape before it is parsed (`_structure`): Python's
+# parser builds every list and object it meets before any check can run (100 MB of nested
+# empty lists cost it 2.4 GiB), and a header has a fixed shape: an object of objects
+# (``__metadata__`` and the tensors), their lists of integers.
+HEADER_DEPTH = 3  # {"name": {"shape": [1, 2]}}
+_LIST_HOLDS_MORE = re.compile(rb"\[[^\[\]{}]*[\[{]")  # a list or object in a list (`_bare`)
+_LONG_LIST = re.compile(rb"\[(?:[^\],]*,){%d}" % MAX_NDIM)  # a list of over MAX_NDIM items
+_NESTING = np.zeros(256, np.int8)
+_NESTING[list(b"{[")], _NESTING[list(b"}]")] = 1, -1
+_SCAN = 1 << 20  # the depth is counted this many bytes at a time
 
 
 class HfInputError(CheckpointRefusedError):
@@ -138,11 +162,11 @@ class _Short(Exception):
 
 
 class _LocalFile:
-    """A regular file on a disk, opened once; `read_into` is ``os.preadv`` (thread-safe)."""
+    """A regular file on a disk, opened once (``fd``, by `containment.open_beneath`; closed
+    here if it is not a regular file); `read_into` is ``os.preadv`` (thread-safe)."""
 
-    def __init__(self, real: str) -> None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        self.fd = os.open(real, flags)
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
         try:
             st = os.fstat(self.fd)
             if not stat.S_ISREG(st.st_mode):
@@ -243,9 +267,81 @@ def _parse(data: np.ndarray, where: object, what: str, *, unique: bool) -> Any:
         )
     except _Duplicate as e:
         raise _refuse(where, f"{_q(e.key)} is named twice in the {what}") from None
-    except (ValueError, RecursionError, MemoryError) as e:  # UnicodeDecodeError is one
+    except UnicodeDecodeError as e:  # its own message shows the byte: not shown
+        raise _refuse(
+            where, f"the {what} is not valid JSON (not UTF-8 at byte {e.start})"
+        ) from None
+    except (ValueError, RecursionError, MemoryError) as e:
         why = {RecursionError: "nested too deeply", MemoryError: "too large to parse"}
         raise _refuse(where, f"the {what} is not valid JSON ({why.get(type(e), e)})") from None
+
+
+def _structure(text: np.ndarray) -> str | None:
+    """Why the header ``text`` cannot be a safetensors header (`HEADER_DEPTH`: nested
+    deeper, an object below the tensors' entries, a list holding a list or an object or
+    more than `MAX_NDIM` items), found without parsing it, in memory no larger than the
+    text; None where it may be one (the parse checks the rest)."""
+    bare = _bare(text)
+    if _LIST_HOLDS_MORE.search(bare):
+        return "a list in it holds a list or an object"
+    if _LONG_LIST.search(bare):
+        return f"a list in it holds more than {MAX_NDIM} items"
+    depth = 0
+    for lo in range(0, len(bare), _SCAN):
+        part = np.frombuffer(bare, np.uint8, min(_SCAN, len(bare) - lo), lo)
+        at = np.cumsum(_NESTING[part], dtype=np.int32)
+        at += depth
+        if at.size and int(at.max()) > HEADER_DEPTH:
+            return f"nested deeper than {HEADER_DEPTH} levels"
+        if np.any((part == ord("{")) & (at >= HEADER_DEPTH)):
+            return "an object inside a tensor's entry"
+        depth = int(at[-1]) if at.size else depth
+    return None
+
+
+def _bare(text: np.ndarray) -> memoryview:
+    """The JSON ``text`` with every string (its quotes included) left out: what is left is
+    its structure, where no bracket inside a string counts. Vectorized a `_SCAN` at a time
+    (a regular expression's replacement per string took 5 s for 10 MB of quotes): a quote
+    is a string's edge unless an odd run of backslashes precedes it."""
+    out, kept, in_string, run = np.empty(len(text), np.uint8), 0, 0, 0
+    for lo in range(0, len(text), _SCAN):
+        part = text[lo : lo + _SCAN]
+        quote = part == ord('"')
+        slash = part == ord("\\")
+        if run or slash.any():  # ``run``: the backslashes ending the previous part
+            quote &= ~_escaped(slash, run)
+            run = _trailing(slash, run)
+        # 1 from a string's opening quote to the character before its closing one
+        inside = np.bitwise_xor.accumulate(quote.view(np.uint8)) ^ in_string
+        left = part[(inside == 0) & ~quote]
+        out[kept : kept + len(left)] = left
+        kept, in_string = kept + len(left), int(inside[-1])
+    return memoryview(out)[:kept]
+
+
+def _escaped(slash: np.ndarray, run: int) -> np.ndarray:
+    """Which characters follow an odd run of backslashes (``slash``), ``run`` of them ending
+    the text before."""
+    at = np.arange(len(slash))
+    first = slash.copy()
+    first[1:] &= ~slash[:-1]
+    if run and slash[0]:
+        first[0] = False  # the run goes on from the previous part
+    starts = np.where(first, at, -run if run else -(1 << 40))
+    starts = np.maximum.accumulate(starts)  # where the run each backslash is in began
+    before = np.zeros(len(slash), np.int64)  # the backslashes right before each character
+    before[1:] = np.where(slash[:-1], at[:-1] - starts[:-1] + 1, 0)
+    before[0] = run
+    return (before & 1).astype(bool)
+
+
+def _trailing(slash: np.ndarray, run: int) -> int:
+    """How many backslashes end ``slash``'s text, ``run`` of them ending the text before."""
+    if not slash[-1]:
+        return 0
+    others = np.flatnonzero(~slash)
+    return len(slash) - int(others[-1]) - 1 if others.size else run + len(slash)
 
 
 class HfDir:
@@ -266,12 +362,18 @@ class HfDir:
         self._index: dict[str, str] = {}  # the index's weight_map, once checked
         self._bytes_read = 0
         self._lock = threading.Lock()
-        self._root = self._blobs = ""
+        # On a disk, every file is opened by a walk beneath ``_top`` (`open_beneath`, from
+        # a descriptor open while `open` runs): the directory itself, or in a Hub cache
+        # snapshot (``models--<org>--<name>/snapshots/<rev>``) its repo, the walk starting
+        # at ``_start`` and ending only in the snapshot or directly in the repo's blobs/.
+        self._root = self._top_path = self._start = ""
+        self._top = -1
         if not self.remote:
-            self._root = os.path.realpath(os.fspath(hf_dir))
-            parent = os.path.dirname(self._root)
-            if os.path.basename(parent) == SNAPSHOTS:  # <repo>/snapshots/<rev>
-                self._blobs = os.path.realpath(os.path.join(os.path.dirname(parent), BLOBS))
+            self._root = self._top_path = os.path.realpath(os.fspath(hf_dir))
+            parent, rev = os.path.split(self._root)
+            repo, snapshots = os.path.split(parent)
+            if snapshots == SNAPSHOTS and os.path.basename(repo).startswith(HUB_REPO):
+                self._top_path, self._start = repo, f"{SNAPSHOTS}/{rev}/"
 
     # -- opening: everything checked, no tensor data read ------------------------------
     @classmethod
@@ -287,8 +389,22 @@ class HfDir:
         return self
 
     def _open(self) -> None:
-        if not self.remote and not os.path.isdir(self._root):
+        if self.remote:
+            self._open_all()
+            return
+        if not os.path.isdir(self._root):
             raise _refuse(self.dir, "no such directory", forged=False)
+        try:
+            self._top = os.open(self._top_path, _DIR_FLAGS)
+        except OSError as e:
+            raise _refuse(self.dir, f"cannot be read ({e.strerror or e})", forged=False) from None
+        try:
+            self._open_all()
+        finally:
+            top, self._top = self._top, -1
+            os.close(top)
+
+    def _open_all(self) -> None:
         config = self._read_json(CONFIG_FILE, CONFIG_LIMIT, "config", unique=False)
         if not isinstance(config, dict):
             raise _refuse(self._where(CONFIG_FILE), "the config is not a JSON object")
@@ -359,20 +475,16 @@ class HfDir:
         try:
             if self.remote:
                 return _RemoteFile(self.dir / rel)
-            path = os.path.join(self._root, rel)
-            os.lstat(path)
-            real = os.path.realpath(path)
-            inside = real.startswith(self._root.rstrip("/") + "/")
-            blob = bool(self._blobs) and os.path.dirname(real) == self._blobs
-            if not (inside or blob):
-                raise _refuse(
-                    where,
-                    f"{about}a link to {_q(real)}, outside {self.dir} (only a Hub cache "
-                    f"snapshot's links into its repo's {BLOBS}/ are followed)",
-                )
-            if not stat.S_ISREG(os.stat(real).st_mode):
-                raise IsADirectoryError("not a regular file")
-            return _LocalFile(real)
+            return _LocalFile(
+                open_beneath(self._top, self._top_path, self._start + rel, self._ends)
+            )
+        except LinkLeaves as e:
+            raise _refuse(
+                where,
+                f"{about}a link to {_q(e.target)}, outside {self.dir} (by way of {_q(e.link)}; "
+                f"only a Hub cache snapshot's links into a real {BLOBS}/ directory of its "
+                "own repo are followed)",
+            ) from None
         except FileNotFoundError:
             raise _refuse(where, f"{about}missing", forged=False) from None
         except IsADirectoryError:
@@ -381,6 +493,14 @@ class HfDir:
             raise _refuse(
                 where, f"{about}cannot be read ({e.strerror or e})", forged=False
             ) from None
+
+    def _ends(self, at: tuple[str, ...]) -> bool:
+        """Whether a file may be opened in the directory ``at`` (components beneath
+        ``_top``): anywhere in the directory; in a Hub cache snapshot, in the snapshot or
+        directly in its repo's ``blobs/`` (walked into as a real directory, never a link)."""
+        if not self._start:
+            return True
+        return at[:2] == tuple(self._start.split("/")[:2]) or at == (BLOBS,)
 
     def _add_shard(self, rel: str, listed: list[str] | None) -> None:
         """Shard ``rel`` opened and its header checked; its tensors added. ``listed``: the
@@ -413,11 +533,25 @@ class HfDir:
         if f.size < 8:
             raise _refuse(where, f"{f.size} bytes, shorter than a safetensors header length")
         (n,) = struct.unpack("<Q", self._read(f, rel, None, 0, 8).tobytes())
+        # the length is the file's first 8 bytes: a refusal never shows it (a file that is
+        # no safetensors file would have them printed, "TOPSECRE" as an integer)
         if n > HEADER_LIMIT:
-            raise _refuse(where, f"its header length {n} is over the limit ({HEADER_LIMIT})")
+            raise _refuse(
+                where,
+                f"the header length its first 8 bytes give is implausible: over the limit "
+                f"of {HEADER_LIMIT:,} bytes (the file has {f.size:,}); not a safetensors file",
+            )
         if n > f.size - 8:
-            raise _refuse(where, f"its header length {n} runs past the end ({f.size} bytes)")
-        header = _parse(self._read(f, rel, None, 8, n), where, "header", unique=True)
+            raise _refuse(
+                where,
+                "the header length its first 8 bytes give is implausible: past the end of "
+                f"the file's {f.size:,} bytes; not a safetensors file, or cut short",
+            )
+        text = self._read(f, rel, None, 8, n)
+        why = _structure(text)
+        if why is not None:
+            raise _refuse(where, f"the header is not a safetensors header's JSON ({why})")
+        header = _parse(text, where, "header", unique=True)
         if not isinstance(header, dict):
             raise _refuse(where, "the header is not a JSON object")
         meta = header.pop("__metadata__", None)

@@ -2,7 +2,8 @@
 file placement (reflink, hard link, copy), read-only mappings of local files, per-thread
 scratch buffers and fresh memory (freed heap memory given back: `scratch.trim`), the compiled
 transposing copy (the package's one C module), and the one
-rule for paths a checkpoint names itself (`containment`).
+rule for paths a checkpoint names itself, with the walk that opens a file beneath a
+directory one component at a time (`containment`).
 
 `store.store_for(root)` decides once how a root is handled (a disk or an object store);
 every room above hands the store it got down instead of deciding again. Nothing here

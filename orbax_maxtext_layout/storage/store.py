@@ -16,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
+import shutil
 import socket
+import stat
 import tempfile
 import time
 import uuid
@@ -30,6 +33,7 @@ from . import objstore, pagecache, placement
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # Orbax's marker of a directory being written
 COMMIT_MARKER = objstore.COMMIT_MARKER
+logger = logging.getLogger(__name__)
 
 
 def alive(pid: int) -> bool:
@@ -238,6 +242,29 @@ class StepStore:
         """Removes process ``pid``'s lock ``name`` that a move carried into ``step_dir``."""
 
 
+def _remove_work_dir(path: str) -> bool:
+    """Removes the dead run's work directory ``path``; True once gone. Anything else of that
+    name in a shared folder (a symlink planted there, a file) is left as it is, never
+    followed, with a warning naming it: ``shutil.rmtree`` walks by descriptors and refuses a
+    link at the top, so a directory swapped for a link meanwhile is left too."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+            return True
+        what = "a symlink" if os.path.islink(path) else "not a directory"
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        what = f"cannot be removed ({e.strerror or e})"
+    logger.warning(
+        "%s: named like a dead run's work directory, but %s: left as it is (never "
+        "followed); remove it if it is no one's",
+        path,
+        what,
+    )
+    return False
+
+
 class LocalStore(StepStore):
     """A POSIX file system: rename is the commit point; data files are shared."""
 
@@ -283,8 +310,8 @@ class LocalStore(StepStore):
         for child in children:
             host, _, pid = child.removeprefix(prefix)[13:].rpartition(".")
             if child.startswith(prefix) and host and pid.isdigit() and dead(host, int(pid)):
-                (dest.parent / child).rmtree(missing_ok=True)
-                removed.append(child)
+                if _remove_work_dir(os.path.join(str(dest.parent), child)):
+                    removed.append(child)
         return removed
 
     def publish_step(self, work: epath.Path, dest: epath.Path) -> bool:

@@ -7,7 +7,9 @@ MaxText 0.2.5's mapping (issue 43, parts 1 and 2):
 - a MaxText config of another size is refused with every mismatch named (field, HF value,
   MaxText value), exit 1, nothing under --out;
 - an import killed mid-write leaves no step a reader would take for complete, and the next
-  run writes it.
+  run writes it;
+- a tensor whose shape label is permuted (the same element count) is refused, naming it;
+- a symlink in ``--out`` named like a dead run's work directory is left, never followed.
 
 The tiny checkpoints are import_hf_support's (transformers' save_pretrained, hf venv).
 """
@@ -110,6 +112,65 @@ def test_a_config_of_another_size_is_refused_naming_every_mismatch(hf_dirs, tmp_
     assert "vocab_size (HF=64 vs MaxText=128)" in done.stderr
     assert "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def _permuted(src: Path, dst: Path) -> tuple[str, list[int], list[int]]:
+    """A copy of ``src`` (one ``model.safetensors``) whose first 2-D tensor of two sizes has
+    its shape label reversed, its bytes unchanged: its name, the label written, the true one."""
+    import json
+    import shutil
+    import struct
+
+    shutil.copytree(src, dst)
+    raw = (dst / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    name = next(
+        k for k, e in sorted(header.items())
+        if k != "__metadata__" and len(e["shape"]) == 2 and len(set(e["shape"])) == 2
+    )  # fmt: skip
+    true = header[name]["shape"]
+    header[name]["shape"] = true[::-1]
+    text = json.dumps(header).encode()
+    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    return name, true[::-1], true
+
+
+def test_a_shape_label_permuted_with_the_same_count_is_refused(hf_dirs, tmp_path):
+    """MaxText's hooks reshape what they get: a permuted label would pass as scrambled
+    values (it did: only the element count was compared)."""
+    name, label, true = _permuted(hf_dirs["llama_f32"], tmp_path / "hf")
+    out = tmp_path / "run"
+    argv = _import(tmp_path / "hf", out, "llama3.1", True, "--dry-run")
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert f"{name}: {label}, MaxText's " in done.stderr and f"has {true}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_a_link_named_like_a_dead_run_s_work_directory_is_never_followed(hf_dirs, tmp_path):
+    """A shared ``--out`` where a symlink is named like a dead import's work directory: the
+    import writes its step and leaves the link (and what it points at) alone, with a warning
+    naming it (it ended in a traceback: ``rmtree`` on a symlink)."""
+    import socket
+
+    victim = tmp_path / "victim"
+    (victim / "keep").mkdir(parents=True)
+    (victim / "keep" / "data").write_text("someone else's")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a dead run's pid
+    out = tmp_path / "run"
+    out.mkdir()
+    planted = out / f"0.orbax-checkpoint-tmp-{'a' * 12}.{socket.gethostname()}.{gone.pid}"
+    planted.symlink_to(victim)
+    argv = _import(hf_dirs["llama_f32"], out, "llama3.1", True)
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert f"{planted}: named like a dead run's work directory, but a symlink" in done.stderr
+    assert planted.is_symlink() and (victim / "keep" / "data").read_text() == "someone else's"
+    assert (out / "0" / "items" / "_METADATA").is_file()
 
 
 def test_a_killed_import_leaves_no_step_and_the_next_run_writes_it(hf_dirs, tmp_path):

@@ -292,7 +292,7 @@ def draw_cases(world: Path) -> list[dict]:
 
 # -- the child -------------------------------------------------------------------------------
 CHILD = r'''
-import json, os, resource, signal, sys
+import json, os, resource, signal, stat, sys
 from pathlib import Path
 
 cap, seconds, world, cases, out = int(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -316,8 +316,12 @@ real_open = os.open
 
 
 def spy(path, flags, *args, **kwargs):
-    opened.append(os.path.realpath(os.fsdecode(path)))
-    return real_open(path, flags, *args, **kwargs)
+    # what the kernel opened (a walk opens each component from its parent's descriptor), a
+    # directory's path with a trailing "/"
+    fd = real_open(path, flags, *args, **kwargs)
+    real = os.readlink(f"/proc/self/fd/{fd}")
+    opened.append(real + "/" if stat.S_ISDIR(os.fstat(fd).st_mode) else real)
+    return fd
 
 
 def raw(a):
