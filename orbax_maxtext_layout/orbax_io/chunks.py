@@ -302,6 +302,14 @@ def _runs(lay: Layout, origin, max_bytes: int, scratch_kind: str | None, put) ->
     """The chunk at ``origin`` as pieces of runs of whole rows (`_decode`), each written by
     ``put(buf)``, cropped to the array."""
     chunk, item = lay.chunk, lay.dtype.itemsize
+    if not chunk:  # a 0-d array: its one value (written through a 1-d view of it)
+        if scratch_kind is None:
+            one = np.empty((1,), lay.dtype)
+        else:
+            one = scratch_buffer(scratch_kind, item).view(lay.dtype)[:1]
+        put(one)
+        yield Piece((), one.reshape(()))
+        return
     k, run = lay.rows(max_bytes) if lay.chunk_bytes > max_bytes else (0, chunk[0])
     size = math.prod(chunk[k + 1 :]) * min(run, chunk[k])
     scratch = None
