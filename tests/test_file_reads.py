@@ -109,4 +109,4 @@ def test_a_data_file_cut_short_while_a_value_is_open_is_reported_on_read(tmp_pat
         os.truncate(value.path, value.pos + 10)
         with pytest.raises(CheckpointReadError, match=os.path.basename(value.path)):
             value.read()
-    assert len(first) == values.PIECE
+    assert len(first) == values.FILE_PIECE

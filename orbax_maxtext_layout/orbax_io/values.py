@@ -60,11 +60,17 @@ def read_exactly(r, out: np.ndarray) -> None:
 # A stored value is read in pieces of this size, so a decode holds one piece of the stored
 # chunk at a time, not all of it (and the kvstore's copies of it).
 PIECE = 8 << 20
+# A local data file is read in pieces of at most this size (`FileValue.read`): a piece the
+# size of a core's L2 cache is still there when the decoder reads it after the kernel's
+# copy. On the 2-core VM (1 MiB of L2 a core) a restore cost the CPU time of the mapped
+# reads it replaced with 1 MiB pieces, and 5 to 10% more with 8 MiB (docs/performance.md).
+FILE_PIECE = 1 << 20
 
 
 def same_pieces(va: FileValue, vb: FileValue, length: int) -> bool | None:
     """`same_stored`'s comparison of two open values of ``length`` bytes, piece by piece."""
-    for _ in range(0, length, PIECE):
+    left = length
+    while left > 0:
         try:
             x, y = va.read(), vb.read()
         except CheckpointReadError:
@@ -73,6 +79,7 @@ def same_pieces(va: FileValue, vb: FileValue, length: int) -> bool | None:
             return None
         if not np.array_equal(np.frombuffer(x, np.uint8), np.frombuffer(y, np.uint8)):
             return False
+        left -= len(x)
     return True
 
 
@@ -134,7 +141,7 @@ class FileValue:
         """The next ``n`` bytes (at most `PIECE`; all that is left of the value where
         fewer), valid until the next read; `CheckpointReadError` where the file ends
         before them."""
-        n = min(PIECE if n is None or n < 0 else n, self.end - self.pos)
+        n = min(PIECE if n is None or n < 0 else n, FILE_PIECE, self.end - self.pos)
         if n <= 0:
             return b""
         if self.scratch is not None:
