@@ -17,6 +17,9 @@ the operation runs on the copy:
   directory into ``work/<k>-out``, with ``job["maxtext_config"]``; right is the output
   of the first untouched import, read back by stock Orbax, and after an error nothing
   under ``work/<k>-out`` (no work directory left behind); the files cut are the shards;
+- ``export``: ``export_hf`` of the step an import of ``job["hf"]`` writes (made once,
+  first) into ``work/<k>-out``; right is the first untouched export's tensors, and after
+  an error nothing named ``<k>-out...`` beside it; the files cut are the step's data files;
 - ``hf``: each tensor of a Hugging Face directory (`hf_tensors`) read as ``import-hf``
   reads it (`import_hf._read`: a view of the file's pages where it maps them) and cast to
   float32 as the import casts it; the files cut are the safetensors shards.
@@ -165,9 +168,39 @@ def _import(copy: Path, want: dict, job: dict) -> bool:
     )
 
 
+def _export(copy: Path, want: dict, job: dict) -> bool:
+    from safetensors.numpy import load_file
+
+    from orbax_maxtext_layout import export_hf
+
+    out = copy.parent / f"{copy.name}-out"
+    try:
+        export_hf(copy, out, maxtext_config=job["maxtext_config"], override_model_architecture=True)
+    except Exception:
+        left = sorted(p.name for p in copy.parent.iterdir() if p.name.startswith(out.name))
+        if left:  # the export's work directory (or its output) left behind
+            raise AssertionError(f"{out}: an export that failed left {left}") from None
+        raise
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got |= {f"{f.name}/{k}": v for k, v in load_file(str(f)).items()}
+    if not want:  # the first, untouched export: what every other must give
+        want.update(got)
+    return got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def _exported_step(job: dict) -> str:
+    """``export``'s source: the Hugging Face directory ``job["hf"]`` imported once."""
+    from orbax_maxtext_layout import import_hf
+
+    out = Path(job["work"]) / "imported"
+    import_hf(job["hf"], out, maxtext_config=job["maxtext_config"])
+    return str(out / "0")
+
+
 def _want(job: dict):
-    if job["op"] == "import":
-        return {}  # filled by the first import
+    if job["op"] in ("import", "export"):
+        return {}  # filled by the first untouched run
     if job["op"] == "restore":
         return tree()
     if job["op"] == "hf":
@@ -182,6 +215,8 @@ def _want(job: dict):
 
 def main() -> None:
     job = json.loads(sys.argv[1])
+    if job["op"] == "export":
+        job["pristine"] = _exported_step(job)
     from orbax_maxtext_layout.errors import CheckpointReadError
 
     want = _want(job)
@@ -189,6 +224,7 @@ def main() -> None:
         "restore": _restore,
         "convert": lambda c, w: _convert(c, w, job),
         "import": lambda c, w: _import(c, w, job),
+        "export": lambda c, w: _export(c, w, job),
         "hf": _hf,
     }[job["op"]]
     took = []

@@ -1,6 +1,7 @@
-"""``import_hf`` while its shards are cut (issue 58, item 2): a named error (`HfInputError`,
-naming the shard) or the same step as an untouched import, never a signal, and after an
-error nothing left under ``--out`` (no work directory).
+"""``import_hf`` while its shards are cut, and ``export_hf`` while its step's data files are
+(issue 58, item 2): a named error (`HfInputError` naming the shard; `CheckpointReadError`
+naming the data file) or the same output as an untouched run, never a signal, and after an
+error nothing left under ``--out`` or beside it (no work directory).
 
 The campaign is tests/truncation_child.py's (op ``import``), with MaxText's mapping of the
 tiny llama3.1 of import_hf_support (``llama_bf16_sharded``: six shards), run by the
@@ -14,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import import_hf_support as H
 import maxtext_loop_support as L
@@ -27,18 +29,24 @@ CUTS = ("zero", "half", "tail", "delete")
 POINTS = 16
 
 
-def test_an_import_survives_its_shards_cut_at_any_point(tmp_path):
-    hf = H.write_hf(tmp_path / "hf", ["llama_bf16_sharded"])["llama_bf16_sharded"]
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hf")
+    return H.write_hf(root, ["llama_bf16_sharded"])["llama_bf16_sharded"]
+
+
+def _campaign(op: str, hf: Path, work: Path, error: str) -> None:
     config = [str(L.base_yml()), *H.FAMILY_KEYS["llama3.1"], H.scan_key(True)]
     ats = [1.3 * i / (POINTS - 1) for i in range(POINTS)]
     job = {
-        "op": "import",
+        "op": op,
         "pristine": str(hf),
-        "work": str(tmp_path / "work"),
+        "hf": str(hf),
+        "work": str(work),
         "cases": [{"at": a, "cut": CUTS[i % len(CUTS)]} for i, a in enumerate(ats)],
         "maxtext_config": config,
     }
-    (tmp_path / "work").mkdir()
+    work.mkdir()
     proc = subprocess.run(
         [sys.executable, str(CHILD), json.dumps(job)],
         capture_output=True,
@@ -56,5 +64,14 @@ def test_an_import_survives_its_shards_cut_at_any_point(tmp_path):
         if g["outcome"] == "ok":
             assert g["correct"], g
         else:
-            assert g["error"] == "HfInputError" and g["named"], g
+            assert g["error"] == error and g["read_error"] and g["named"], g
     assert any(g["outcome"] == "error" for g in got)
+
+
+def test_an_import_survives_its_shards_cut_at_any_point(hf, tmp_path):
+    _campaign("import", hf, tmp_path / "work", "HfInputError")
+
+
+def test_an_export_survives_its_data_files_cut_at_any_point(hf, tmp_path):
+    """The step exported is the import of ``hf`` (made first, in the child)."""
+    _campaign("export", hf, tmp_path / "work", "CheckpointReadError")
