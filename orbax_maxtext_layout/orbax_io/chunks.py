@@ -200,7 +200,7 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
                         f"{offset}+{size}, past its end."
                     )
                 count("chunk decoded", f"{src.dir}/{key}#{k}")
-                with value.part(offset, size) as part:  # exited: its mapped pages go
+                with value.part(offset, size) as part:
                     yield origin, part
 
 
@@ -214,6 +214,8 @@ def _shard_index(value, lay: Layout, where: str) -> bytes:
     (Orbax's index codecs), as tensorstore does (issue 46); else `CheckpointReadError`."""
     try:
         tail = value.suffix(lay.index_bytes)
+    except CheckpointReadError as e:  # its data file cut short (`values.FileValue`)
+        raise CheckpointReadError(f"{where}: {e}") from e
     except ValueError:  # tensorstore's: the value is shorter than its index
         tail = None
     if tail is None:
