@@ -117,7 +117,7 @@ def open_beneath(
                 if links > MAX_LINKS:
                     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), rel) from None
                 via = _shown(top_path, at, [name])
-                todo[:0] = _follow(top_path, at, fds, name, parent, todo, via)
+                todo[:0] = _follow(top_path, at, fds, name=name, parent=parent, todo=todo, link=via)
                 continue
             if not last:
                 fds.append(fd)
@@ -148,6 +148,7 @@ def _follow(
     top_path: str,
     at: list[str],
     fds: list[int],
+    *,
     name: str,
     parent: int,
     todo: list[str],
