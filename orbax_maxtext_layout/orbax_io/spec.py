@@ -15,6 +15,7 @@ from etils import epath
 
 from ..base.treepaths import FlatTree, Path, flatten, norm_key
 from ..errors import CheckpointReadError
+from ..storage.store import store_for
 from .orbax_files import (
     ITEM_JSON_LIMIT,
     SHARDING_FILE,
@@ -25,6 +26,7 @@ from .orbax_files import (
     known_metadata,
     open_kvstore,
     parse_json,
+    prefetch_item,
     read_context,
     read_limited,
     read_zarr_metadata,
@@ -146,7 +148,9 @@ def orbax_specs(item_dir: epath.Path) -> FlatTree:
 
 def _item_metadata(item_dir: epath.Path) -> dict:
     """The item's parsed ``_METADATA``, after the checks every reader makes first."""
-    if not (item_dir / "_METADATA").exists():
+    store = store_for(item_dir)
+    prefetch_item(item_dir)  # on an object store: the files below read together
+    if not store.exists(item_dir / "_METADATA"):
         raise CheckpointReadError(
             f"{item_dir}: no _METADATA; this is not a complete Orbax PyTree item "
             "(an interrupted save, or the wrong directory)."
@@ -163,7 +167,7 @@ def _item_metadata(item_dir: epath.Path) -> dict:
         raise CheckpointReadError(
             f"{item_dir}/_METADATA: not an Orbax PyTree metadata file (no tree_metadata object)."
         )
-    if meta.get("use_ocdbt", True) and not (item_dir / "manifest.ocdbt").exists():
+    if meta.get("use_ocdbt", True) and not store.exists(item_dir / "manifest.ocdbt"):
         raise CheckpointReadError(
             f"{item_dir}/manifest.ocdbt: missing; the item's OCDBT database cannot be opened."
         )
@@ -245,7 +249,7 @@ def _tree_order(paths: Iterable[Path]) -> list[Path]:
 def _check_shardings(files: ItemFiles, names: list[str]) -> None:
     """Parses the sharding of each ``jax.Array`` leaf as Orbax's metadata reader does (it
     fails on a missing or unreadable one, so this does too)."""
-    if not names or not (files.dir / SHARDING_FILE).exists():
+    if not names or not store_for(files.dir).exists(files.dir / SHARDING_FILE):
         return
     from orbax.checkpoint._src.metadata import sharding  # Orbax's parser (private; pinned)
 
