@@ -226,6 +226,7 @@ _READ_ONCE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 )
 _REMOTE = "remote items"  # a key of the memo: present within `reads_only`
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def reads_each_item_once(fn: _F) -> _F:
@@ -263,6 +264,25 @@ def reads_only(fn: _F) -> _F:
             _READ_ONCE.reset(token)
 
     return once  # type: ignore[return-value]
+
+
+def remembers(item_dir: epath.Path) -> bool:
+    """Whether this operation keeps what it reads of ``item_dir`` on an object store
+    (`reads_only`), so a walk of its B-tree once serves every reader (`remembered`)."""
+    memo = _READ_ONCE.get()
+    return memo is not None and _REMOTE in memo and not store_for(item_dir).reads_files
+
+
+def remembered(kind: str, item_dir: epath.Path, compute: Callable[[], _T]) -> _T:
+    """``compute()`` (what ``kind`` reads of ``item_dir``), done once per operation where it
+    `remembers` the item; else each time. Callers must not modify what it returns."""
+    memo = _READ_ONCE.get()
+    if not remembers(item_dir):
+        return compute()
+    key = (kind, str(item_dir).rstrip("/"))
+    if key not in memo:  # type: ignore[operator]
+        memo[key] = compute()  # type: ignore[index]
+    return memo[key]  # type: ignore[index]
 
 
 def known_metadata(item_dir: epath.Path) -> dict | None:

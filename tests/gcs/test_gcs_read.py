@@ -374,7 +374,11 @@ def _save_steps(root: Path, chunks: int) -> dict[str, Path]:
     sargs = {p: ocp.SaveArgs(chunk_byte_size=max(1, x.nbytes // chunks)) for p, x in flat.items()}
     steps = {"maxtext": root / "maxtext" / "0", "tunix": root / "tunix" / "0"}
     items = {
-        "maxtext": ("items", {"params": _nest(flat)}, {"params": _nest(sargs)}),
+        "maxtext": (
+            "items",
+            {"params": {"params": _nest(flat)}},
+            {"params": {"params": _nest(sargs)}},
+        ),
         "tunix": (
             "model_params",
             _nest({(*p, "value"): x for p, x in flat.items()}),
