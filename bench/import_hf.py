@@ -778,8 +778,8 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
         if op in ("import-hf", "to-maxtext") and rchar is not None:
             read = rchar - imports_rchar
             if op == "import-hf":
-                # mapped pages (HfDir.view) are read without a read(2): rchar misses them,
-                # the report counts them
+                # pages mapped by an import before issue 58 (HfDir.view) were read without a
+                # read(2): rchar missed them, the report counts them
                 reps = [r["report"] for r in runs if r.get("report")]
                 read = max([read] + [r.get("bytes_read", 0) for r in reps])
             row["x_safetensors"] = round(read / b.st_bytes, 3)

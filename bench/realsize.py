@@ -93,9 +93,10 @@ from ``wait4``'s rusage (the VmHWM of the process and of any process it reaped);
 process exited and before it is reaped (``waitid(..., WNOWAIT)``), which includes the
 processes it reaped. ``rchar`` counts bytes through ``read(2)``-family calls (from the page
 cache too); bytes read through ``mmap`` are not in it (the minor faults are in the JSON).
-Where the kernel populates a mapped range in one call, a step's stored chunks are read
-through mappings (`storage/mapped`), so their bytes are not in ``rchar`` there. Each chunk is
-still decoded once: the tests check that through ``io_counts``'s "chunk decoded".
+A step's stored chunks and safetensors tensors are read with ``preadv`` (issue 58; from
+2026-12-06 to issue 58 they were mapped where the kernel populates a mapped range in one
+call, and not in ``rchar`` there). Each chunk is decoded once: the tests check that through
+``io_counts``'s "chunk decoded".
 "over baseline" subtracts the baseline's peak RSS and its ``rchar`` (the imports).
 Medians of ``--repeats`` (peak RSS: the largest). ``--before DIR`` also runs every operation
 with another checkout's package first on ``PYTHONPATH``, side by side.

@@ -101,28 +101,6 @@ def skip_without_sockets(what: str) -> None:
         pytest.skip(f"{what} {NO_SOCKETS}")
 
 
-@functools.cache
-def files_are_mapped() -> bool:
-    """Whether this kernel populates a mapped range in one call (`storage.mapped.populates`):
-    only there are data files and safetensors files read through mappings. gVisor (the TPU
-    host) and Linux before 5.14 read them with ``preadv``."""
-    import mmap
-    import tempfile
-
-    from orbax_maxtext_layout.storage import mapped
-
-    with tempfile.TemporaryFile() as f:
-        f.write(b"\0" * mmap.PAGESIZE)
-        f.flush()
-        m = mapped.map_readonly(f.fileno(), mmap.PAGESIZE)
-    if m is not None:
-        m.close()
-    return m is not None
-
-
-NOT_MAPPED = "this kernel cannot populate a mapped range in one call (gVisor, Linux before 5.14): files are read with preadv"
-
-
 def pytest_runtest_setup(item):
     """``@pytest.mark.needs_sockets("what")``: the test skips, saying that ``what`` needs
     sockets, where none can be opened (`sockets_available`)."""

@@ -35,7 +35,6 @@ from orbax_maxtext_layout.orbax_io import (
 )
 from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
-from orbax_maxtext_layout.storage import mapped
 
 HERE = Path(__file__).resolve().parent
 EMB = 8192  # wi, wo, embedding and logits of 1.5-2 MiB: past `zarr.SMALL`, streamed
@@ -201,12 +200,10 @@ def test_reading_an_array_whole_leaves_a_held_piece_intact(step):
 
 
 def test_a_stored_chunk_is_read_through_one_reused_buffer(step, monkeypatch):
-    """zstandard's reader asks for a chunk's bytes piece by piece (64 KiB here): where a
-    data file is not mapped (`storage.mapped`: more than its `MAX_FILES`, here none), every
-    read lands in one buffer of the thread (a fresh ``bytes`` per read took fresh pages,
-    which the kernel zeroes), and the decoded pieces stay right."""
+    """zstandard's reader asks for a chunk's bytes piece by piece (64 KiB here): every read
+    lands in one buffer of the thread (a fresh ``bytes`` per read took fresh pages, which
+    the kernel zeroes), and the decoded pieces stay right."""
     monkeypatch.setattr(values, "PIECE", 64 << 10)
-    monkeypatch.setattr(mapped, "MAX_FILES", 0)
     ctx = item_writer.ts_context()
     src = ItemReader.open(epath.Path(step / "model_params"), ctx)
     want = {".".join(map(str, p)): x for p, x in _restore(step / "model_params").items()}

@@ -2,7 +2,7 @@
 
 Real Orbax items (zarr2 and zarr3, one chunk and many per array) are restored with the same
 request through the engine and through stock `PyTreeCheckpointHandler`: the same values,
-dtypes (casts as Orbax casts) and shardings; PRNG keys, scalars and transforms go the stock
+dtypes (casts as Orbax casts) and shardings; PRNG keys, Orbax scalars and transforms go the stock
 way, counted in the engine's debug line; a corrupt chunk is a `CheckpointReadError` naming
 the array. The 8-device cases (fsdp-chunked steps into matching, resharded, replicated and
 one-device targets) run in a child process, where the host devices can be set.
@@ -179,6 +179,42 @@ def test_what_the_engine_does_not_take_goes_the_stock_way(item, caplog, monkeypa
     args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
     assert not parallel_read.enabled()
     _same(restore_pytree(path, args, _stock), _stock(path, args))
+
+
+@pytest.mark.parametrize("zarr3", [False, True], ids=["zarr2", "zarr3"])
+def test_zero_dimensional_arrays_are_read_by_the_engine_as_stock_reads_them(
+    tmp_path, zarr3, caplog
+):
+    """0-d arrays (an RNG counter, a step kept as an array) are one value each: the engine
+    reads them too, so an item of counters never sends Orbax the whole item's metadata for
+    them; host and device targets and a cast give what stock gives. A NumPy or Python
+    scalar (Orbax's "scalar" value type: stock returns a scalar, not an array) stays stock."""
+    vals = {
+        "f32": np.array(-0.0, np.float32),
+        "bf16": np.array(3.5, ml_dtypes.bfloat16),
+        "u32": np.array(4_000_000_000, np.uint32),
+        "i8": np.array(-7, np.int8),
+        "flag": np.array(True),
+    }
+    tree = {"host": dict(vals), "device": {k: jax.device_put(v, HOST) for k, v in vals.items()}}
+    tree["scalar"] = np.int32(5)
+    path = epath.Path(tmp_path) / "zero_d"
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3))
+    ckptr.save(path, args=ocp.args.PyTreeSave(tree))
+    ckptr.close()
+    rargs = {
+        "host": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in vals},
+        "device": {k: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=()) for k in vals},
+        "scalar": ocp.RestoreArgs(),
+    }
+    rargs["device"]["u32"] = ocp.ArrayRestoreArgs(sharding=HOST, global_shape=(), dtype=np.float32)
+    args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        got = restore_pytree(path, args, _stock)
+    _same(got, _stock(path, args))
+    assert _engine_count(caplog) == 2 * len(vals)  # the scalar: not an array, never asked
+    assert not isinstance(got["scalar"], np.ndarray) and got["scalar"] == 5  # as stock
+    assert got["host"]["u32"].shape == () and int(got["host"]["u32"]) == 4_000_000_000
 
 
 def test_prng_keys_go_the_stock_way(tmp_path):

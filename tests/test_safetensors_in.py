@@ -27,13 +27,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import NOT_MAPPED, files_are_mapped
 from safetensors.numpy import load_file, save_file
 
 from orbax_maxtext_layout.errors import CheckpointReadError, UsageError
 from orbax_maxtext_layout.hf import safetensors_in as si
 from orbax_maxtext_layout.hf.safetensors_in import HfDir, HfInputError
-from orbax_maxtext_layout.storage import mapped
 
 CONFIG = {"model_type": "llama", "hidden_size": 8, "architectures": ["LlamaForCausalLM"]}
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -326,7 +324,6 @@ def test_remote_reads_through_epath(tmp_path, monkeypatch):
     monkeypatch.setattr(si, "REMOTE_PIECE", 100)  # several ranged reads per tensor
     with HfDir.open(hf) as d:
         assert all(isinstance(f, si._RemoteFile) for f in d._files.values())
-        assert all(d.view(name) is None for name in want)
         before = d.bytes_read
         for name, a in want.items():
             assert equal(d.read(name), a)
@@ -344,54 +341,6 @@ def test_a_file_cut_short_after_open_is_refused_on_read(tmp_path):
     with pytest.raises(HfInputError, match=r"model.safetensors: tensor 'w': the file is shorter"):
         d.read("w")
     d.close()
-
-
-@pytest.mark.skipif(not files_are_mapped(), reason=NOT_MAPPED)
-def test_a_view_maps_the_checked_bytes_read_only_and_counts_them(tmp_path):
-    """`HfDir.view`: each tensor's own bytes, without a copy, read-only; none for a BOOL
-    tensor (its bytes are normalized by a read), for an object store, or for a file that
-    changed size since it was opened (which a read then refuses)."""
-    hf = new_dir(tmp_path)
-    want = {f"t.{st}": (st, values(dt, (6, 2, 3))) for st, dt in ML_DTYPES.items()}
-    want["t.F32"] = ("F32", values(np.float32, (6, 4)))
-    write_st(hf / si.WEIGHTS_FILE, want, gap=5)
-    with HfDir.open(hf) as d:
-        before = d.bytes_read
-        for name, (_, a) in want.items():
-            v = d.view(name)
-            assert equal(v, a) and not v.flags.writeable and v.base is not None
-            d.release(name)  # its pages leave the process; the view reads them again
-            assert equal(v, a)
-        assert d.bytes_read - before == sum(a.nbytes for _, a in want.values())
-        with pytest.raises(ValueError, match="read-only"):
-            d.view("t.F32")[0, 0] = 1
-    craft(
-        hf / si.WEIGHTS_FILE,
-        {"m": {"dtype": "BOOL", "shape": [4], "data_offsets": [0, 4]}},
-        bytes([0, 1, 2, 255]),
-    )
-    with HfDir.open(hf) as d:
-        assert d.view("m") is None
-    save_file({"w": values(np.float32, (64, 64))}, str(hf / si.WEIGHTS_FILE))
-    d = HfDir.open(hf)
-    os.truncate(hf / si.WEIGHTS_FILE, d.tensors["w"].start + 100)
-    assert d.view("w") is None
-    with pytest.raises(HfInputError, match="the file is shorter"):
-        d.read("w")
-    d.close()
-
-
-def test_no_view_where_the_kernel_cannot_populate_a_range(tmp_path, monkeypatch):
-    """Where ``MADV_POPULATE_READ`` is refused (gVisor, the TPU machine: a released range
-    stayed in the process there), no file is mapped: tensors are read, bit for bit."""
-    hf = new_dir(tmp_path)
-    w = values(np.float32, (64, 64))
-    save_file({"w": w}, str(hf / si.WEIGHTS_FILE))
-    monkeypatch.setattr(mapped, "_POPULATES", False)
-    with HfDir.open(hf) as d:
-        assert d.view("w") is None
-        assert d._files[d.tensors["w"].file]._map is None  # not even mapped to be closed
-        assert equal(d.read("w"), w)
 
 
 def test_no_memory_in_proportion_to_what_a_header_claims(tmp_path):

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -497,14 +498,26 @@ def _build_and_publish(job: _Job) -> StepReport:
     return report
 
 
+# tensorstore's words for a file it could not read (cut short: OUT_OF_RANGE; deleted:
+# NOT_FOUND), each naming the file
+_READ_FAILED = re.compile(r"Error reading .*(local )?file")
+
+
 def _write(job: _Job, dest: epath.Path) -> StepReport:
     """Writes ``dest/items`` for ``job`` (``dest``: the step itself, or where a separate
-    destination is built); a tensorstore I/O failure becomes an `OSError` naming it."""
+    destination is built); a tensorstore I/O failure becomes an `OSError` naming it, one
+    reading a file a `CheckpointReadError`."""
     try:
         return _write_items(job, dest)
     except (LayoutMismatchError, CheckpointReadError):
         raise
     except ValueError as e:  # tensorstore reports I/O failures as ValueError
+        if _READ_FAILED.search(str(e)):  # names the file: a source cut short or deleted
+            raise CheckpointReadError(
+                f"{dest}: a file of the source could not be read, nothing was committed: {e}. "
+                "The source changed while it was read (a data file cut short or deleted by "
+                "another process?): convert again once the step is complete."
+            ) from e
         full = "No space left" in str(e) or "RESOURCE_EXHAUSTED" in str(e)
         raise OSError(
             errno.ENOSPC if full else errno.EIO,

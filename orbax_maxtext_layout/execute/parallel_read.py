@@ -28,7 +28,9 @@ at every latency and chunking measured, so object stores take the engine too.
 
 What it does not take (`why_not`) goes the stock way, by the caller: a
 codec other than plain zstd, a shape other than the stored one (Orbax pads or truncates),
-scalars, PRNG key dtypes, a sharding without a per-device index, another memory kind.
+scalars (Orbax's scalar value type: stock returns a Python or NumPy scalar; 0-d arrays are
+read here), empty arrays, PRNG key dtypes, a sharding without a per-device index, another
+memory kind.
 ``OMTL_RESTORE_ENGINE=stock`` sends everything the stock way.
 
 Imports: `orbax_io`, `storage`, `errors`.
@@ -101,8 +103,10 @@ def why_not(reader: ItemReader, req: ArrayRequest) -> str | None:
         return "a codec other than plain zstd"
     if tuple(req.shape) != lay.shape:
         return "a shape other than the stored one"
-    if not lay.shape or 0 in lay.shape:
-        return "a scalar or empty array"
+    if 0 in lay.shape:
+        return "an empty array"
+    if (reader.files.value_meta.get(req.name) or {}).get("value_type") == "scalar":
+        return "a scalar"  # stock gives a Python or NumPy scalar, not an array
     if _is_key(req.dtype):
         return "a PRNG key"
     if np_dtype(np.dtype(req.dtype).name) is None:
@@ -510,7 +514,7 @@ def _copy(piece: chunks.Piece, box: _Box) -> None:
         return
     src = tuple(slice(x - s, h - s) for x, h, s in zip(lo, hi, piece.start, strict=True))
     dst = tuple(slice(x - s, h - s) for x, h, s in zip(lo, hi, box.start, strict=True))
-    into = _view(box.buf, box)[dst]
+    into = _view(box.buf, box)[(*dst, ...)]  # `...`: a 0-d box's view, not a copy of its value
     if box.ahead is not None:
         first, last = _byte_bounds(into)
         base = box.buf.ctypes.data
@@ -537,8 +541,8 @@ def _direct(task: _Task) -> np.ndarray | None:
     stop = tuple(o + c for o, c in zip(origin, lay.chunk, strict=True))
     if any(o < a or e > b for o, e, a, b in zip(origin, stop, box.start, box.stop, strict=True)):
         return None
-    region = _view(box.buf, box)[
-        tuple(slice(o - a, e - a) for o, e, a in zip(origin, stop, box.start, strict=True))
+    region = _view(box.buf, box)[  # `...`: a 0-d box's view, not a copy of its value
+        (*(slice(o - a, e - a) for o, e, a in zip(origin, stop, box.start, strict=True)), ...)
     ]
     return region if region.flags.c_contiguous else None
 

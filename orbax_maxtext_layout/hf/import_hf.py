@@ -519,7 +519,6 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
             for path, data in zip(leaf.paths, _slice(plan, leaf, hf, scratch), strict=True):
                 _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], scratch=scratch)
         finally:
-            _release(plan.hf, hf)
             gate.give(held)
         tick()
 
@@ -537,17 +536,9 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
                     arrays[path], leaf.axes, idx, data, chunks[path], pool=(pool, in_flight)
                 )
             del made
-            _release(plan.hf, hf)
             tick()
         scratch.drop()  # this thread's read buffer (the largest slice's size), reused till here
         results(pool.submit(one, j) for j in jobs if j not in big)
-
-
-def _release(hf: HfDir, names: Any) -> None:
-    """A written slice's source tensors' mapped pages out of the process (`HfDir.release`):
-    the budget bounds what is mapped at once, as it bounds what is read."""
-    for name in _names(names):
-        hf.release(name)
 
 
 class _Scratch(threading.local):
@@ -743,13 +734,11 @@ def _slice(
 
 
 def _read(hf: HfDir, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
-    """Tensor ``name``: a read-only view of its file's pages where there is one
-    (`HfDir.view`; a read would copy each byte from the page cache first: 6 of the 60 s of
-    CPU an 8B import spent), else read into bytes ``[at, ...)`` of this thread's read
-    buffer where ``scratch`` gives one (`HfDir.read_into`), else into a fresh array."""
-    view = hf.view(name)
-    if view is not None:
-        return view
+    """Tensor ``name``, read into bytes ``[at, ...)`` of this thread's read buffer where
+    ``scratch`` gives one (`HfDir.read_into`), else into a fresh array. Read, never mapped:
+    a mapped page of a shard cut short meanwhile raises SIGBUS, where a read is refused
+    (`HfInputError` naming the file; a read copies each byte from the page cache: 6 of the
+    60 s of CPU an 8B import spent)."""
     if scratch is None:
         return hf.read(name)
     nbytes = hf.tensors[name].nbytes

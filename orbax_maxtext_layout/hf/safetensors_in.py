@@ -48,10 +48,11 @@ tensors (70 MB) 840 MiB, accepted, as the safetensors library accepts it.
 Reads (`HfDir.read`, `HfDir.read_rows`) are one range read each (in `REMOTE_PIECE` parts
 on an object store), from a file opened once, safe from several threads at once:
 ``os.preadv`` on a local file descriptor; on ``gs://`` ranged reads of exactly the bytes
-asked for (fsspec's ``cat_file``; no read-ahead). `HfDir.view` maps a local tensor's
-checked range instead (read-only, as the safetensors library does), so a conversion reads
-the page cache in place. Each byte is read once, and `HfDir.bytes_read` counts every byte
-read or viewed.
+asked for (fsspec's ``cat_file``; no read-ahead). Nothing is mapped (the safetensors library
+maps): a mapped page of a shard cut short meanwhile (a download replacing it, a
+cache cleaned) raises SIGBUS and ends the process, where a read comes back short, which
+is refused (`HfInputError` naming the file). Each byte is read once, and
+`HfDir.bytes_read` counts every byte read.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import mmap
 import os
 import re
 import stat
@@ -75,7 +75,6 @@ from etils import epath
 from ..errors import UsageError
 from ..orbax_io.orbax_files import CheckpointRefusedError
 from ..storage.containment import LinkLeaves, escape, open_beneath
-from ..storage.mapped import POPULATE_READ, advise, map_readonly, may_map, release
 from ..storage.store import store_for
 
 CONFIG_FILE = "config.json"
@@ -175,19 +174,6 @@ class _LocalFile:
             os.close(self.fd)
             raise
         self.size = st.st_size
-        self._map: mmap.mmap | None = None
-        self._map_lock = threading.Lock()
-
-    def mapped(self) -> mmap.mmap | None:
-        """The file mapped read-only, once (None where it cannot be: it changed size since
-        it was checked, the kernel refuses, or it cannot populate a range in one call,
-        where a released range may stay in the process: `mapped.populates`)."""
-        with self._map_lock:
-            if self._map is None and self.fd >= 0 and may_map():
-                with contextlib.suppress(OSError):
-                    if os.fstat(self.fd).st_size == self.size:
-                        self._map = map_readonly(self.fd, self.size)
-            return self._map
 
     def read_into(self, buf: np.ndarray, at: int) -> None:
         view, done = memoryview(buf).cast("B"), 0
@@ -201,10 +187,6 @@ class _LocalFile:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
-        m, self._map = self._map, None
-        if m is not None:
-            with contextlib.suppress(BufferError):  # views still out: unmapped with the last
-                m.close()
 
     def __del__(self) -> None:  # an HfDir dropped unclosed leaves no descriptor open
         with contextlib.suppress(Exception):
@@ -625,36 +607,6 @@ class HfDir:
         if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes < t.nbytes:
             raise UsageError(f"{self.dir}: tensor {name!r} needs {t.nbytes} bytes to read into")
         return self._array(t, 0, t.nbytes, t.shape, into=out[: t.nbytes])
-
-    def view(self, name: str) -> np.ndarray | None:
-        """Tensor ``name`` whole as a read-only array over the file's pages (``mmap``, as the
-        safetensors library reads): no copy, where a read copies every byte from the page
-        cache. None where it cannot be: an object store, a ``BOOL`` tensor (its bytes are
-        normalized as `read` does), a file that changed size since it was checked. The
-        bytes are the checked range of the checked file; a file cut short while mapped is a
-        ``SIGBUS`` on access, as with the safetensors library."""
-        t = self._info(name)
-        f = self._files.get(t.file)
-        if not isinstance(f, _LocalFile) or t.dtype == np.bool_ or not t.nbytes:
-            return None
-        m = f.mapped()
-        if m is None:
-            return None
-        # its pages mapped in one call (else one fault per 64 KiB on first touch)
-        advise(m, POPULATE_READ, t.start, t.nbytes)
-        with self._lock:
-            self._bytes_read += t.nbytes
-        out = np.frombuffer(m, np.uint8, t.nbytes, t.start)
-        return out.view(t.dtype).reshape(t.shape)
-
-    def release(self, name: str) -> None:
-        """Tensor ``name``'s mapped pages out of this process (`view`): they stay in the page
-        cache, but no longer count in its RSS. A view still used reads them again."""
-        t = self._info(name)
-        f = self._files.get(t.file)
-        m = f._map if isinstance(f, _LocalFile) else None  # never maps a file anew
-        if m is not None and t.nbytes:
-            release(m, t.start, t.nbytes)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` on its axis 0: one range read."""

@@ -200,7 +200,7 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
                         f"{offset}+{size}, past its end."
                     )
                 count("chunk decoded", f"{src.dir}/{key}#{k}")
-                with value.part(offset, size) as part:  # exited: its mapped pages go
+                with value.part(offset, size) as part:
                     yield origin, part
 
 
@@ -214,6 +214,8 @@ def _shard_index(value, lay: Layout, where: str) -> bytes:
     (Orbax's index codecs), as tensorstore does (issue 46); else `CheckpointReadError`."""
     try:
         tail = value.suffix(lay.index_bytes)
+    except CheckpointReadError as e:  # its data file cut short (`values.FileValue`)
+        raise CheckpointReadError(f"{where}: {e}") from e
     except ValueError:  # tensorstore's: the value is shorter than its index
         tail = None
     if tail is None:
@@ -302,6 +304,14 @@ def _runs(lay: Layout, origin, max_bytes: int, scratch_kind: str | None, put) ->
     """The chunk at ``origin`` as pieces of runs of whole rows (`_decode`), each written by
     ``put(buf)``, cropped to the array."""
     chunk, item = lay.chunk, lay.dtype.itemsize
+    if not chunk:  # a 0-d array: its one value (written through a 1-d view of it)
+        if scratch_kind is None:
+            one = np.empty((1,), lay.dtype)
+        else:
+            one = scratch_buffer(scratch_kind, item).view(lay.dtype)[:1]
+        put(one)
+        yield Piece((), one.reshape(()))
+        return
     k, run = lay.rows(max_bytes) if lay.chunk_bytes > max_bytes else (0, chunk[0])
     size = math.prod(chunk[k + 1 :]) * min(run, chunk[k])
     scratch = None

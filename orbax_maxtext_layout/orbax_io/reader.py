@@ -28,7 +28,6 @@ from etils import epath
 
 from ..base.treepaths import Path
 from ..errors import CheckpointReadError
-from ..storage.mapped import MappedFiles
 from ..storage.store import StepStore, store_for
 from . import chunks
 from .ocdbt import value_locations
@@ -68,8 +67,6 @@ class ItemReader:
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # array name -> its fill value (`fill_value`), once read
     _fills: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # the local data files mapped for reading (`stored_value`), each once
-    _mapped: MappedFiles = dataclasses.field(default_factory=MappedFiles, repr=False, compare=False)
     # key -> [read of the bytes it lies in, data file, start, end, readers left] (`fetch`)
     _fetched: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     _fetch_lock: threading.Lock = dataclasses.field(
@@ -207,11 +204,15 @@ class ItemReader:
 
     def small_value(self, key: str) -> bytes | None:
         """The whole stored value ``key`` (metadata: small), None if it is not stored: from
-        the B-tree where it is stored inline there, else with one kvstore read."""
+        the B-tree where it is stored inline there, else with one kvstore read (a data file
+        it cannot read, e.g. one cut short meanwhile: `CheckpointReadError`, which names it)."""
         inline = self._inline(key)
         if inline is not None:
             return inline
-        got = self.kv.read(key).result()
+        try:
+            got = self.kv.read(key).result()
+        except ValueError as e:  # tensorstore's I/O errors
+            raise CheckpointReadError(f"{self.dir}: cannot read {key}: {e}") from e
         return bytes(got.value) if got.state == "value" else None
 
     def stored_length(self, key: str) -> int:
@@ -301,9 +302,9 @@ class ItemReader:
     ) -> FileValue | KvValue | InlineValue | None:
         """The stored value ``key`` to read piece by piece: from its data file where it lies
         in one on a local disk (`value_file`; tensorstore's kvstore reads cost as much as
-        the decode), mapped (`storage.mapped`) or else read into this thread's buffer
-        ``scratch`` (None: one of its own); on an object store, what `fetch` read; else
-        through the kvstore; None if it is not stored."""
+        the decode), read into this thread's buffer ``scratch`` (None: one of its own; never
+        mapped: `values.FileValue`); on an object store, what `fetch` read; else through the
+        kvstore; None if it is not stored."""
         fetched = self._take_fetched(key) if self._fetched else None
         if fetched is not None:
             return fetched
@@ -314,8 +315,7 @@ class ItemReader:
         if where is not None:
             path, offset, length = where
             try:
-                mapping = self._mapped.covering(path, offset + length)
-                return FileValue(path, offset, offset + length, scratch=scratch, mapping=mapping)
+                return FileValue(path, offset, offset + length, scratch=scratch)
             except OSError:  # gone or unreadable: the kvstore's read reports it
                 pass
         value = KvValue(self.kv, key)

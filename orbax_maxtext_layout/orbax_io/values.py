@@ -1,5 +1,5 @@
 """A stored value (one chunk, or one zarr3 shard) read piece by piece, as a file is read:
-from its data file (mapped, or with `os.preadv`) where it lies in one on a local disk, from
+from its data file (with `os.preadv`) where it lies in one on a local disk, from
 the B-tree where OCDBT stored it inline (a small value), else through the kvstore; and two
 stored values compared without decoding them.
 
@@ -9,7 +9,6 @@ item reader (`reader.ItemReader`) is the one object that provides it.
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import Protocol
 
@@ -17,7 +16,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from ..storage.mapped import POPULATE_READ, advise, release
+from ..errors import CheckpointReadError
 from ..storage.scratch import scratch_buffer
 from .orbax_files import ItemFiles
 
@@ -63,24 +62,39 @@ def read_exactly(r, out: np.ndarray) -> None:
 # A stored value is read in pieces of this size, so a decode holds one piece of the stored
 # chunk at a time, not all of it (and the kvstore's copies of it).
 PIECE = 8 << 20
+# A local data file is read in pieces of at most this size (`FileValue.read`): a piece the
+# size of a core's L2 cache is still there when the decoder reads it after the kernel's
+# copy. On the 2-core VM (1 MiB of L2 a core) a restore cost the CPU time of the mapped
+# reads it replaced with 1 MiB pieces, and 5 to 10% more with 8 MiB (docs/performance.md).
+FILE_PIECE = 1 << 20
 
 
 def same_pieces(va: FileValue, vb: FileValue, length: int) -> bool | None:
     """`same_stored`'s comparison of two open values of ``length`` bytes, piece by piece."""
-    for _ in range(0, length, PIECE):
-        x, y = va.read(), vb.read()
+    left = length
+    while left > 0:
+        try:
+            x, y = va.read(), vb.read()
+        except CheckpointReadError:
+            return None  # a file cut short: the kvstore's read reports it
         if len(x) != len(y) or not len(x):
-            return None  # a file cut short
+            return None
         if not np.array_equal(np.frombuffer(x, np.uint8), np.frombuffer(y, np.uint8)):
             return False
+        left -= len(x)
     return True
 
 
 class FileValue:
-    """Bytes ``[start, end)`` of a data file, read (``read``, as a file is) as views of the
-    file's ``mapping`` where one is given (`storage.mapped`: no copy; each piece's pages
-    leave the process once the next is read), else with `os.preadv` into one reused buffer:
-    this thread's ``scratch`` buffer, or one of the value's own.
+    """Bytes ``[start, end)`` of a data file, read (``read``, as a file is) with `os.preadv`
+    into one reused buffer: this thread's ``scratch`` buffer, or one of the value's own.
+
+    Read, never mapped: a mapped page past the end of a file that another process cut
+    short meanwhile (a ``max_to_keep`` deleting the step in place, a copy landing over
+    it) raises SIGBUS, which ends the process; a read past it returns short, which `read`
+    reports as a `CheckpointReadError` naming the file. (Mapping saved the copy from the
+    page cache: 13% of a restore's CPU on this project's VM; docs/performance.md has what
+    reading costs instead.) An open file that is unlinked meanwhile reads on, whole.
 
     zstandard's stream reader asks for more input only once it has used all it was given,
     so one buffer serves a whole stream. A fresh ``bytes`` per read cost a fresh mapping
@@ -95,57 +109,65 @@ class FileValue:
         fd: int | None = None,
         *,
         scratch: str | None = None,
-        mapping: mmap.mmap | None = None,
     ):
         self.path, self.pos, self.end = path, start, end
         self.fd = os.open(path, os.O_RDONLY) if fd is None else fd
         self.owns = fd is None
         self.scratch = scratch
-        self.mapping = mapping
         self._buf: np.ndarray | None = None
-        self._given = (start, 0)  # the mapped piece read last, released at the next read
 
     def __enter__(self) -> FileValue:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.mapping is not None:
-            release(self.mapping, *self._given)
-            self._given = (self.pos, 0)
         if self.owns:
             os.close(self.fd)
 
     def suffix(self, n: int) -> bytes | None:
-        got = os.pread(self.fd, n, self.end - n) if self.end - n >= self.pos else b""
-        return got if len(got) == n else None
+        """The last ``n`` bytes of the value; None where it holds fewer; `CheckpointReadError`
+        where the file ends before the value does."""
+        if self.end - n < self.pos:
+            return None
+        got = os.pread(self.fd, n, self.end - n)
+        if len(got) < n:
+            raise self._cut(self.end - n + len(got))
+        return got
 
     def part(self, offset: int, size: int) -> FileValue:
         """Bytes ``[offset, offset + size)`` of this value (the same open file)."""
         start = self.pos + offset
         end = min(self.end, start + size)
-        return FileValue(self.path, start, end, self.fd, scratch=self.scratch, mapping=self.mapping)
+        return FileValue(self.path, start, end, self.fd, scratch=self.scratch)
 
     def read(self, n: int = -1) -> memoryview | bytes:
-        n = min(PIECE if n is None or n < 0 else n, self.end - self.pos)
+        """The next ``n`` bytes (at most `PIECE`; all that is left of the value where
+        fewer), valid until the next read; `CheckpointReadError` where the file ends
+        before them."""
+        n = min(PIECE if n is None or n < 0 else n, FILE_PIECE, self.end - self.pos)
         if n <= 0:
             return b""
-        if self.mapping is not None:
-            # the last piece is decoded once more is asked for (a stream reader asks only
-            # when it has used all it was given): its pages leave the process
-            release(self.mapping, *self._given)
-            advise(self.mapping, POPULATE_READ, self.pos, n)
-            self._given = (self.pos, n)
-            self.pos += n
-            return memoryview(self.mapping)[self.pos - n : self.pos]
         if self.scratch is not None:
             buf = scratch_buffer(self.scratch, n)[:n]
         else:
             if self._buf is None or self._buf.nbytes < n:
                 self._buf = np.empty(n, np.uint8)
             buf = self._buf[:n]
-        got = os.preadv(self.fd, [buf], self.pos)
-        self.pos += got
-        return memoryview(buf)[:got]
+        done = 0
+        while done < n:  # a short read short of the end: a network file system may give one
+            got = os.preadv(self.fd, [buf[done:]], self.pos + done)
+            if got <= 0:
+                raise self._cut(self.pos + done)
+            done += got
+        self.pos += n
+        return memoryview(buf)
+
+    def _cut(self, at: int) -> CheckpointReadError:
+        return CheckpointReadError(
+            f"{self.path}: the data file ends at byte {at}, before the end of the stored "
+            f"value it holds (byte {self.end}): it was cut short, maybe while this read it "
+            "(another process deleting or rewriting the step in place, a copy still "
+            "landing). Read the step once it is complete, or another step."
+        )
 
 
 class InlineValue:

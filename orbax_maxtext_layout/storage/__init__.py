@@ -1,15 +1,16 @@
 """Where bytes live: local disks and ``gs://`` object stores, locks, the page cache, data
-file placement (reflink, hard link, copy), read-only mappings of local files, per-thread
-scratch buffers and fresh memory (freed heap memory given back: `scratch.trim`), the compiled
-transposing copy (the package's one C module), and the one
-rule for paths a checkpoint names itself, with the walk that opens a file beneath a
-directory one component at a time (`containment`).
+file placement (reflink, hard link, copy), per-thread scratch buffers and fresh memory
+(freed heap memory given back: `scratch.trim`), the compiled transposing copy (the
+package's one C module), and the one rule for paths a checkpoint names itself, with the
+walk that opens a file beneath a directory one component at a time (`containment`).
+Local files are read, never mapped (a mapped page of a file cut short meanwhile is a
+SIGBUS: docs/reliability.md).
 
 `store.store_for(root)` decides once how a root is handled (a disk or an object store);
 every room above hands the store it got down instead of deciding again. Nothing here
 knows what an Orbax item or a model is.
 
 Imports: `base`, `errors`. Offers: `store` (`store_for`, `StepStore`), `objstore`,
-`lock` (`step_lock`), `placement` (`Placer`), `pagecache`, `mapped` (`MappedFiles`),
-`scratch`, `transpose` (`transpose_into`), `containment`.
+`lock` (`step_lock`), `placement` (`Placer`), `pagecache`, `scratch`, `transpose`
+(`transpose_into`), `containment`.
 """
