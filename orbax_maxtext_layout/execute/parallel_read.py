@@ -22,9 +22,13 @@ from their data files, where the item's B-tree (walked once when the item is ope
 them, as ranged reads all in flight at once (neighbours in one data file joined, up to a
 share of the batch), within `FETCH_AHEAD` bytes beyond those being decoded; a free worker
 takes a task whose chunk has arrived first. The metadata is read once per restore
-(`orbax_files.reads_only`). Measured against the GCS emulator with 0, 20 and 50 ms before
-each response (bench/gcs_restore.py, docs/object-stores.md), this beats tensorstore's reads
-at every latency and chunking measured, so object stores take the engine too.
+(`orbax_files.reads_only`). Object stores take the engine whatever the chunking, by
+measurement (bench/gcs_restore.py against the GCS emulator, docs/object-stores.md): with
+20 or 50 ms before each response, as at a real bucket, it took 0.79-1.07x stock's time on
+1 and 8 chunks per array, where handing the arrays to tensorstore took 1.46-1.95x (the
+stock path then also pays stock Orbax's own ~35 metadata requests, one after another);
+only with no added latency on a 2-core VM, CPU-bound, is tensorstore's C++ faster
+(1.1-1.3x), a case no real bucket has.
 
 What it does not take (`why_not`) goes the stock way, by the caller: a
 codec other than plain zstd, a shape other than the stored one (Orbax pads or truncates),
