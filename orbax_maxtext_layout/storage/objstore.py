@@ -163,6 +163,8 @@ def prefetch(paths: Iterable[epath.PathLike], limit: int) -> None:
     keys = [_key(fs, p) for p in todo]
     got = fs.cat_ranges(keys, [0] * len(keys), [limit + 1] * len(keys), on_error="return")
     for p, data in zip(todo, got, strict=True):
+        if _empty(data):
+            data = b""
         if isinstance(data, (bytes, OSError)):
             memo[("read", p)] = (limit, data)
         # anything else (another exception type): left for `read_file` to ask again
@@ -174,6 +176,16 @@ def _read_head(path: epath.PathLike, n: int) -> bytes | OSError:
         return fs.cat_file(_key(fs, path), start=0, end=n)
     except OSError as e:  # kept (a missing file stays missing within the operation)
         return e
+    except Exception as e:
+        if _empty(e):
+            return b""
+        raise
+
+
+def _empty(e: object) -> bool:
+    """Whether a ranged read's error says the object is empty: the store refuses any range of
+    an object of 0 bytes ("416 Range Not Satisfiable"), which a plain read gives as b""."""
+    return isinstance(e, Exception) and getattr(e, "code", None) == 416
 
 
 def refresh(path: epath.PathLike) -> None:

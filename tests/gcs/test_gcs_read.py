@@ -464,3 +464,20 @@ def test_restore_from_gs_names_a_truncated_data_file(gs_prefix, saved_steps):
         invalidate_gcsfs_caches()
         with pytest.raises(oml.CheckpointReadError, match=biggest.name):
             oml.load_params_from_path(steps[layout] / item, _params_abstract())
+
+
+def test_an_empty_json_file_reads_as_on_disk(gs_prefix, tmp_path):
+    """An empty ``_sharding`` (0 bytes: the store refuses any range of it) is read as empty
+    on gs:// too, and refused as on a disk, not raised as the client's HTTP error."""
+    import shutil
+
+    local = tmp_path / "2"
+    shutil.copytree(MAXTEXT_STEP, local)
+    (local / "items" / "_sharding").write_bytes(b"")
+    remote = gs_prefix.upload(local, "empty/2")
+    from orbax_maxtext_layout.orbax_io.orbax_files import ItemFiles, reads_only
+
+    for step in (local, remote):
+        for read in (ItemFiles.read, reads_only(ItemFiles.read)):  # asked, and read ahead
+            with pytest.raises(oml.CheckpointReadError, match="_sharding: invalid JSON"):
+                read(step / "items")
