@@ -24,7 +24,7 @@ from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
 from ..orbax_io import casts
 from ..orbax_io.layout import tunix_items
-from ..orbax_io.orbax_files import absolute, param_name, reads_each_item_once
+from ..orbax_io.orbax_files import absolute, param_name, reads_only
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import Op, Plan, apply_op
 from ..plan.step_plan import OptimizerMode, narrow, plan_step
@@ -447,7 +447,7 @@ class RestoreRequest:
         abstract = {p: v for p, v in self.target.abstract.items() if p[:1] != OPT_ROOT}
         return Target(self.target.params, self.target.nnx_aux, abstract=abstract)
 
-    @reads_each_item_once
+    @reads_only
     def restore(
         self,
         step_dir: epath.Path,
@@ -563,7 +563,7 @@ def plan_request(
     return narrow(plan, target.abstract)
 
 
-@reads_each_item_once
+@reads_only
 def restore_as_items(
     step_dir: epath.PathLike,
     target: Target,

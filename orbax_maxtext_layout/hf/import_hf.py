@@ -760,11 +760,15 @@ def cast(x: np.ndarray, save_dtype: np.dtype) -> np.ndarray:
 def is_hf_dir(path: epath.PathLike) -> bool:
     """Whether ``path`` is a Hugging Face directory (``config.json`` and safetensors)."""
     d = epath.Path(str(path).rstrip("/"))
+    store = store_for(d)  # within a restore, an object store is asked each once
     try:
-        has_weights = (d / "model.safetensors").exists() or (
+        # config.json first: an Orbax item has none, and on an object store each check
+        # waits a round trip
+        if not store.exists(d / "config.json"):
+            return False
+        return store.exists(d / "model.safetensors") or store.exists(
             d / "model.safetensors.index.json"
-        ).exists()
-        return has_weights and (d / "config.json").exists()
+        )
     except OSError:
         return False
 

@@ -30,9 +30,10 @@ from ..orbax_io.layout import (
     detect_layout,
     step_dir_of,
 )
-from ..orbax_io.orbax_files import METADATA_FILE, reads_each_item_once
+from ..orbax_io.orbax_files import METADATA_FILE, reads_only
 from ..orbax_io.spec import read_specs, spec_of
 from ..plan.step_plan import OptimizerMode
+from ..storage.store import store_for
 
 __all__ = [
     "MaxTextLayoutHandler",
@@ -79,7 +80,7 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
         # from the stock PyTreeCheckpointHandler's.
         return "orbax_maxtext_layout.MaxTextLayoutHandler"
 
-    @reads_each_item_once
+    @reads_only
     def restore(
         self,
         directory: epath.Path,
@@ -104,7 +105,7 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
             step_dir = None  # an item in the stored (NNX) form: restore it as stored
         if step_dir is None:
             if (
-                not (directory / METADATA_FILE).exists()
+                not store_for(directory).exists(directory / METADATA_FILE)
                 and detect_layout(directory) is Layout.MAXTEXT
             ):
                 directory = directory / MAXTEXT_ITEM  # a MaxText step: read its items
@@ -167,7 +168,7 @@ def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
     directory = epath.Path(directory)
     if directory.name == TUNIX_PARAMS_ITEM:
         return directory.parent
-    if directory.name == MAXTEXT_ITEM or not (directory / METADATA_FILE).exists():
+    if directory.name == MAXTEXT_ITEM or not store_for(directory).exists(directory / METADATA_FILE):
         step_dir = step_dir_of(directory)
         if detect_layout(step_dir) is Layout.TUNIX:
             return step_dir
@@ -175,6 +176,7 @@ def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
 
 
 # -- load_params_from_path ----------------------------------------------------------------
+@reads_only  # on an object store: each question asked of the store once (`reads_only`)
 def load_params_from_path(
     load_parameters_from_path: epath.PathLike,
     abstract_unboxed_params: Any,
@@ -272,7 +274,7 @@ def _resolve(path: epath.Path) -> tuple[epath.Path, Layout]:
     """The directory to hand to the Checkpointer, and the layout it is in."""
     if path.name == TUNIX_PARAMS_ITEM:
         return path, Layout.TUNIX
-    if path.name == MAXTEXT_ITEM and path.is_dir():
+    if path.name == MAXTEXT_ITEM and store_for(path).is_dir(path):
         return path, Layout.MAXTEXT
     step_dir = step_dir_of(path)
     layout = detect_layout(step_dir)
@@ -280,7 +282,7 @@ def _resolve(path: epath.Path) -> tuple[epath.Path, Layout]:
         return step_dir / MAXTEXT_ITEM, layout
     if layout is Layout.TUNIX:
         return step_dir / TUNIX_PARAMS_ITEM, layout
-    if (path / METADATA_FILE).exists():
+    if store_for(path).exists(path / METADATA_FILE):
         return path, Layout.MAXTEXT  # some other PyTree item: let Orbax read it
     raise CheckpointReadError(
         f"{path}: neither a MaxText items/ nor a Tunix model_params/ checkpoint."

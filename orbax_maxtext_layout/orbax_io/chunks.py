@@ -359,6 +359,15 @@ def cells(lay: Layout, start: tuple[int, ...], stop: tuple[int, ...]) -> Iterato
     )
 
 
+def stored_key(lay: Layout, name: str, cell: tuple[int, ...]) -> str:
+    """The key of the stored value holding the chunk at grid ``cell`` of array ``name``: the
+    chunk's own, or its shard's (what `decode_cell` reads)."""
+    if lay.shard is None:
+        return f"{name}/{lay.key(cell)}"
+    inner = tuple(s // c for s, c in zip(lay.shard, lay.chunk, strict=False))
+    return f"{name}/{lay.key(tuple(c // i for c, i in zip(cell, inner, strict=False)))}"
+
+
 def cell_origin(lay: Layout, cell: tuple[int, ...]) -> tuple[int, ...]:
     """Where the stored chunk at grid ``cell`` starts in the array."""
     return tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))

@@ -54,7 +54,7 @@ def detect_layout(step_dir: epath.PathLike) -> Layout:
     # commit marker (its last object) does. On a disk it appears whole, by a rename.
     if store.item_committed(step_dir / MAXTEXT_ITEM):
         layout = Layout.MAXTEXT
-    elif (step_dir / TUNIX_PARAMS_ITEM).is_dir():
+    elif store.is_dir(step_dir / TUNIX_PARAMS_ITEM):
         layout = Layout.TUNIX
     else:
         return Layout.UNKNOWN
@@ -76,7 +76,7 @@ def tunix_items(step_dir: epath.PathLike) -> dict[str, epath.Path]:
     """The legacy items of a Tunix-layout step: ``model_params`` and, if present, the optimizer."""
     step_dir = epath.Path(step_dir)
     out = {TUNIX_PARAMS_ITEM: step_dir / TUNIX_PARAMS_ITEM}
-    if (step_dir / TUNIX_OPT_ITEM).is_dir():
+    if store_for(step_dir).is_dir(step_dir / TUNIX_OPT_ITEM):
         out[TUNIX_OPT_ITEM] = step_dir / TUNIX_OPT_ITEM
     return out
 

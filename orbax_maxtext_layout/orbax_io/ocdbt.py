@@ -13,7 +13,7 @@ from etils import epath
 
 from ..errors import CheckpointReadError
 from ..storage.containment import check_inside, escape
-from .orbax_files import count_io, open_kvstore
+from .orbax_files import count_io, open_kvstore, remembered
 
 
 def check_contained(item_dir: epath.PathLike) -> None:
@@ -28,7 +28,13 @@ def value_locations(item_dir: epath.Path) -> dict[bytes, tuple[str, int, int] | 
     of the item's latest version, each path checked to stay inside the item (raises
     `CheckpointReadError` naming the key and the path), and ``key -> bytes`` of every value
     stored inline in the B-tree (a small one: the walk has read it already); ``{}`` for a
-    B-tree that cannot be read (the kvstore's reads report it, as stock does)."""
+    B-tree that cannot be read (the kvstore's reads report it, as stock does). Walked once
+    per restore on an object store (`orbax_files.remembered`: each node read waits a round
+    trip there)."""
+    return remembered("btree", epath.Path(item_dir), lambda: _walk(epath.Path(item_dir)))
+
+
+def _walk(item_dir: epath.Path) -> dict[bytes, tuple[str, int, int] | bytes]:
     found: dict[bytes, tuple[str, int, int] | bytes] = {}
     try:
         for entry, _ in _btree_entries(item_dir):

@@ -29,11 +29,13 @@ from etils import epath
 
 from ..base.treepaths import Path
 from ..errors import CheckpointReadError
+from ..storage.store import TooLarge, read_only, store_for
 
 METADATA_FILE = "_METADATA"
 SHARDING_FILE = "_sharding"
 ARRAY_METADATA_DIR = "array_metadatas"
 ARRAY_METADATA_FILE = f"{ARRAY_METADATA_DIR}/process_0"
+MANIFEST_FILE = "manifest.ocdbt"
 SINGLE_DEVICE_SHARDING = json.dumps(
     {"sharding_type": "SingleDeviceSharding", "device_str": "cpu:0"}
 )
@@ -66,13 +68,14 @@ class CheckpointRefusedError(CheckpointReadError):
 
 def read_limited(f: epath.Path, limit: int, what: str) -> bytes:
     """The bytes of file ``f`` (``what``), or `CheckpointReadError` naming ``limit`` when it
-    holds more: its size is checked before it is read, and the read stops one byte past the
-    limit (a file that grew meanwhile). `OSError`s pass through (the callers name them)."""
-    if f.stat().length <= limit:
-        with f.open("rb") as fh:
-            data = fh.read(limit + 1)
-        if len(data) <= limit:
-            return data
+    holds more: on a disk its size is checked before it is read, and the read stops one
+    byte past the limit (a file that grew meanwhile); on an object store one ranged request
+    reads at most one byte past it (`StepStore.read_file`). `OSError`s pass through (the
+    callers name them)."""
+    try:
+        return store_for(f).read_file(f, limit)
+    except TooLarge:
+        pass
     raise CheckpointRefusedError(
         f"{f}: the {what} is larger than {limit >> 20} MiB, the most this library reads "
         "(a damaged or forged file); refused."
@@ -99,13 +102,25 @@ def read_json(f: epath.Path, what: str, limit: int = ITEM_JSON_LIMIT) -> Any:
     return parse_json(data, f, f"JSON in the {what}")
 
 
+def prefetch_item(item_dir: epath.Path) -> None:
+    """On an object store, within a restore (`reads_only`), starts reading the item's small
+    files together (its JSON files and the OCDBT manifest, whose existence is checked): each
+    request waits a round trip, and asked one after another they add up (issue 58). A disk
+    reads each when asked."""
+    store_for(item_dir).prefetch(
+        [item_dir / n for n in (METADATA_FILE, SHARDING_FILE, ARRAY_METADATA_FILE, MANIFEST_FILE)],
+        ITEM_JSON_LIMIT,
+    )
+
+
 def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
     """``param_name -> array_metadata`` from every ``array_metadatas/process_*`` file."""
     out: dict[str, dict] = {}
     folder = epath.Path(item_dir) / ARRAY_METADATA_DIR
-    if not folder.exists():
-        return out
-    for f in sorted(folder.iterdir()):
+    store = store_for(folder)
+    names = store.list_dir(folder)  # [] where there is none
+    store.prefetch([folder / n for n in names], ITEM_JSON_LIMIT)  # together, not in turn
+    for f in (folder / n for n in names):
         try:
             for entry in read_json(f, "array metadata")["array_metadatas"]:
                 meta = entry["array_metadata"]  # read-only: writers copy what they change
@@ -172,6 +187,8 @@ class ItemFiles:
     @classmethod
     def _read(cls, item_dir: epath.Path, meta: dict | None) -> ItemFiles:
         count("item files", str(item_dir))
+        store = store_for(item_dir)
+        prefetch_item(item_dir)
         if meta is None:
             meta = read_json(item_dir / METADATA_FILE, "Orbax metadata")
         try:
@@ -184,7 +201,7 @@ class ItemFiles:
                 f"{item_dir}/{METADATA_FILE}: invalid tree metadata ({e!r})."
             ) from e
         shardings = {}
-        if (item_dir / SHARDING_FILE).exists():
+        if store.exists(item_dir / SHARDING_FILE):  # answered by the read, where it was made
             raw = read_json(item_dir / SHARDING_FILE, "sharding file")
             try:
                 shardings = {base64.urlsafe_b64decode(k).decode(): v for k, v in raw.items()}
@@ -201,12 +218,15 @@ class ItemFiles:
 # before while ``_METADATA`` is the same file (inode, size, modification time): an item
 # rewritten meanwhile is a new file and is read again. Scoped to the calling thread's
 # context (a `contextvars` variable): nothing outside the call sees it, and the parses are
-# dropped when it returns. Local disks only: on an object store the check would be a
-# request of its own.
+# dropped when it returns. On an object store the check would be a request of its own: there
+# the memo holds only within a read-only operation (`reads_only`: a restore, where a step
+# cannot change under its reader), keyed by the item's path.
 _READ_ONCE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "orbax_maxtext_layout_item_files", default=None
 )
+_REMOTE = "remote items"  # a key of the memo: present within `reads_only`
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def reads_each_item_once(fn: _F) -> _F:
@@ -225,6 +245,46 @@ def reads_each_item_once(fn: _F) -> _F:
     return once  # type: ignore[return-value]
 
 
+def reads_only(fn: _F) -> _F:
+    """`reads_each_item_once` for an operation that writes nothing (a restore): also on an
+    object store, where each item's files, and each existence check, listing and small
+    file read (`storage.store.read_only`), are then asked of the store once. The outermost
+    such call keeps them; within an operation that writes (`reads_each_item_once`), an
+    object store's answers are not kept."""
+
+    @functools.wraps(fn)
+    def once(*args: Any, **kwargs: Any) -> Any:
+        if _READ_ONCE.get() is not None:
+            return fn(*args, **kwargs)
+        token = _READ_ONCE.set({_REMOTE: True})
+        try:
+            with read_only():
+                return fn(*args, **kwargs)
+        finally:
+            _READ_ONCE.reset(token)
+
+    return once  # type: ignore[return-value]
+
+
+def remembers(item_dir: epath.Path) -> bool:
+    """Whether this operation keeps what it reads of ``item_dir`` on an object store
+    (`reads_only`), so a walk of its B-tree once serves every reader (`remembered`)."""
+    memo = _READ_ONCE.get()
+    return memo is not None and _REMOTE in memo and not store_for(item_dir).reads_files
+
+
+def remembered(kind: str, item_dir: epath.Path, compute: Callable[[], _T]) -> _T:
+    """``compute()`` (what ``kind`` reads of ``item_dir``), done once per operation where it
+    `remembers` the item; else each time. Callers must not modify what it returns."""
+    memo = _READ_ONCE.get()
+    if not remembers(item_dir):
+        return compute()
+    key = (kind, str(item_dir).rstrip("/"))
+    if key not in memo:  # type: ignore[operator]
+        memo[key] = compute()  # type: ignore[index]
+    return memo[key]  # type: ignore[index]
+
+
 def known_metadata(item_dir: epath.Path) -> dict | None:
     """The item's parsed ``_METADATA`` if this operation read its files already."""
     key = _once_key(item_dir)
@@ -233,8 +293,11 @@ def known_metadata(item_dir: epath.Path) -> dict | None:
 
 
 def _once_key(item_dir: epath.Path) -> tuple | None:
-    if _READ_ONCE.get() is None or "://" in str(item_dir):
+    memo = _READ_ONCE.get()
+    if memo is None:
         return None
+    if not store_for(item_dir).reads_files:  # an object store: within `reads_only` alone
+        return ("remote", str(item_dir).rstrip("/")) if _REMOTE in memo else None
     try:
         st = os.stat(os.path.join(str(item_dir), METADATA_FILE))
     except OSError:

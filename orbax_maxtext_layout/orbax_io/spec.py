@@ -15,6 +15,8 @@ from etils import epath
 
 from ..base.treepaths import FlatTree, Path, flatten, norm_key
 from ..errors import CheckpointReadError
+from ..storage.store import store_for
+from .ocdbt import value_locations
 from .orbax_files import (
     ITEM_JSON_LIMIT,
     SHARDING_FILE,
@@ -25,9 +27,12 @@ from .orbax_files import (
     known_metadata,
     open_kvstore,
     parse_json,
+    parse_zarr_metadata,
+    prefetch_item,
     read_context,
     read_limited,
     read_zarr_metadata,
+    remembers,
     zarr_metadata_key,
 )
 from .zarr import check_zarr_metadata
@@ -146,7 +151,9 @@ def orbax_specs(item_dir: epath.Path) -> FlatTree:
 
 def _item_metadata(item_dir: epath.Path) -> dict:
     """The item's parsed ``_METADATA``, after the checks every reader makes first."""
-    if not (item_dir / "_METADATA").exists():
+    store = store_for(item_dir)
+    prefetch_item(item_dir)  # on an object store: the files below read together
+    if not store.exists(item_dir / "_METADATA"):
         raise CheckpointReadError(
             f"{item_dir}: no _METADATA; this is not a complete Orbax PyTree item "
             "(an interrupted save, or the wrong directory)."
@@ -163,7 +170,7 @@ def _item_metadata(item_dir: epath.Path) -> dict:
         raise CheckpointReadError(
             f"{item_dir}/_METADATA: not an Orbax PyTree metadata file (no tree_metadata object)."
         )
-    if meta.get("use_ocdbt", True) and not (item_dir / "manifest.ocdbt").exists():
+    if meta.get("use_ocdbt", True) and not store.exists(item_dir / "manifest.ocdbt"):
         raise CheckpointReadError(
             f"{item_dir}/manifest.ocdbt: missing; the item's OCDBT database cannot be opened."
         )
@@ -206,8 +213,11 @@ def _specs_from_files(item_dir: epath.Path, meta: dict) -> FlatTree | None:
             return None
     _check_shardings(files, [n for n, vm in arrays.values() if vm["value_type"] == "jax.Array"])
     use_ocdbt = meta["use_ocdbt"] if "use_ocdbt" in meta else (item_dir / "manifest.ocdbt").exists()
-    kv = open_kvstore(item_dir, read_context(), use_ocdbt=bool(use_ocdbt))
-    zarr = read_zarr_metadata(kv, [n for n, _ in arrays.values()], use_zarr3=files.use_zarr3)
+    names = [n for n, _ in arrays.values()]
+    zarr = _walked_zarr_metadata(item_dir, names, files.use_zarr3) if use_ocdbt else None
+    if zarr is None:
+        kv = open_kvstore(item_dir, read_context(), use_ocdbt=bool(use_ocdbt))
+        zarr = read_zarr_metadata(kv, names, use_zarr3=files.use_zarr3)
     impls = {
         n: am["ext_metadata"]["random_key_impl"]
         for n, am in files.array_meta.items()
@@ -231,6 +241,31 @@ def _specs_from_files(item_dir: epath.Path, meta: dict) -> FlatTree | None:
     return {p: out[p] for p in _tree_order(out)}
 
 
+def _walked_zarr_metadata(
+    item_dir: epath.Path, names: list[str], use_zarr3: bool
+) -> dict[str, dict | None] | None:
+    """What `read_zarr_metadata` returns, from the values OCDBT stored inline in the item's
+    B-tree, where this restore walks it once on an object store anyway (`ocdbt.value_locations`,
+    `orbax_files.remembers`): no database opened a second time (its manifest and root node
+    read again, each a round trip). None elsewhere, or where a value is not inline."""
+    if not remembers(item_dir):
+        return None
+    walked = value_locations(item_dir)
+    if not walked:
+        return None  # unreadable: the kvstore's reads report it
+    out: dict[str, dict | None] = {}
+    for name in names:
+        key = zarr_metadata_key(name, use_zarr3=use_zarr3)
+        value = walked.get(key.encode())
+        if value is None:
+            out[name] = None
+        elif isinstance(value, bytes):
+            out[name] = parse_zarr_metadata(value, f"{item_dir}/{key}")
+        else:
+            return None  # stored in a data file: read through the kvstore
+    return out
+
+
 def _tree_order(paths: Iterable[Path]) -> list[Path]:
     """``paths`` in the order of Orbax's tree, a jax pytree: mapping keys sorted, sequences
     in order. Paths of string keys alone (most items) sort as they are; only where an
@@ -245,7 +280,7 @@ def _tree_order(paths: Iterable[Path]) -> list[Path]:
 def _check_shardings(files: ItemFiles, names: list[str]) -> None:
     """Parses the sharding of each ``jax.Array`` leaf as Orbax's metadata reader does (it
     fails on a missing or unreadable one, so this does too)."""
-    if not names or not (files.dir / SHARDING_FILE).exists():
+    if not names or not store_for(files.dir).exists(files.dir / SHARDING_FILE):
         return
     from orbax.checkpoint._src.metadata import sharding  # Orbax's parser (private; pinned)
 

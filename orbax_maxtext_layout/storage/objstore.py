@@ -26,7 +26,9 @@ gcsfs (the ``gcs`` extra) provides the client; it is imported only for ``gs://``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from etils import epath
@@ -50,6 +52,140 @@ def _fs(path: epath.PathLike) -> Any:
         ) from e
     fs, _ = fsspec.core.url_to_fs(str(path))
     return fs
+
+
+# -- reads within a read-only operation -------------------------------------------------------
+# Each request to an object store waits a round trip (tens of ms at a real bucket), and a
+# restore asked the same questions several times over (issue 58: 55-65 metadata requests,
+# one after another, before the first byte of data): whether ``items/`` and each
+# ``commit_success.txt`` exist, then each item's JSON files with a stat, an existence check
+# and a read. Within `read_only` (a restore: nothing is written, and a step being read cannot
+# change under its reader), each answer is asked once and kept; files are read with one
+# ranged request, no stat first; independent reads go out together (`prefetch`). Outside
+# it, nothing is kept: every call asks the store. Scoped to the calling thread's context.
+_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "orbax_maxtext_layout_objstore_memo", default=None
+)
+
+
+class TooLarge(ValueError):
+    """A file holds more bytes than its reader takes (`read_file`)."""
+
+
+@contextlib.contextmanager
+def read_only() -> Iterator[None]:
+    """Within it, each object's existence, each listing and each small file read is asked
+    of the store once (the outermost such block keeps them)."""
+    if _MEMO.get() is not None:
+        yield
+        return
+    token = _MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
+def _memo(kind: str, path: epath.PathLike, ask: Any) -> Any:
+    memo = _MEMO.get()
+    if memo is None:
+        return ask()
+    key = (kind, str(path).rstrip("/"))
+    if key not in memo:
+        memo[key] = ask()
+    return memo[key]
+
+
+def exists(path: epath.PathLike) -> bool:
+    """Whether the object (or a "directory" holding some) ``path`` exists."""
+    if (got := _known_file(path)) is not None:
+        return got
+    return _memo("exists", path, lambda: _fs(path).exists(str(path)))
+
+
+def is_dir(path: epath.PathLike) -> bool:
+    """Whether ``path`` is a "directory": some object's name starts with ``path/``."""
+    return _memo("is_dir", path, lambda: _fs(path).isdir(str(path)))
+
+
+def list_dir(path: epath.PathLike) -> list[str]:
+    """The names directly under ``path`` (objects and "directories"), sorted; [] if none."""
+
+    def ask() -> list[str]:
+        fs = _fs(path)
+        try:
+            entries = fs.ls(str(path), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    return _memo("list", path, ask)
+
+
+def _known_file(path: epath.PathLike) -> bool | None:
+    """Whether ``path`` exists, where a read of it in this operation told already."""
+    memo = _MEMO.get()
+    got = None if memo is None else memo.get(("read", str(path).rstrip("/")))
+    return None if got is None else not isinstance(got[1], FileNotFoundError)
+
+
+def read_file(path: epath.PathLike, limit: int) -> bytes:
+    """The bytes of the object ``path``, with one ranged request (no stat): `TooLarge` if it
+    holds more than ``limit``, `FileNotFoundError` if it is missing, other `OSError`s as
+    the client raises them."""
+    memo = _MEMO.get()
+    key = ("read", str(path).rstrip("/"))
+    got = None if memo is None else memo.get(key)
+    if got is None or got[0] < limit:  # (bytes asked for - 1, what came back)
+        got = (limit, _read_head(path, limit + 1))
+        if memo is not None:
+            memo[key] = got
+    data = got[1]
+    if isinstance(data, OSError):
+        raise data
+    if len(data) > limit:  # read up to one byte more than a kept limit: a whole file or more
+        raise TooLarge(f"{path}: more than {limit} bytes")
+    return data
+
+
+def prefetch(paths: Iterable[epath.PathLike], limit: int) -> None:
+    """Reads the objects ``paths`` (at most ``limit`` bytes of each is kept for `read_file`;
+    a missing one is remembered as missing) with their requests all in flight at once.
+    Only within `read_only`: elsewhere nothing would keep them."""
+    memo = _MEMO.get()
+    if memo is None:
+        return
+    todo = [str(p).rstrip("/") for p in paths]
+    todo = [p for p in todo if ("read", p) not in memo]
+    if not todo:
+        return
+    fs = _fs(todo[0])
+    keys = [_key(fs, p) for p in todo]
+    got = fs.cat_ranges(keys, [0] * len(keys), [limit + 1] * len(keys), on_error="return")
+    for p, data in zip(todo, got, strict=True):
+        if _empty(data):
+            data = b""
+        if isinstance(data, (bytes, OSError)):
+            memo[("read", p)] = (limit, data)
+        # anything else (another exception type): left for `read_file` to ask again
+
+
+def _read_head(path: epath.PathLike, n: int) -> bytes | OSError:
+    fs = _fs(path)
+    try:
+        return fs.cat_file(_key(fs, path), start=0, end=n)
+    except OSError as e:  # kept (a missing file stays missing within the operation)
+        return e
+    except Exception as e:
+        if _empty(e):
+            return b""
+        raise
+
+
+def _empty(e: object) -> bool:
+    """Whether a ranged read's error says the object is empty: the store refuses any range of
+    an object of 0 bytes ("416 Range Not Satisfiable"), which a plain read gives as b""."""
+    return isinstance(e, Exception) and getattr(e, "code", None) == 416
 
 
 def refresh(path: epath.PathLike) -> None:

@@ -31,6 +31,7 @@ from etils import epath
 
 from . import objstore, pagecache, placement
 
+TooLarge = objstore.TooLarge  # `StepStore.read_file`: a file past the reader's limit
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"  # Orbax's marker of a directory being written
 COMMIT_MARKER = objstore.COMMIT_MARKER
 logger = logging.getLogger(__name__)
@@ -77,6 +78,32 @@ class StepStore:
     #: Several processes can write disjoint byte ranges of one file (a POSIX file system
     #: the processes share), so they can split the work of one file between them.
     writes_ranges: bool = False
+
+    # -- reading (within `read_only`, an object store asks each question once) ---------------
+    def exists(self, path: epath.Path) -> bool:
+        return path.exists()
+
+    def is_dir(self, path: epath.Path) -> bool:
+        return path.is_dir()
+
+    def list_dir(self, path: epath.Path) -> list[str]:
+        """The names directly under ``path``, sorted; [] where there is no such directory."""
+        return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+    def read_file(self, path: epath.Path, limit: int) -> bytes:
+        """The bytes of the small file ``path``: `TooLarge` past ``limit`` bytes (its size
+        checked before it is read; the read stops one byte past the limit, for a file that
+        grew meanwhile), `FileNotFoundError` if it is missing, other `OSError`s as raised."""
+        if path.stat().length <= limit:
+            with path.open("rb") as fh:
+                data = fh.read(limit + 1)
+            if len(data) <= limit:
+                return data
+        raise TooLarge(f"{path}: more than {limit} bytes")
+
+    def prefetch(self, paths: list[epath.Path], limit: int) -> None:
+        """Starts reading the small files ``paths`` together, for `read_file` within
+        `read_only` (an object store; a disk reads each when asked)."""
 
     # -- commit ---------------------------------------------------------------------------
     def item_committed(self, item: epath.Path) -> bool:
@@ -463,12 +490,27 @@ class ObjectStore(StepStore):
 
     builds_in_place = True
 
+    def exists(self, path: epath.Path) -> bool:
+        return objstore.exists(path)
+
+    def is_dir(self, path: epath.Path) -> bool:
+        return objstore.is_dir(path)
+
+    def list_dir(self, path: epath.Path) -> list[str]:
+        return objstore.list_dir(path)
+
+    def read_file(self, path: epath.Path, limit: int) -> bytes:
+        return objstore.read_file(path, limit)
+
+    def prefetch(self, paths: list[epath.Path], limit: int) -> None:
+        objstore.prefetch(paths, limit)
+
     def item_committed(self, item: epath.Path) -> bool:
         # Written in place: it exists, incomplete, until its commit marker (its last object).
-        return (item / COMMIT_MARKER).exists()
+        return objstore.exists(item / COMMIT_MARKER)
 
     def step_committed(self, step_dir: epath.Path) -> bool:
-        return (step_dir / COMMIT_MARKER).exists()  # as for Orbax
+        return objstore.exists(step_dir / COMMIT_MARKER)  # as for Orbax
 
     def new_item_dir(self, step_dir: epath.Path, name: str) -> epath.Path:
         item = step_dir / name
@@ -597,6 +639,13 @@ _LOCAL, _OBJECT = LocalStore(), ObjectStore()
 
 
 EXPORT_WORK_SUFFIX = ".export-hf-tmp"  # where export-hf builds <out>, beside it
+
+
+def read_only() -> contextlib.AbstractContextManager:
+    """A context for an operation that writes nothing (a restore), whatever its stores: on an
+    object store each existence check, listing and small file read within it is asked once
+    (`objstore.read_only`); on a disk, where each costs a system call, nothing is kept."""
+    return objstore.read_only()
 
 
 def store_for(path: epath.PathLike) -> StepStore:

@@ -251,6 +251,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if target.startswith(CONTROL_PATH):
             return self._control()
         kind = classify(method, target)
+        if self.server.trace is not None:  # `CountingProxy.tracing`
+            self.server.trace.append((time.monotonic(), kind, method, target))
         body, n_up = self._read_request_body()
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP]
         if n_up or method in ("POST", "PUT", "PATCH"):
@@ -281,6 +283,9 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         # Counted before the client can see the response, so a client that has read a whole
         # body always finds its bytes counted.
         self.server.record(kind, resp.status, n_up)
+        first, between = self.server.latency
+        if first:  # a far store: the time to its first byte (the `latency` control)
+            time.sleep(first)
         self.send_response_only(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in _HOP_BY_HOP:
@@ -302,7 +307,11 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
         else:
             try:
+                sent = 0
                 while block := resp.read(_BLOCK):
+                    if sent and between:  # ... and a slow one: a pause per 1 MiB block
+                        time.sleep(between)
+                    sent += 1
                     self.server.record_down(kind, resp.status, len(block))
                     try:
                         if chunked:
@@ -326,8 +335,10 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self._drop_upstream()
 
     def _control(self):
-        """``GET /_proxy/counts``, ``POST /_proxy/reset`` (returns the counts it zeroed) and
-        ``GET /_proxy/idle?timeout=S`` (200 once no request is being forwarded, else 504)."""
+        """``GET /_proxy/counts``, ``POST /_proxy/reset`` (returns the counts it zeroed),
+        ``GET /_proxy/idle?timeout=S`` (200 once no request is being forwarded, else 504) and
+        ``POST /_proxy/latency?first=S&between=S`` (`CountingProxy.set_latency`; returns the
+        latency it replaced)."""
         self._read_request_body()[0].close()
         action, _, query = self.path[len(CONTROL_PATH) :].strip("/").partition("?")
         status = 200
@@ -339,6 +350,14 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             timeout = float(urllib.parse.parse_qs(query).get("timeout", ["30"])[0])
             idle = self.server.wait_idle(timeout)
             out, status = {"in_flight": self.server.in_flight}, 200 if idle else 504
+        elif (self.command, action) == ("POST", "latency"):
+            q = urllib.parse.parse_qs(query)
+            old = self.server.latency
+            self.server.latency = (
+                float(q.get("first", ["0"])[0]),
+                float(q.get("between", ["0"])[0]),
+            )
+            out = {"first": old[0], "between": old[1]}
         else:
             self.send_error(404)
             return
@@ -402,6 +421,11 @@ class _ProxyServer(http.server.ThreadingHTTPServer):
         self.counts = Counts()
         self.busy = threading.Condition()  # guards in_flight: requests being forwarded
         self.in_flight = 0
+        # (seconds before each response's first byte, seconds before each further 1 MiB
+        # block of its body): (0, 0) forwards at once. Each connection is served by its own
+        # thread, so concurrent requests wait side by side, as on a far store.
+        self.latency: tuple[float, float] = (0.0, 0.0)
+        self.trace: list | None = None  # (time, kind, method, target) of each request
 
     def record(self, kind: str, status: int, n_up: int) -> None:
         with self._lock:
@@ -490,6 +514,16 @@ class RemoteProxy(_Counter):
     def reset(self) -> Counts:
         return remote_counts(self.url, reset=True)
 
+    def set_latency(self, first: float, between: float = 0.0) -> tuple[float, float]:
+        """See `CountingProxy.set_latency`."""
+        q = urllib.parse.urlencode({"first": first, "between": between})
+        req = urllib.request.Request(
+            f"{self.url}{CONTROL_PATH}latency?{q}", method="POST", data=b""
+        )
+        with _open(req) as r:
+            old = json.load(r)
+        return old["first"], old["between"]
+
     def wait_idle(self, timeout: float = 30.0) -> None:
         try:
             with _open(f"{self.url}{CONTROL_PATH}idle?timeout={timeout}", timeout=timeout + 10):
@@ -537,6 +571,25 @@ class CountingProxy(_Counter):
     def reset(self) -> Counts:
         """Zeroes the counters and returns what they held."""
         return self._server.reset()
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[list]:
+        """``with proxy.tracing() as t: ...``: ``t`` lists ``(monotonic time, kind, method,
+        target)`` of each request forwarded in the block (which requests, in what order)."""
+        out: list = []
+        self._server.trace = out
+        try:
+            yield out
+        finally:
+            self._server.trace = None
+
+    def set_latency(self, first: float, between: float = 0.0) -> tuple[float, float]:
+        """From now on each response waits ``first`` seconds before its first byte (after
+        the emulator answered, so the request is counted) and ``between`` seconds before
+        each further 1 MiB block of its body: a far or slow store in front of the local
+        emulator (bench/gcs_restore.py). Returns the latency it replaced."""
+        old, self._server.latency = self._server.latency, (float(first), float(between))
+        return old
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         if not self._server.wait_idle(timeout):
@@ -791,6 +844,10 @@ class GcsEmulator:
         """See `CountingProxy.wait_idle`."""
         self._need_proxy().wait_idle(timeout)
 
+    def set_latency(self, first: float, between: float = 0.0) -> tuple[float, float]:
+        """See `CountingProxy.set_latency`."""
+        return self._need_proxy().set_latency(first, between)
+
     def _need_proxy(self) -> CountingProxy | RemoteProxy:
         if self.proxy is None:
             raise RuntimeError("this emulator runs without its counting proxy")
@@ -1017,6 +1074,8 @@ def main(argv=None) -> int:
     serve.add_argument("--log-level", default="warn")
     serve.add_argument("--log-path", default=None)
     serve.add_argument("--no-proxy", action="store_true", help="clients talk to it directly")
+    serve.add_argument("--latency-ms", type=float, default=0, help="before each first byte")
+    serve.add_argument("--between-ms", type=float, default=0, help="before each further MiB")
     args = ap.parse_args(argv)
 
     stop = threading.Event()
@@ -1027,6 +1086,8 @@ def main(argv=None) -> int:
     )
     emu.start()
     try:
+        if args.latency_ms or args.between_ms:
+            emu.set_latency(args.latency_ms / 1000, args.between_ms / 1000)
         tmp = args.env_file + ".tmp"
         Path(tmp).write_text(emu.shell_exports() + f"export GCS_EMULATOR_SERVE_PID={os.getpid()}\n")
         shutil.move(tmp, args.env_file)  # appears complete or not at all

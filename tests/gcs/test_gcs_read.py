@@ -22,6 +22,9 @@ from conftest import stock_restore
 from etils import epath
 
 import orbax_maxtext_layout as oml
+from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
+
+from .emulator import invalidate_gcsfs_caches
 
 EXAMPLES = Path(oml.EXAMPLES_DIR)
 TUNIX_RUN = EXAMPLES / "tunix_rl_run"
@@ -341,3 +344,140 @@ def test_convert_on_gs_never_modifies_legacy_items(gs_example, gs_prefix, tmp_pa
         else:
             back = gs_prefix.download(rel, tmp_path / name)
             assert _digest(back) == _digest(TUNIX_RUN / TUNIX_STEP / name), name
+
+
+# ---- restores from gs://: the restore engine, the metadata read once (issue 58) -------------
+
+_PARAMS = {  # a small MaxText-like params tree: 2-D and 3-D (scanned) arrays, a vector
+    ("token_embedder", "embedding"): (256, 64),
+    ("decoder", "layers", "mlp", "kernel"): (64, 4, 128),
+    ("decoder", "decoder_norm", "scale"): (64,),
+}
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
+
+
+def _save_steps(root: Path, chunks: int) -> dict[str, Path]:
+    """The same params saved by stock Orbax as a MaxText step (``items/params/...``) and as a
+    Tunix step (``model_params/...``, a ``value`` level per leaf), ``chunks`` chunks per
+    array."""
+    rng = np.random.default_rng(chunks)
+    flat = {p: rng.standard_normal(s, dtype=np.float32) for p, s in _PARAMS.items()}
+    sargs = {p: ocp.SaveArgs(chunk_byte_size=max(1, x.nbytes // chunks)) for p, x in flat.items()}
+    steps = {"maxtext": root / "maxtext" / "0", "tunix": root / "tunix" / "0"}
+    items = {
+        "maxtext": (
+            "items",
+            {"params": {"params": _nest(flat)}},
+            {"params": {"params": _nest(sargs)}},
+        ),
+        "tunix": (
+            "model_params",
+            _nest({(*p, "value"): x for p, x in flat.items()}),
+            _nest({(*p, "value"): a for p, a in sargs.items()}),
+        ),
+    }
+    for layout, (item, tree, save_args) in items.items():
+        with ocp.CheckpointManager(
+            steps[layout].parent,
+            item_handlers={item: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
+            options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
+        ) as mngr:
+            mngr.save(
+                0, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree, save_args=save_args)})
+            )
+    return steps
+
+
+def _params_abstract():
+    from jax.sharding import SingleDeviceSharding
+
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    return _nest(
+        {
+            ("params", *p): jax.ShapeDtypeStruct(s, np.float32, sharding=sharding)
+            for p, s in _PARAMS.items()
+        }
+    )
+
+
+def _stock_params(items_dir, abstract):
+    """MaxText 0.2.5's ``load_params_from_path`` call with stock Orbax (the oracle)."""
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)) as ckptr:
+        return ckptr.restore(
+            items_dir,
+            item={"params": abstract},
+            transforms={},
+            restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
+        )["params"]
+
+
+@pytest.fixture(scope="module")
+def saved_steps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gcs-restore")
+    return {c: _save_steps(root / f"chunks{c}", c) for c in (1, 8)}
+
+
+@pytest.mark.parametrize("chunks", [1, 8])
+def test_restore_from_gs_bit_identical_through_the_engine(
+    gcs_emulator, gs_prefix, saved_steps, chunks
+):
+    """`load_params_from_path` of a MaxText and a Tunix step on gs://: what stock Orbax restores
+    from the same objects, bit for bit; every stored chunk decoded by the restore engine
+    (none left to stock); no more requests than stock's plus the item's metadata files."""
+    steps = {
+        k: gs_prefix.upload(p.parent, f"{k}/{chunks}") / "0" for k, p in saved_steps[chunks].items()
+    }
+    abstract = _params_abstract()
+    with gcs_emulator.measure() as stock_counts:
+        want = _stock_params(steps["maxtext"] / "items", abstract)
+    for layout, item in (("maxtext", "items"), ("tunix", "model_params")):
+        invalidate_gcsfs_caches()
+        with gcs_emulator.measure() as c, io_counts() as io:
+            got = oml.load_params_from_path(steps[layout] / item, abstract)
+        assert_bit_equal(got, want)
+        decoded = sum(n for (kind, _), n in io.items() if kind == "chunk decoded")
+        assert decoded >= len(_PARAMS) * (1 if chunks == 1 else 4), (layout, io)
+        assert sum(n for (kind, _), n in io.items() if kind == "item files") == 1, (layout, io)
+        # _METADATA, _sharding, array_metadatas/process_0, manifest.ocdbt and a B-tree node
+        assert c.requests <= stock_counts.requests + 5, (layout, c, stock_counts)
+        assert c.media_bytes_down <= stock_counts.media_bytes_down * 1.1, (layout, c, stock_counts)
+
+
+def test_restore_from_gs_names_a_truncated_data_file(gs_prefix, saved_steps):
+    """A data file cut short on gs:// (a copy still landing, a step being deleted): a
+    `CheckpointReadError` naming it, not garbage and not a crash."""
+    steps = {k: gs_prefix.upload(p.parent, f"{k}/cut") / "0" for k, p in saved_steps[1].items()}
+    for layout, item in (("maxtext", "items"), ("tunix", "model_params")):
+        local = saved_steps[1][layout] / item / "ocdbt.process_0" / "d"
+        biggest = max(local.iterdir(), key=lambda f: f.stat().st_size)
+        remote = steps[layout] / item / "ocdbt.process_0" / "d" / biggest.name
+        remote.write_bytes(biggest.read_bytes()[:100])
+        invalidate_gcsfs_caches()
+        with pytest.raises(oml.CheckpointReadError, match=biggest.name):
+            oml.load_params_from_path(steps[layout] / item, _params_abstract())
+
+
+def test_an_empty_json_file_reads_as_on_disk(gs_prefix, tmp_path):
+    """An empty ``_sharding`` (0 bytes: the store refuses any range of it) is read as empty
+    on gs:// too, and refused as on a disk, not raised as the client's HTTP error."""
+    import shutil
+
+    local = tmp_path / "2"
+    shutil.copytree(MAXTEXT_STEP, local)
+    (local / "items" / "_sharding").write_bytes(b"")
+    remote = gs_prefix.upload(local, "empty/2")
+    from orbax_maxtext_layout.orbax_io.orbax_files import ItemFiles, reads_only
+
+    for step in (local, remote):
+        for read in (ItemFiles.read, reads_only(ItemFiles.read)):  # asked, and read ahead
+            with pytest.raises(oml.CheckpointReadError, match="_sharding: invalid JSON"):
+                read(step / "items")
