@@ -213,10 +213,27 @@ def import_hf(
     """
     # The collector is left as the caller set it (a library call changes no process setting,
     # issue 57); the command line runs with the objects alive at its start frozen.
-    return _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress)
+    return _import_hf(
+        hf_dir,
+        out,
+        maxtext_config=maxtext_config,
+        save_dtype=save_dtype,
+        memory_budget=memory_budget,
+        dry_run=dry_run,
+        progress=progress,
+    )
 
 
-def _import_hf(hf_dir, out, maxtext_config, save_dtype, memory_budget, dry_run, progress):
+def _import_hf(
+    hf_dir: epath.PathLike,
+    out: epath.PathLike,
+    *,
+    maxtext_config: Sequence[str],
+    save_dtype: str,
+    memory_budget: int | None,
+    dry_run: bool,
+    progress: Callable[[int, int], None] | None,
+) -> ImportReport:
     start = time.monotonic()
     if save_dtype not in SAVE_DTYPES:
         raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
