@@ -29,7 +29,8 @@ from etils import epath
 
 from ..base.treepaths import Path
 from ..errors import CheckpointReadError
-from ..storage.store import TooLarge, read_only, store_for
+from ..storage.store import TooLarge, store_for
+from ..storage.store import read_only as _store_read_only
 
 METADATA_FILE = "_METADATA"
 SHARDING_FILE = "_sharding"
@@ -176,7 +177,7 @@ class ItemFiles:
         before, while ``_METADATA`` is the same file."""
         item_dir = epath.Path(item_dir)
         key = _once_key(item_dir)
-        known = _READ_ONCE.get().get(key) if key is not None else None  # type: ignore[union-attr]
+        known = _known(key)
         if known is not None and (meta is None or meta is known.meta):
             return known
         files = cls._read(item_dir, meta)
@@ -231,18 +232,7 @@ _T = TypeVar("_T")
 
 def reads_each_item_once(fn: _F) -> _F:
     """``fn``, reading each item's JSON files once (the outermost such call keeps them)."""
-
-    @functools.wraps(fn)
-    def once(*args: Any, **kwargs: Any) -> Any:
-        if _READ_ONCE.get() is not None:
-            return fn(*args, **kwargs)
-        token = _READ_ONCE.set({})
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _READ_ONCE.reset(token)
-
-    return once  # type: ignore[return-value]
+    return _scoped(fn, read_only=False)
 
 
 def reads_only(fn: _F) -> _F:
@@ -251,14 +241,17 @@ def reads_only(fn: _F) -> _F:
     file read (`storage.store.read_only`), are then asked of the store once. The outermost
     such call keeps them; within an operation that writes (`reads_each_item_once`), an
     object store's answers are not kept."""
+    return _scoped(fn, read_only=True)
 
+
+def _scoped(fn: _F, *, read_only: bool) -> _F:
     @functools.wraps(fn)
     def once(*args: Any, **kwargs: Any) -> Any:
         if _READ_ONCE.get() is not None:
             return fn(*args, **kwargs)
-        token = _READ_ONCE.set({_REMOTE: True})
+        token = _READ_ONCE.set({_REMOTE: True} if read_only else {})
         try:
-            with read_only():
+            with _store_read_only() if read_only else contextlib.nullcontext():
                 return fn(*args, **kwargs)
         finally:
             _READ_ONCE.reset(token)
@@ -287,9 +280,13 @@ def remembered(kind: str, item_dir: epath.Path, compute: Callable[[], _T]) -> _T
 
 def known_metadata(item_dir: epath.Path) -> dict | None:
     """The item's parsed ``_METADATA`` if this operation read its files already."""
-    key = _once_key(item_dir)
-    known = _READ_ONCE.get().get(key) if key is not None else None  # type: ignore[union-attr]
+    known = _known(_once_key(item_dir))
     return known.meta if known is not None else None
+
+
+def _known(key: tuple | None) -> ItemFiles | None:
+    """What this operation read under ``key`` (`_once_key`), if anything."""
+    return _READ_ONCE.get().get(key) if key is not None else None  # type: ignore[union-attr]
 
 
 def _once_key(item_dir: epath.Path) -> tuple | None:
