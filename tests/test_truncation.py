@@ -17,8 +17,6 @@ tests/interop/test_import_hf_truncation.py.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import truncation_child as T
-from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CUTS = ("zero", "half", "tail", "delete")
@@ -48,18 +45,7 @@ def _campaign(op: str, pristine: Path, work: Path, points: int) -> list[dict]:
         "cases": _cases(points),
         "bench": str(ROOT / "bench"),
     }
-    proc = subprocess.run(
-        [sys.executable, str(Path(T.__file__)), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=child_env({"PYTHONPATH": str(ROOT)}),  # this tree's package, not an installed one
-        timeout=600,
-    )
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    done = f"after {len(lines)} lines: {lines[-1] if lines else None}"
-    assert proc.returncode != -signal.SIGBUS, f"{op}: the child died of SIGBUS {done}"
-    assert proc.returncode == 0, f"{op}: exit {proc.returncode} {done}\n{proc.stderr[-3000:]}"
-    got = lines[1:]
+    got = T.run(job, ROOT, timeout=600)
     assert len(got) == points
     for g in got:
         if g["outcome"] == "ok":

@@ -213,6 +213,32 @@ def _want(job: dict):
     return {p[1:-1]: v for p, v in flat.items() if "rngs" not in p}
 
 
+def run(job: dict, repo: Path, timeout: int) -> list[dict]:
+    """The campaign ``job`` run in a child process (this file, with ``repo``'s package): its
+    case lines, after checking that the child finished, never killed by SIGBUS, and reported
+    every case (the callers check each case's outcome)."""
+    import signal
+    import subprocess
+
+    from conftest import child_env
+
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=child_env({"PYTHONPATH": str(repo)}),  # this tree's package, not an installed one
+        timeout=timeout,
+    )
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    done = f"after {len(lines)} lines: {lines[-1] if lines else None}"
+    op = job["op"]
+    assert proc.returncode != -signal.SIGBUS, f"{op}: the child died of SIGBUS {done}"
+    assert proc.returncode == 0, f"{op}: exit {proc.returncode} {done}\n{proc.stderr[-3000:]}"
+    got = lines[1:]
+    assert len(got) == len(job["cases"]), done
+    return got
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     if job["op"] == "export":

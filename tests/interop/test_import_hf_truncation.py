@@ -11,20 +11,15 @@ tests/test_truncation.py.
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import import_hf_support as H
 import maxtext_loop_support as L
 import pytest
-from conftest import child_env
+import truncation_child as T
 
 pytestmark = pytest.mark.skipif(not H.hf_python(), reason="needs the hf venv (OMTL_HF_PYTHON)")
 
-CHILD = H.REPO / "tests" / "truncation_child.py"
 CUTS = ("zero", "half", "tail", "delete")
 POINTS = 16
 
@@ -47,24 +42,13 @@ def _campaign(op: str, hf: Path, work: Path, error: str) -> None:
         "maxtext_config": config,
     }
     work.mkdir()
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=child_env({"PYTHONPATH": str(H.REPO)}),
-        timeout=900,
-    )
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    done = f"after {len(lines)} lines: {lines[-1] if lines else None}"
-    assert proc.returncode != -signal.SIGBUS, f"the child died of SIGBUS {done}"
-    assert proc.returncode == 0, f"exit {proc.returncode} {done}\n{proc.stderr[-3000:]}"
-    got = lines[1:]
+    got = T.run(job, H.REPO, timeout=900)
     assert len(got) == POINTS
     for g in got:
         if g["outcome"] == "ok":
             assert g["correct"], g
         else:
-            assert g["error"] == error and g["read_error"] and g["named"], g
+            assert g["error"] == error and g["read_error"] and g["named"], g.get("trace", g)
     assert any(g["outcome"] == "error" for g in got)
 
 
