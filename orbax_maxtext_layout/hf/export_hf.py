@@ -115,7 +115,15 @@ def export_hf(
     work = out.parent / f"{out.name}{EXPORT_WORK_SUFFIX}"
     if not store.builds_in_place:
         work.mkdir(parents=True, exist_ok=True)
-    write_part(ep, work, pi, pc)
+    try:
+        write_part(ep, work, pi, pc)
+    except Exception:
+        # A one-process export that failed (a source cut short, a full disk) leaves nothing
+        # beside --out; a kill still leaves the work directory for a rerun to complete, and
+        # so does a failure with other processes' shards in it (theirs are not ours to drop).
+        if pc == 1:
+            store.discard(work)
+        raise
     report = ep.report
     if pi != 0:
         report.status = "shards written"
