@@ -224,3 +224,60 @@ def test_a_shards_unwritten_inner_chunks_restore_as_stock(saved, tmp_path, caplo
     assert np.asarray(got["w"]).tobytes() == value.tobytes()
     src = ItemReader.open(epath.Path(item), item_writer.ts_context())
     assert src.read_whole("w").tobytes() == value.tobytes()
+
+
+def _zero_arrays_unwritten(item: Path) -> list[str]:
+    """Makes ``item`` (zarr2 over OCDBT) what older Orbax wrote: every all-zero array's
+    chunk keys removed and the flag dropped from ``_METADATA``; returns the arrays."""
+    kv = _kv(item, True)
+    names = sorted({k.decode().rsplit("/", 1)[0] for k in kv.list().result() if b".zarray" in k})
+    gone = []
+    for name in names:
+        arr = ts.open(
+            {
+                "driver": "zarr",
+                "kvstore": {"driver": "ocdbt", "base": f"file://{item}/", "path": f"{name}/"},
+            }
+        ).result()
+        if arr.dtype.numpy_dtype.kind == "V" or np.any(arr.read().result()):
+            continue
+        for key in kv.list(ts.KvStore.KeyRange(f"{name}/", f"{name}/\xff")).result():
+            if not key.endswith(b".zarray"):
+                kv.delete_range(ts.KvStore.KeyRange(key.decode(), key.decode() + "\0")).result()
+        gone.append(name)
+    meta = json.loads((item / "_METADATA").read_text())
+    del meta["store_array_data_equal_to_fill_value"]
+    (item / "_METADATA").write_text(json.dumps(meta))
+    return gone
+
+
+def test_convert_writes_an_older_steps_unwritten_chunks_as_stock_reads_them(tmp_path):
+    """A Tunix step from older Orbax (an untrained optimizer's zero moments and RNG counts
+    left unwritten) converts: the arrays lacking chunks are decoded, filled as stock reads
+    them, and the written step, which stores every chunk, equals the one converted from the
+    same step as Orbax 0.12 writes it (no "chunks stored" refusal: issue 58's 0 false
+    refusals, for convert too)."""
+    import writers as W
+    from conftest import stock_restore
+
+    from orbax_maxtext_layout import Target, convert_step
+    from orbax_maxtext_layout.base.treepaths import flatten
+
+    model = W.make_model(scanned=True)
+    step = W.write_tunix_step(tmp_path / "run", 1, model, W.make_optimizer(model, "sft"))
+    older = tmp_path / "older" / "1"
+    shutil.copytree(step, older)
+    gone = {i: _zero_arrays_unwritten(older / i) for i in ("model_params", "optimizer_state")}
+    assert len(gone["optimizer_state"]) > 4 and gone["model_params"], gone  # moments, counts
+    target = Target.from_nnx(W.abstract_model(scanned=True))
+    for s in (step, older):
+        convert_step(epath.Path(s), target)
+
+    def raw(v):
+        return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+
+    want = {p: raw(v) for p, v in flatten(stock_restore(step / "items")).items()}
+    got = {p: raw(v) for p, v in flatten(stock_restore(older / "items")).items()}
+    assert _digest(got) == _digest(want) and len(got) == len(want)
+    stored = json.loads((older / "items" / "_METADATA").read_text())
+    assert stored["store_array_data_equal_to_fill_value"] is True

@@ -82,8 +82,8 @@ def write_items(
     tmp = stepdir.new_tmp_dir(step_dir)
     try:
         reads = [(i, orbax_files.param_name(p), s.shape) for m in plan.moves for i, p, s in m.reads]
-        item_writer.check_complete([item_writer.Read(*r) for r in reads], sources)
-        raw = [m for m in plan.moves if m.op is Op.COPY and sources[m.item].use_zarr3 == zarr3]
+        filled = item_writer.check_complete([item_writer.Read(*r) for r in reads], sources)
+        raw = [m for m in plan.moves if _raw_copy(m, sources, zarr3=zarr3, filled=filled)]
         parent, chunked, placed = _stored_copies(raw, sources, tmp, store, copy=copy, budget=budget)
         copied = {id(m) for m in raw}
         decoded = [m for m in plan.moves if id(m) not in copied]
@@ -155,6 +155,15 @@ def _stored_copies(
     chunked = [m for m in raw if m.item not in graft]
     item_writer.copy_chunks([_rename(m) for m in chunked], sources, parent, budget=budget)
     return parent, chunked, placed
+
+
+def _raw_copy(m: Move, sources: Mapping[str, ItemReader], *, zarr3: bool, filled: set) -> bool:
+    """Whether ``m`` is written from its stored chunks, without decoding: a copy in the
+    same zarr format whose source stores every chunk (one that lacks chunks older Orbax
+    left as the fill value is decoded, filled as stock reads it)."""
+    if m.op is not Op.COPY or sources[m.item].use_zarr3 != zarr3:
+        return False
+    return (m.item, orbax_files.param_name(m.src)) not in filled
 
 
 def _computed(decoded: list[Move]) -> dict[str, int]:

@@ -77,15 +77,21 @@ def graft(
     txn.commit_async().result()
 
 
-def check_complete(reads: Sequence[Read], sources: Mapping[str, ItemReader]) -> None:
+def check_complete(
+    reads: Sequence[Read], sources: Mapping[str, ItemReader]
+) -> set[tuple[str, str]]:
     """Every source array a conversion reads must have all its chunks stored; else nothing
-    is written.
+    is written. Returns the arrays (item, name) that lack chunks the source fills.
 
-    Orbax stores every chunk (``store_array_data_equal_to_fill_value``), so a
-    missing one means a truncated or damaged source. Copying it would silently
-    turn the missing values into the fill value (zeros) in the converted step.
+    Orbax 0.12 stores every chunk (``store_array_data_equal_to_fill_value``), so there a
+    missing one means a truncated or damaged source: copying it would silently turn the
+    missing values into the fill value in the converted step. Older Orbax did not, and
+    tensorstore left a chunk equal to the fill value unwritten; stock reads it as the fill
+    value (`ItemFiles.fills_missing`). Such an array is returned: the caller decodes it
+    (filled, as stock reads it) instead of copying its stored chunks, so that the written
+    item, which stores every chunk, is complete.
     """
-    problems = []
+    problems, filled = [], set()
     listed = {n: keys_by_array(sources[n].kv) for n in {r.item for r in reads}}
     for item, name, shape in reads:
         src = sources[item]
@@ -93,13 +99,18 @@ def check_complete(reads: Sequence[Read], sources: Mapping[str, ItemReader]) -> 
         want = math.prod(-(-d // max(c, 1)) for d, c in zip(shape, chunk, strict=False))
         stored = sorted(listed[item].get(name, []))
         meta_keys = [k for k in stored if k.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json")]
-        if not meta_keys or len(stored) - len(meta_keys) < want:
+        if meta_keys and len(stored) - len(meta_keys) >= want:
+            continue
+        if meta_keys and src.files.fills_missing:
+            filled.add((item, name))
+        else:
             problems.append(f"{name}: {len(stored) - len(meta_keys)} of {want} chunks stored")
     if problems:
         raise CheckpointReadError(
             f"{sources[reads[0].item].dir.parent}: source arrays are incomplete (truncated or "
             "damaged files); nothing was written:\n  - " + "\n  - ".join(problems)
         )
+    return filled
 
 
 def copy_chunks(
