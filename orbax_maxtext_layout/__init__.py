@@ -42,7 +42,8 @@ from .orbax_io.layout import Layout, detect_layout, tunix_step_number
 from .orbax_io.spec import LeafSpec, read_specs
 from .orbax_io.stepmeta import TUNIX_STEP_KEY
 from .plan.merge import plan_merge
-from .plan.moves import Drop, Move, Op, apply_op
+from .plan.moves import Drop, Move, Op
+from .plan.ops import apply_op
 from .plan.rescan import maxtext_forms
 from .plan.step_plan import Plan, make_plan, narrow, plan_maxtext_step, plan_step
 from .plan.steps import StepInfo, find_steps

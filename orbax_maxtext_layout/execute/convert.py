@@ -41,7 +41,6 @@ from ..orbax_io.layout import (
 from ..orbax_io.orbax_files import ItemFiles, reads_each_item_once
 from ..orbax_io.spec import spec_of
 from ..plan import merge, renumbering
-from ..plan.moves import Op
 from ..plan.provenance import record as provenance_record
 from ..plan.step_plan import OptimizerMode, Plan, make_plan, plan_maxtext_step, plan_step
 from ..plan.steps import find_steps
@@ -706,7 +705,7 @@ def merge_lora(
         plain_scan=plain_scan,
     )
     dest = epath.Path(out) / "0"
-    axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
+    axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
     report = MergeReport(
         out=str(dest),
         status="dry-run" if dry_run else "merged",
@@ -718,7 +717,7 @@ def merge_lora(
         layer_axis=axis if adapters.scanned else None,
         scan=scan,
         modules=adapters.modules,
-        merged=[keystr(m.dst) for m in plan.moves if m.op is Op.MERGE_LORA],
+        merged=[keystr(m.dst) for m in plan.moves if m.lora],
         destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
         dropped=[
             {"item": d.item, "path": keystr(d.src), "bytes": d.spec.nbytes, "reason": d.reason}

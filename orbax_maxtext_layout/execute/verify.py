@@ -27,7 +27,8 @@ from ..orbax_io.reader import ItemReader, same_stored
 from ..orbax_io.spec import read_specs
 from ..orbax_io.stepmeta import read_provenance
 from ..plan import merge
-from ..plan.moves import Move, Op, Plan, apply_op
+from ..plan.moves import Move, Plan
+from ..plan.ops import apply_op
 from ..plan.step_plan import plan_maxtext_step, plan_step
 from . import routing
 
@@ -172,7 +173,7 @@ def _compare(
             if not stored.get(param_name(m.dst))
         ]
     srcs = {n: ItemReader.open(d, ctx) for n, d in sources.items()}
-    raw = [m for m in plan.moves if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3]
+    raw = [m for m in plan.moves if m.op.renames and srcs[m.item].use_zarr3 == dst.use_zarr3]
     listed = {n: keys_by_array(srcs[n].kv) for n in sorted({m.item for m in raw})}
     problems = []
     pairs: list[tuple[Move, bytes, bytes]] = []
@@ -204,7 +205,7 @@ def _compare(
 
 def _fresh_layers(m: Move) -> bool:
     """A stack that fills layers with fresh RNG state (compared whole, by `apply_op`)."""
-    return m.op is Op.STACK and None in m.layers
+    return m.op.makes_parts(m)
 
 
 def _routed_differ(

@@ -41,7 +41,8 @@ from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.merge import adapter_item, adapter_moves, read_adapters
-from ..plan.moves import LoraFactor, Move, lora_delta_added
+from ..plan.moves import LoraFactor, Move
+from ..plan.ops import lora_delta_added
 from ..storage.store import EXPORT_WORK_SUFFIX, store_for
 from . import hf_mapping, safetensors_out
 from .hf_mapping import HfModel, Unit

@@ -42,7 +42,8 @@ from ..orbax_io.layout import (
 from ..orbax_io.ocdbt import check_contained
 from ..orbax_io.spec import LeafSpec, read_specs
 from ..storage.store import store_for
-from .moves import Drop, LoraFactor, Move, Op, Plan
+from . import ops
+from .moves import Drop, LoraFactor, Move, Plan
 from .provenance import record as provenance_record
 from .rescan import check_plain_stack, unroll_plan, written_form
 from .rescan import stack_plan as _stack_plan
@@ -304,7 +305,7 @@ def _merge_moves(
             )
             continue
         lf = LoraFactor(LORA_ITEM, f.a, f.b, f.a_spec, f.b_spec, axis, scale, layouts[0])
-        moves[m.dst] = dataclasses.replace(m, op=Op.MERGE_LORA, axis=axis, lora=(lf,))
+        moves[m.dst] = dataclasses.replace(m, op=ops.MERGE_LORA, axis=axis, lora=(lf,))
     if problems:
         raise LayoutMismatchError(
             f"the LoRA adapters do not fit the base {base_dir} ({len(problems)} modules):",
@@ -398,7 +399,7 @@ def merge_provenance(
     target: Target | None,
 ) -> dict[str, Any]:
     """What a merged step records: enough to say what it is and for `verify` to replay it."""
-    axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
+    axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
     return provenance_record(
         plan,
         SOURCE_LAYOUT,
