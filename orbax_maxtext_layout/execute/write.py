@@ -29,13 +29,12 @@ from ..orbax_io import item_writer, orbax_files, stepdir
 from ..orbax_io.ocdbt import damaged_value_files
 from ..orbax_io.reader import ItemReader
 from ..orbax_io.values import PIECE
-from ..plan.moves import Move, Plan
+from ..plan.moves import Move, Op, Plan
 from ..plan.ops import apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
 from ..storage.store import StepStore, store_for
 from . import routing
-from .merge_writer import write_merges
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
@@ -98,8 +97,10 @@ def write_items(
             shapes = routing.write_routed(
                 walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece
             )
-            merges = [m for m in decoded if m.op.by_layer and id(m) not in shapes]
-            write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
+            # the rest each op writes its own way (a LoRA merge, layer by layer)
+            rest = [m for m in decoded if not m.op.made and id(m) not in shapes]
+            for op, moves in _by_op(rest).items():
+                op.write_rest(moves, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
             _write_made(decoded, dst_json, zarr3=zarr3, ctx=ctx)
         orbax_files.write_metadata(
             tmp,
@@ -156,6 +157,13 @@ def _stored_copies(
     chunked = [m for m in raw if m.item not in graft]
     item_writer.copy_chunks([_rename(m) for m in chunked], sources, parent, budget=budget)
     return parent, chunked, placed
+
+
+def _by_op(moves: list[Move]) -> dict[Op, list[Move]]:
+    out: dict[Op, list[Move]] = {}
+    for m in moves:
+        out.setdefault(m.op, []).append(m)
+    return out
 
 
 def _computed(decoded: list[Move]) -> dict[str, int]:

@@ -4,9 +4,9 @@ left behind. The plan is the dry-run report; writers execute it and `verify` rep
 
 - `moves`: the plan's types, the op interface (`moves.Op`) among them;
 - `ops`: one class per op, with its numerics (registered on `moves.Op` when this package
-  is imported: every `moves.Move` is made with one);
+  is imported: every `moves.Move` is made with one); the LoRA merge's is in `lora`;
 - `step_plan`: a Tunix or MaxText step planned against a target;
-- `rescan`, `merge`: a scan change and a LoRA merge as plan transforms;
+- `rescan`: a scan change as a plan transform (a LoRA merge's is in `lora`);
 - `provenance`: what a written step records of its plan;
 - `steps`, `renumbering`: a run's steps, and which move to MaxText's numbers.
 

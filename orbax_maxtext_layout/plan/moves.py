@@ -31,7 +31,7 @@ interface (`Op`). Each op's class, with its numerics, is in `plan.ops`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -60,8 +60,6 @@ class Op:
     routed: ClassVar[bool] = False
     # No source: made, not read (`apply` with no reader).
     made: ClassVar[bool] = False
-    # Written one layer at a time by its own pipeline where its pieces do not route.
-    by_layer: ClassVar[bool] = False
 
     COPY: ClassVar[Op]
     CAST: ClassVar[Op]
@@ -150,6 +148,21 @@ class Op:
     def chunk_shape(self, m: Move) -> tuple[int, ...]:
         """The chunk shape a decoded leaf is written with (one chunk)."""
         return m.out_spec.shape
+
+    def write_rest(
+        self,
+        moves: Sequence[Move],
+        sources: Mapping[str, Any],
+        dst_json: dict,
+        *,
+        zarr3: bool,
+        ctx: Any,
+        budget: int,
+    ) -> None:
+        """Writes this op's ``moves`` that are neither routed piece by piece nor made (a
+        LoRA merge's, layer by layer) into the database ``dst_json``, within ``budget``;
+        ``sources``: the source items' readers."""
+        raise NotImplementedError(self.value)
 
     # -- a leaf exported layer by layer (`hf.export_stream`) -------------------------------
     def by_box(self, m: Move) -> bool:

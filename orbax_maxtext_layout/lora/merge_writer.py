@@ -7,7 +7,7 @@ The work is a pipeline of three kinds of thread:
 * one *decoder* decodes the base kernels in plan order, each whole where it fits the budget
   (`ItemReader.read_whole`: each stored chunk once), with its LoRA factors; it runs ahead of the
   merge as far as memory allows;
-* `MERGE_WORKERS` *workers* merge one layer each (`ops.merge_layer`, in place in that
+* `MERGE_WORKERS` *workers* merge one layer each (`delta.merge_layer`, in place in that
   layer's buffer) and encode and write it as one chunk (`item_writer.write_part`);
 * the caller hands the layers of each decoded kernel to the workers.
 
@@ -36,7 +36,7 @@ from ..orbax_io import item_writer, orbax_files
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import FAST_DECODING, TS_DECODING, ItemReader
 from ..plan.moves import Move
-from ..plan.ops import merge_base, merge_layer
+from .delta import merge_base, merge_layer
 
 # Layers merged and encoded at once: one per core (numpy's merge and zstd's encode both run
 # without the GIL).
