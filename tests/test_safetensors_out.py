@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from orbax_maxtext_layout.hf import safetensors_out as so
+from orbax_maxtext_layout.formats import safetensors_writer as so
 
 try:
     import ml_dtypes
