@@ -1,7 +1,8 @@
 """The plan of an export, from metadata alone: what the step is (a MaxText step, a Tunix
 step, or a LoRA adapter step merged into its base), the moves that make its MaxText params,
 the model's check against them, MaxText's Hugging Face units, the files they fill (laid
-out by the export's `formats.sink.Sink`, safetensors), the export's fingerprint, and its report (`ExportReport`, what a dry run prints).
+out by the export's `formats.sink.Sink`, safetensors), the export's fingerprint, and its
+report (`ExportReport`, what a dry run prints).
 
 Nothing here reads an array's bytes. `export_hf` carries the plan out (`export_stream`,
 `export_processes`).
@@ -336,8 +337,9 @@ def _check_model(step: epath.Path, moves: dict[str, Move], target: Target) -> No
 def _fingerprint(
     shards: list[Part], sources: dict[str, epath.Path], merged: Any, process_count: int
 ) -> str:
-    """Names one export: its files' layouts (`Part.signature`), its sources (paths and metadata versions) and
-    how many processes share the shards (``.done-<p>`` stands for shards ``p, p + n, ...``)."""
+    """Names one export: its files' layouts (`Part.signature`), its sources (paths and
+    metadata versions) and how many processes share the shards (``.done-<p>`` stands for
+    shards ``p, p + n, ...``)."""
     h = hashlib.sha256()
     h.update(f"processes={process_count};".encode())
     for s in shards:
