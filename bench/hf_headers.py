@@ -44,7 +44,7 @@ if reader == "safe_open":
     except Exception as e:
         refused, n = type(e).__name__, 0
 else:
-    from orbax_maxtext_layout.hf.safetensors_in import HfDir, HfInputError
+    from orbax_maxtext_layout.formats.safetensors_reader import HfDir, HfInputError
     before, t = hwm(), time.perf_counter()
     try:
         with HfDir.open(hf) as d:

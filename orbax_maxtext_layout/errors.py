@@ -26,6 +26,13 @@ class CheckpointReadError(OrbaxMaxTextLayoutError, ValueError):
     """A checkpoint directory or file cannot be read as what it claims to be."""
 
 
+class CheckpointRefusedError(CheckpointReadError):
+    """A file refused as damaged or forged (too large, nested too deeply, metadata that
+    contradicts itself): never handed on to another reader, such as Orbax's own metadata
+    reader (`spec.read_specs` falls back to it for other errors), which has no such limits.
+    Here, not in `orbax_io`, since Orbax's files and other formats' (`formats`) refuse alike."""
+
+
 class LayoutMismatchError(OrbaxMaxTextLayoutError, ValueError):
     """The target and the checkpoint disagree. Raised before anything is written.
 

@@ -16,8 +16,8 @@ from safetensors.numpy import save_file
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.errors import CheckpointReadError
+from orbax_maxtext_layout.formats.safetensors_reader import HfDir
 from orbax_maxtext_layout.hf import import_hf
-from orbax_maxtext_layout.hf.safetensors_in import HfDir
 from orbax_maxtext_layout.orbax_io import values
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
 

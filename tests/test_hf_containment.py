@@ -35,8 +35,8 @@ import pytest
 from conftest import address_space_cap, child_env
 from safetensors.numpy import save_file
 
-from orbax_maxtext_layout.hf import safetensors_in as si
-from orbax_maxtext_layout.hf.safetensors_in import HfDir, HfInputError
+from orbax_maxtext_layout.formats import safetensors_reader as si
+from orbax_maxtext_layout.formats.safetensors_reader import HfDir, HfInputError
 
 HERE = Path(__file__).parent
 CONFIG = {"model_type": "llama", "hidden_size": 8}

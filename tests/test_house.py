@@ -17,6 +17,7 @@ DESIGN = PACKAGE.parent / "docs" / "design.md"
 FLOORS = {
     "base": 0,
     "storage": 1,
+    "formats": 2,  # beside orbax_io: other file formats than Orbax's, neither importing the other
     "orbax_io": 2,
     "model": 3,
     "plan": 4,

@@ -1,4 +1,4 @@
-"""A Hugging Face directory read as untrusted input (issue 43): `hf.safetensors_in.HfDir`.
+"""A Hugging Face directory read as untrusted input (issue 43): `formats.safetensors_reader.HfDir`.
 
 Real files first, written by ``safetensors.numpy.save_file`` (single file, and sharded with
 an index as transformers writes it) and by hand where safetensors' numpy side has no dtype
@@ -30,8 +30,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from orbax_maxtext_layout.errors import CheckpointReadError, UsageError
-from orbax_maxtext_layout.hf import safetensors_in as si
-from orbax_maxtext_layout.hf.safetensors_in import HfDir, HfInputError
+from orbax_maxtext_layout.formats import safetensors_reader as si
+from orbax_maxtext_layout.formats.safetensors_reader import HfDir, HfInputError
 
 CONFIG = {"model_type": "llama", "hidden_size": 8, "architectures": ["LlamaForCausalLM"]}
 SHARD1 = "model-00001-of-00002.safetensors"

@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from orbax_maxtext_layout.hf import safetensors_out as so
+from orbax_maxtext_layout.formats import safetensors_writer as so
 
 try:
     import ml_dtypes
@@ -163,3 +163,45 @@ def test_a_closed_shard_is_out_of_the_page_cache_and_reads_back(tmp_path):
     got = load_file(str(path))
     for n, a in arrays.items():
         assert got[n].tobytes() == a.tobytes(), n
+
+
+def test_the_sink_lays_out_writes_and_publishes_the_index_then_the_config_last(tmp_path):
+    """`SafetensorsSink`, the `formats.sink.Sink` the exports write through: the same files
+    as `layout_shards` and `ShardFile` (the index as MaxText writes it, json with indent 2),
+    parts written by name and by box, the index and the config published by `finish`."""
+    from etils import epath
+
+    from orbax_maxtext_layout.formats.sink import Part, PartWriter, Sink
+    from orbax_maxtext_layout.storage.store import store_for
+
+    arrays = _tensors(np.random.default_rng(3))
+    tensors = [so.Tensor(n, a.shape, a.dtype) for n, a in arrays.items()]
+    sink = so.SafetensorsSink(300)
+    assert isinstance(sink, Sink)
+    parts = sink.layout(tensors)
+    assert parts == so.layout_shards(tensors, 300) and len(parts) > 2
+    assert all(isinstance(p, Part) and p.signature == p.header for p in parts)
+    for k, p in enumerate(parts):
+        f = sink.open(p, str(tmp_path / p.name))
+        assert isinstance(f, PartWriter) and len(f.missing) == len(p.tensors)
+        for t in p.tensors:
+            a = arrays[t.name]
+            if k % 2 and a.ndim > 1:  # by box: two halves of the first axis
+                h = a.shape[0] // 2
+                f.write_box(t.name, (0,) * a.ndim, a[:h])
+                f.write_box(t.name, (h,) + (0,) * (a.ndim - 1), a[h:])
+            else:
+                f.write(t.name, a)
+        f.close()
+    work = epath.Path(tmp_path)
+    sink.finish(store_for(work), work, parts, ("config.json", '{"a": 1}'))
+    index = (tmp_path / so.INDEX_FILE).read_text()
+    assert index == json.dumps(so.index(parts), indent=2)
+    assert (tmp_path / "config.json").read_text() == '{"a": 1}'
+    for name, file in json.loads(index)["weight_map"].items():
+        assert load_file(str(tmp_path / file))[name].tobytes() == arrays[name].tobytes()
+    # one file: no index; a named file (the adapter's) is laid out under its name
+    one = so.SafetensorsSink(weights_file="adapter_model.safetensors")
+    (part,) = one.layout(tensors)
+    assert part.name == "adapter_model.safetensors" and one.index([part]) == {}
+    assert part.header == so.layout_shards(tensors)[0].header

@@ -130,8 +130,8 @@ def _convert(copy: Path, want: dict, job: dict) -> bool:
 
 
 def _hf(copy: Path, want: dict) -> bool:
+    from orbax_maxtext_layout.formats.safetensors_reader import HfDir
     from orbax_maxtext_layout.hf import import_hf
-    from orbax_maxtext_layout.hf.safetensors_in import HfDir
 
     scratch = import_hf._Scratch()
     ok = True

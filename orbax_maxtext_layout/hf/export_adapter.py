@@ -4,7 +4,8 @@ The plan is the merge's (`merge.adapter_moves`: the ``merge_lora`` move of each 
 weight, against the model the config builds, without a base), with a new sink: each
 module's factors are carried through MaxText's Hugging Face hooks of its weight
 (`adapter_factors`) and written, layer by layer, under PEFT's names into
-``adapter_model.safetensors``, beside ``adapter_config.json``. Only the factors are read,
+``adapter_model.safetensors`` (`formats.safetensors_writer.SafetensorsSink`: one file,
+``adapter_config.json`` published last by `Sink.finish`). Only the factors are read,
 each decoded once (`ItemReader.read_whole`: adapters are small).
 
 A MoE layer's experts are written one PEFT module per expert, as MaxText's mapping writes
@@ -34,6 +35,8 @@ from etils import epath
 
 from ..base.treepaths import keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
+from ..formats.safetensors_writer import SafetensorsSink
+from ..formats.sink import Part, Sink, Tensor
 from ..lora import adapter_factors
 from ..lora.delta import lora_delta_added
 from ..lora.merge_plan import adapter_item, adapter_moves, read_adapters
@@ -44,7 +47,7 @@ from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import LoraFactor, Move
 from ..storage.store import EXPORT_WORK_SUFFIX, store_for
-from . import hf_mapping, safetensors_out
+from . import hf_mapping
 from .hf_mapping import HfModel, Unit
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -145,9 +148,10 @@ class AdapterPlan:
     model: HfModel
     params_dir: epath.Path  # the step's model_params: the factors
     modules: list[_Module]
-    shard: safetensors_out.Shard
+    shard: Part  # the one file, laid out by ``sink``
     config: dict[str, Any]
     report: AdapterReport
+    sink: Sink
 
 
 def plan_adapter(
@@ -193,8 +197,8 @@ def plan_adapter(
             hint="Merge them instead: export-hf STEP --base BASE, or merge-lora.",
         )
     tensors = [t for mod in modules for t in _tensors(mod)]
-    shard = safetensors_out.layout_shards(tensors, 1 << 62)[0]
-    shard = dataclasses.replace(shard, name=ADAPTER_FILE)
+    sink = SafetensorsSink(1 << 62, weights_file=ADAPTER_FILE)  # one file, however large
+    (shard,) = sink.layout(tensors)
     hf_id = base_model_name_or_path or hf_mapping.hf_id(model.model_name)
     names = {_hf_module(u) for m in modules for u in m.units}
     targets = sorted({n.rsplit(".", 1)[-1] for n in names})
@@ -218,7 +222,7 @@ def plan_adapter(
             for t in sorted(tensors, key=lambda t: t.name)
         ],
     )
-    return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report)
+    return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report, sink)
 
 
 def _module_row(m: _Module) -> dict[str, Any]:
@@ -417,7 +421,7 @@ def _names(unit: Unit) -> tuple[str, str]:
     return f"{base}.lora_A.weight", f"{base}.lora_B.weight"
 
 
-def _tensors(mod: _Module) -> list[safetensors_out.Tensor]:
+def _tensors(mod: _Module) -> list[Tensor]:
     f, r = mod.factor, int(mod.factor.a_spec.shape[-1])
     dtype = np.dtype(f.a_spec.dtype)
     n_in, n_out = len(mod.fmap.in_index), len(mod.fmap.out_index)
@@ -425,8 +429,8 @@ def _tensors(mod: _Module) -> list[safetensors_out.Tensor]:
     for u in mod.units:
         a_name, b_name = _names(u)
         out += [
-            safetensors_out.Tensor(a_name, (r, n_in), dtype),
-            safetensors_out.Tensor(b_name, (n_out, r), dtype),
+            Tensor(a_name, (r, n_in), dtype),
+            Tensor(b_name, (n_out, r), dtype),
         ]
     return out
 
@@ -474,7 +478,8 @@ def export_adapter(
     try:
         _write(plan, staging / ADAPTER_FILE)
         store.put_file(staging / ADAPTER_FILE, work / ADAPTER_FILE)
-        store.replace_file(work / ADAPTER_CONFIG, json.dumps(plan.config, indent=2))
+        config = json.dumps(plan.config, indent=2)
+        plan.sink.finish(store, work, [plan.shard], (ADAPTER_CONFIG, config))
     except BaseException:
         if str(staging) != str(work):
             shutil.rmtree(str(staging), ignore_errors=True)
@@ -497,7 +502,7 @@ def _write(plan: AdapterPlan, path: epath.Path) -> None:
     last of the last); a module that fails a check stops the export, naming every such one."""
     ctx = item_writer.ts_context()
     src = ItemReader.open(plan.params_dir, ctx)
-    f = safetensors_out.ShardFile(str(path), plan.shard)
+    f = plan.sink.open(plan.shard, str(path))
     bad: list[str] = []
     try:
         for mod, row in zip(plan.modules, plan.report.modules, strict=True):

@@ -4,7 +4,8 @@ The export is the plan of the step's MaxText params (`merge.params_plan`: a MaxT
 params copied, a Tunix step's weights told from its RNG state by the model, a LoRA step
 merged into ``base`` by the ``merge_lora`` op) with a new sink: each param's layers go
 through MaxText's own Hugging Face mapping (`hf_mapping`) into safetensors shards whose
-layout is fixed from metadata before a byte is read (`safetensors_out`). What it writes
+layout is fixed from metadata before a byte is read (the `formats.sink.Sink` of the plan,
+`formats.safetensors_writer.SafetensorsSink`). What it writes
 equals MaxText 0.2.5's ``to_huggingface`` in Base mode for the same weights.
 
 Memory: a param is decoded whole once (Orbax stores an array from one host as one chunk,

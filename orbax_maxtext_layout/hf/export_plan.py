@@ -1,7 +1,8 @@
 """The plan of an export, from metadata alone: what the step is (a MaxText step, a Tunix
 step, or a LoRA adapter step merged into its base), the moves that make its MaxText params,
-the model's check against them, MaxText's Hugging Face units, the safetensors shards they
-fill, the export's fingerprint, and its report (`ExportReport`, what a dry run prints).
+the model's check against them, MaxText's Hugging Face units, the files they fill (laid
+out by the export's `formats.sink.Sink`, safetensors), the export's fingerprint, and its
+report (`ExportReport`, what a dry run prints).
 
 Nothing here reads an array's bytes. `export_hf` carries the plan out (`export_stream`,
 `export_processes`).
@@ -22,6 +23,8 @@ from ..base.names import Dest
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError, UsageError
 from ..execute.write import DEFAULT_BUDGET
+from ..formats.safetensors_writer import SafetensorsSink
+from ..formats.sink import Part, Sink, Tensor
 from ..lora.merge_plan import (
     NOT_PARAMS,
     adapter_item,
@@ -39,10 +42,9 @@ from ..orbax_io.spec import read_specs
 from ..plan.moves import Move
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage.store import store_for
-from . import hf_mapping, safetensors_out
+from . import hf_mapping
 from .budget import expected_memory
 from .hf_mapping import HfModel, Unit
-from .safetensors_out import Shard, Tensor
 
 NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
 
@@ -112,15 +114,17 @@ class ExportReport:
 # -- planning ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ExportPlan:
-    """Everything an export does, from metadata: the source plan, the HF units, the files."""
+    """Everything an export does, from metadata: the source plan, the HF units, the files
+    (``shards``, laid out by ``sink``, which writes them)."""
 
     model: HfModel
     moves: dict[str, Move]  # MaxText param key -> the move that makes it
     sources: dict[str, epath.Path]  # item name -> directory
     units: list[Unit]
-    shards: list[Shard]
+    shards: list[Part]
     report: ExportReport
     fingerprint: str
+    sink: Sink
 
 
 def plan_export(
@@ -168,10 +172,8 @@ def plan_export(
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise LayoutMismatchError(f"{step}: MaxText's mapping writes a tensor twice.")
-    shards = safetensors_out.layout_shards(
-        tensors,
-        safetensors_out.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
-    )
+    sink = SafetensorsSink(max_shard_size)
+    shards = sink.layout(tensors)
     report = _report(
         step,
         out,
@@ -187,7 +189,7 @@ def plan_export(
             sh["process"] = None
     report.memory = expected_memory(model, units, moves, budget)
     fp = _fingerprint(shards, sources, merged, process_count)
-    return ExportPlan(model, moves, sources, units, shards, report, fp)
+    return ExportPlan(model, moves, sources, units, shards, report, fp, sink)
 
 
 def _report(step, out, *, model, kind, shards, drops, merged, process) -> ExportReport:
@@ -333,14 +335,15 @@ def _check_model(step: epath.Path, moves: dict[str, Move], target: Target) -> No
 
 
 def _fingerprint(
-    shards: list[Shard], sources: dict[str, epath.Path], merged: Any, process_count: int
+    shards: list[Part], sources: dict[str, epath.Path], merged: Any, process_count: int
 ) -> str:
-    """Names one export: its files' layouts, its sources (paths and metadata versions) and
-    how many processes share the shards (``.done-<p>`` stands for shards ``p, p + n, ...``)."""
+    """Names one export: its files' layouts (`Part.signature`), its sources (paths and
+    metadata versions) and how many processes share the shards (``.done-<p>`` stands for
+    shards ``p, p + n, ...``)."""
     h = hashlib.sha256()
     h.update(f"processes={process_count};".encode())
     for s in shards:
-        h.update(s.header)
+        h.update(s.signature)
     for name, d in sorted(sources.items()):
         meta = d / "_METADATA"
         h.update(f"{name}={store_for(d).absolute(d)}:{store_for(d).version(meta)}".encode())

@@ -8,15 +8,17 @@ processes share files (`export_plan.shares_files`), the tensors of the params it
 ``.done-<p>``, holding the export's fingerprint; a rerun whose marker of the same export
 is there skips its part. Process 0 waits for every marker of the same export
 (`wait_for_all`), puts the shared parts in place, and publishes (`finish`): what is not
-this export's goes, then the index, the tokenizer and ``config.json`` are written, the
-markers go, and the work directory becomes ``out`` (``config.json`` last on an object
-store).
+this export's goes, then the tokenizer, and the index and ``config.json`` (the export's
+`formats.sink.Sink`: ``config.json`` last) are written, the markers go, and the work
+directory becomes ``out`` (``config.json`` last on an object store).
+
+The files are the sink's (`ExportPlan.sink`): laid out in the plan, each opened here as a
+`PartWriter` (`Sink.open`), written by `export_stream`, closed or abandoned here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -27,13 +29,13 @@ from typing import Any
 from etils import epath
 
 from ..errors import UsageError
+from ..formats.sink import Part, PartWriter
 from ..storage.store import store_for
-from . import hf_mapping, safetensors_out
+from . import hf_mapping
 from .budget import group_bytes, largest_first
 from .export_plan import ExportPlan, shares_files
 from .export_stream import run_groups
 from .hf_mapping import Unit
-from .safetensors_out import Shard, ShardFile
 
 CONFIG_FILE = "config.json"  # published last on an object store
 DONE_PREFIX = ".done-"
@@ -113,9 +115,9 @@ def _publish(
     ep: ExportPlan, work: epath.Path, out: epath.Path, hf_model_path: str | None
 ) -> list[str]:
     """Process 0, once every shard is there: what is not this export's goes (another
-    export's shards, parts of killed writers, a killed ``_publish``'s files), then the index,
-    the tokenizer, config.json; then the markers go, and ``work`` becomes ``out``
-    (config.json last on an object store)."""
+    export's shards, parts of killed writers, a killed ``_publish``'s files), then the
+    tokenizer, the index and config.json (`Sink.finish`); then the markers go, and ``work``
+    becomes ``out`` (config.json last on an object store)."""
     store = store_for(work)
     ours = {s.name for s in ep.shards}
     store.refresh(work)
@@ -125,9 +127,6 @@ def _publish(
                 f.rmtree()
             else:
                 f.unlink(missing_ok=True)
-    idx = safetensors_out.index(ep.shards)
-    if idx is not None:
-        store.replace_file(work / safetensors_out.INDEX_FILE, json.dumps(idx, indent=2))
     if hf_model_path:
         staging = epath.Path(tempfile.mkdtemp(prefix="orbax-maxtext-layout-tokenizer-"))
         try:
@@ -135,7 +134,7 @@ def _publish(
                 store.put_file(staging / name, work / name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    store.replace_file(work / CONFIG_FILE, hf_mapping.config_json(ep.model))
+    ep.sink.finish(store, work, ep.shards, (CONFIG_FILE, hf_mapping.config_json(ep.model)))
     for p in range(ep.report.process["count"]):
         (work / f"{DONE_PREFIX}{p}").unlink(missing_ok=True)
     store.publish_dir(work, out, last=CONFIG_FILE)
@@ -143,19 +142,20 @@ def _publish(
     return sorted(f.name for f in out.iterdir())
 
 
-def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budget: int) -> None:
+def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Part], *, budget: int) -> None:
     """Writes ``shards`` (each to a part file renamed into place when complete)."""
     if not shards:
         return
     wanted = {t.name for s in shards for t in s.tensors}
-    files: dict[str, ShardFile] = {}
-    where: dict[str, ShardFile] = {}
+    files: dict[str, PartWriter] = {}
+    where: dict[str, PartWriter] = {}
     who = f"{PART}{socket.gethostname()}.{os.getpid()}"
     store = store_for(work)
     staging = store.staging_dir(work)
+    parts = {s.name: staging / f"{s.name}{who}" for s in shards}
     try:
         for s in shards:
-            f = files[s.name] = ShardFile(str(staging / f"{s.name}{who}"), s)
+            f = files[s.name] = ep.sink.open(s, str(parts[s.name]))
             where.update({t.name: f for t in s.tensors})
         groups: dict[tuple[str, ...], list[Unit]] = {}
         for u in ep.units:
@@ -164,7 +164,7 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budg
         run_groups(ep, groups, where, budget)
         for s in shards:
             files[s.name].close()
-            store.put_file(epath.Path(files[s.name].path), work / s.name)
+            store.put_file(parts[s.name], work / s.name)
     except BaseException:
         for f in files.values():
             with contextlib.suppress(OSError):
@@ -175,7 +175,7 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budg
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _shared_part(shard: Shard, fingerprint: str) -> str:
+def _shared_part(shard: Part, fingerprint: str) -> str:
     """The part file every process of a shared export writes ``shard`` into."""
     return f"{shard.name}{PART}shared.{fingerprint[:16]}"
 
@@ -183,11 +183,11 @@ def _shared_part(shard: Shard, fingerprint: str) -> str:
 def _write_shared(ep: ExportPlan, work: epath.Path, index: int, count: int, *, budget: int):
     """Process ``index`` of ``count`` sharing the export's files: it decodes only the
     params it owns (`_owned`: whole params, balanced by bytes) and writes each of their
-    tensors into the part file of its shard, which every process opens (`ShardFile` with
+    tensors into the part file of its shard, which every process opens (`Sink.open` with
     ``shared``). Each stored chunk is decoded by one process only, where a split by shards
     would have every process decode every stacked param for its own layers."""
     files = {
-        s.name: ShardFile(str(work / _shared_part(s, ep.fingerprint)), s, shared=True)
+        s.name: ep.sink.open(s, str(work / _shared_part(s, ep.fingerprint)), shared=True)
         for s in ep.shards
     }
     where = {t.name: files[s.name] for s in ep.shards for t in s.tensors}

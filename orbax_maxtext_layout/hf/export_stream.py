@@ -4,14 +4,15 @@
 time and largest first, each holding what `budget.Budget` grants it. A param that fits is
 decoded whole once (`ItemReader.read_whole`), sliced into its units (`hf_mapping.Unit`), and
 each unit put through MaxText's hooks (`hf_mapping.transform`) into its tensors, written
-whole (`ShardFile.write`). A param over the budget goes piece by piece
+whole (`PartWriter.write`). A param over the budget goes piece by piece
 (`_write_pieces`): each stored chunk decoded once (`ItemReader.pieces`), each piece's part of
 a layer put through the hooks (`piecewise`) and written at its place
-(`ShardFile.write_box`). `_Reader` hands out a param's layers in stored form, a LoRA
+(`PartWriter.write_box`). `_Reader` hands out a param's layers in stored form, a LoRA
 merge's computed on the way.
 
-The caller opens the shard files and says which tensor goes to which (``where``);
-what the files are and who writes which is `export_processes`'.
+The caller opens the files (`formats.sink.Sink.open`) and says which tensor goes to which
+(``where``); what the files are and who writes which is `export_processes`'. Nothing here
+knows the files' format.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..base.futures import results
+from ..formats.sink import PartWriter
 from ..orbax_io import chunks, item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
@@ -30,12 +32,11 @@ from . import hf_mapping, piecewise
 from .budget import WORKERS, Budget, group_cost, largest_first, piece_bytes, piece_held, slice_bytes
 from .export_plan import ExportPlan
 from .hf_mapping import HfModel, Unit
-from .safetensors_out import ShardFile
 
 
-def run_groups(ep: ExportPlan, groups: dict, where: dict[str, ShardFile], budget: int) -> None:
+def run_groups(ep: ExportPlan, groups: dict, where: dict[str, PartWriter], budget: int) -> None:
     """The params ``groups`` (param keys -> their units) of ``ep`` written into the files of
-    ``where`` (HF tensor name -> its open `ShardFile`; a tensor not in it is not written),
+    ``where`` (HF tensor name -> its open `PartWriter`; a tensor not in it is not written),
     `WORKERS` jobs at a time within ``budget`` bytes, largest first."""
     ctx = item_writer.ts_context()
     sources = {n: ItemReader.open(d, ctx) for n, d in ep.sources.items()}
@@ -127,7 +128,7 @@ class _Run(NamedTuple):
 def _write_pieces(run: _Run, m: Move, units: list[Unit], fns: dict, size: int) -> None:
     """Param ``m`` over the budget: each stored chunk decoded once (`ItemReader.pieces`), and
     each piece's part of each layer put through the hooks (`piecewise`) and written at its
-    place in its HF tensors (`ShardFile.write_box`). A part the hooks cannot take alone
+    place in its HF tensors (`PartWriter.write_box`). A part the hooks cannot take alone
     leaves its unit to be read whole at the end (counted as ``layer decoded``)."""
     model, sources, ctx, where = run
     src = sources[m.item]

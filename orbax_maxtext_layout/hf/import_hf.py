@@ -13,7 +13,7 @@ as ``to_maxtext`` runs it, with four differences (docs/import-hf.md):
   it: every source tensor cast first (float32 to bfloat16 rounds to nearest even), then
   MaxText's hooks;
 - the Hugging Face ``config.json`` must agree with the MaxText config; and the directory is
-  read as untrusted input (`safetensors_in`).
+  read as untrusted input (`formats.safetensors_reader`).
 
 The unit of work is one slice: one HF tensor (or a fused group) of one layer (and expert),
 read with one range read, cast, put through MaxText's hooks and written as its own chunk
@@ -43,6 +43,7 @@ from .._version import __version__
 from ..base.futures import results
 from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
+from ..formats.safetensors_reader import HfDir
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage import transpose
@@ -52,7 +53,6 @@ from ..storage.store import store_for
 from . import hf_mapping
 from .budget import Budget
 from .hf_mapping import HfModel
-from .safetensors_in import HfDir
 
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_SAVE_DTYPE = "bfloat16"  # to_maxtext's default

@@ -28,7 +28,7 @@ import tensorstore as ts
 from etils import epath
 
 from ..base.treepaths import Path
-from ..errors import CheckpointReadError
+from ..errors import CheckpointReadError, CheckpointRefusedError
 from ..storage.store import TooLarge, store_for
 from ..storage.store import read_only as _store_read_only
 
@@ -59,12 +59,6 @@ def absolute(p: epath.PathLike) -> epath.Path:
 def param_name(path: Path) -> str:
     """Orbax's name for a leaf: keys joined by dots (also its KvStore key prefix)."""
     return ".".join(str(k) for k in path)
-
-
-class CheckpointRefusedError(CheckpointReadError):
-    """A file refused as damaged or forged (too large, nested too deeply, metadata that
-    contradicts itself): never handed on to another reader, such as Orbax's own metadata
-    reader (`spec.read_specs` falls back to it for other errors), which has no such limits."""
 
 
 def read_limited(f: epath.Path, limit: int, what: str) -> bytes:

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orbax_maxtext_layout.formats.safetensors_reader import HfInputError
 from orbax_maxtext_layout.hf.export_hf import export_hf
 from orbax_maxtext_layout.hf.import_hf import import_hf
-from orbax_maxtext_layout.hf.safetensors_in import HfInputError
 
 from .conftest import tiny_llama_config
 

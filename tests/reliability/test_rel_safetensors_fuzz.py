@@ -1,4 +1,4 @@
-"""Fuzz (seeded) of Hugging Face directories under `hf.safetensors_in.HfDir` (issue 43).
+"""Fuzz (seeded) of Hugging Face directories under `formats.safetensors_reader.HfDir` (issue 43).
 
 Two directories are written here: ``single`` (one ``model.safetensors`` written by
 ``safetensors.numpy``) and ``sharded`` (two shards and transformers' index, beside links
@@ -299,7 +299,7 @@ cap, seconds, world, cases, out = int(sys.argv[1]), float(sys.argv[2]), Path(sys
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 import numpy as np
 from safetensors.numpy import load_file
-from orbax_maxtext_layout.hf.safetensors_in import HfDir, HfInputError
+from orbax_maxtext_layout.formats.safetensors_reader import HfDir, HfInputError
 
 
 class Hang(BaseException):

@@ -72,8 +72,7 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
-from ..errors import UsageError
-from ..orbax_io.orbax_files import CheckpointRefusedError
+from ..errors import CheckpointRefusedError, UsageError
 from ..storage.containment import LinkLeaves, escape, open_beneath
 from ..storage.store import store_for
 

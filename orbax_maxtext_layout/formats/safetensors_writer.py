@@ -1,4 +1,5 @@
-"""Hugging Face safetensors files written in place, header first: the sink of `export_hf`.
+"""Hugging Face safetensors files written in place, header first: `SafetensorsSink`, the
+`sink.Sink` of `export_hf` and of the adapter export.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (every
 tensor's dtype, shape and byte range, plus ``__metadata__``) and the tensors' bytes. Every
@@ -29,6 +30,7 @@ import numpy as np
 
 from ..storage import pagecache
 from ..storage.scratch import scratch_buffer
+from .sink import Part, PartWriter, Sink, Tensor
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -63,39 +65,53 @@ def st_dtype(dtype: np.dtype | str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One tensor of the export: its name, shape and dtype (what the header says)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
+class Shard(Part):
     """One file: its name, its tensors in file order, and each one's byte range."""
 
-    name: str
-    tensors: tuple[Tensor, ...]
     header: bytes  # the length prefix and the JSON header, as written at offset 0
     offsets: dict[str, tuple[int, int]]  # tensor name -> (start, end) in the file
 
     @property
     def size(self) -> int:
         """The file's size in bytes."""
-        return len(self.header) + sum(t.nbytes for t in self.tensors)
+        return len(self.header) + self.data_bytes
 
     @property
-    def data_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+    def signature(self) -> bytes:
+        """The header: every tensor's dtype, shape and byte range, in file order."""
+        return self.header
+
+
+class SafetensorsSink(Sink):
+    """Safetensors files (module docstring): ``weights_file`` for one file, split where
+    the next tensor would pass ``max_shard_size``, with the index ``<weights_file>.index.json``."""
+
+    def __init__(
+        self, max_shard_size: int | None = None, *, weights_file: str = WEIGHTS_FILE
+    ) -> None:
+        self.max_shard_size = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+        self.weights_file = weights_file
+
+    def layout(self, tensors: Iterable[Tensor]) -> list[Part]:
+        return list(layout_shards(tensors, self.max_shard_size, weights_file=self.weights_file))
+
+    def open(self, part: Part, path: str, *, shared: bool = False) -> ShardFile:
+        assert isinstance(part, Shard), part  # laid out by this sink
+        return ShardFile(path, part, shared=shared)
+
+    def index(self, parts: Sequence[Part]) -> dict[str, str]:
+        assert all(isinstance(p, Shard) for p in parts), parts  # laid out by this sink
+        idx = index(parts)  # type: ignore[arg-type]  # the module's function
+        if idx is None:
+            return {}
+        return {f"{self.weights_file}.index.json": json.dumps(idx, indent=2)}
 
 
 def layout_shards(
-    tensors: Iterable[Tensor], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    tensors: Iterable[Tensor],
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    *,
+    weights_file: str = WEIGHTS_FILE,
 ) -> list[Shard]:
     """The files of ``tensors``: MaxText's greedy split over sorted names (module docstring)."""
     groups: list[list[Tensor]] = [[]]
@@ -107,10 +123,10 @@ def layout_shards(
         groups[-1].append(t)
         size += t.nbytes
     if len(groups) == 1:
-        return [_shard(WEIGHTS_FILE, groups[0])]
+        return [_shard(weights_file, groups[0])]
     n = len(groups)
     return [
-        _shard(WEIGHTS_FILE.replace(".safetensors", f"-{i:05d}-of-{n:05d}.safetensors"), g)
+        _shard(weights_file.replace(".safetensors", f"-{i:05d}-of-{n:05d}.safetensors"), g)
         for i, g in enumerate(groups, 1)
     ]
 
@@ -150,7 +166,7 @@ def _by_name(t: Tensor) -> str:
     return t.name
 
 
-class ShardFile:
+class ShardFile(PartWriter):
     """A shard being written: created at its final size with its header; `write` puts a
     tensor's bytes at its offset (thread-safe: ``os.pwrite`` on disjoint ranges)."""
 
