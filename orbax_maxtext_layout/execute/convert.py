@@ -12,7 +12,7 @@ import errno
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Unpack
 
 import jax
 from etils import epath
@@ -49,10 +49,19 @@ from ..storage import placement
 from ..storage.lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
 from ..storage.store import COMMIT_MARKER, store_for
 from . import legacy_removal
-from .options import FLAGS, KEYWORDS, ConvertOptions, Spelling
+from .options import (
+    FLAGS,
+    KEYWORDS,
+    ConvertKeywords,
+    ConvertOptions,
+    MergeKeywords,
+    MergeOptions,
+    Spelling,
+    resolve,
+)
 from .options import check as check_options
 from .restore import assemble
-from .write import DEFAULT_BUDGET, write_items
+from .write import write_items
 
 
 @dataclasses.dataclass
@@ -137,20 +146,10 @@ class StepReport:
 def convert_step(
     step_dir: epath.PathLike,
     target: Target,
+    options: ConvertOptions | None = None,
     *,
-    dry_run: bool = False,
-    optimizer: OptimizerMode = "convert",
-    ignore: Iterable[str] = (),
-    use_zarr3: bool | None = None,
-    memory_budget: int = DEFAULT_BUDGET,
-    in_place: bool = False,
-    remove_legacy: bool = False,
-    out: epath.PathLike | None = None,
-    rescan: Literal["unroll", "stack"] | None = None,
     plan: Plan | None = None,
-    renumber: bool = False,
-    copy: bool = False,
-    plain_scan: bool = False,
+    **keywords: Unpack[ConvertKeywords],
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout), or a
     MaxText-layout step into the other scan form (``rescan`` with ``out``).
@@ -193,6 +192,9 @@ def convert_step(
     before any update) has no MaxText number and is skipped with a note. With
     ``out``, ``out`` is the destination step directory as given.
 
+    The options (`ConvertOptions`) come as one object or as keyword arguments of the same
+    names, not both; ``plan`` is not an option (it is this step's own).
+
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
       CheckpointReadError: the step is not a readable Tunix-layout step.
@@ -200,68 +202,79 @@ def convert_step(
         ``in_place``/``remove_legacy`` were asked together with ``out``.
       UsageError: ``in_place`` with ``copy`` (in place means sharing the files), or with
         ``rescan``; ``rescan`` of a MaxText-layout step without ``out``, or in the form it is
-        in. The option checks (`options.check`) come first, before anything is read or moved.
+        in; ``options`` together with option keywords. The option checks (`options.check`)
+        come first, before anything is read or moved.
     """
+    o = resolve(ConvertOptions, options, keywords, "convert_step")
     step_dir = epath.Path(step_dir)
-    asked = dict(in_place=in_place, copy=copy, remove_legacy=remove_legacy, out=out, rescan=rescan)
-    check_options(ConvertOptions(**asked), step_dir)  # before anything is read or moved
-    if rescan is not None:
-        check_rescan_destination([step_dir], out)
-    opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan, plain_scan=plain_scan)
-    if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
-        kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place, copy=copy)
-        return _renumbered(
-            step_dir, target, opts, dry_run=dry_run, remove_legacy=remove_legacy, **kw
-        )
-    dest = epath.Path(out) if out is not None else step_dir
+    check_options(o, step_dir)  # before anything is read or moved
+    if o.rescan is not None:
+        check_rescan_destination([step_dir], o.out)
+    if o.renumber and o.out is None:  # a one-step run: moved under the run's lock, then converted
+        return _renumbered(step_dir, target, o)
+    dest = epath.Path(o.out) if o.out is not None else step_dir
     moved: list[str] = []  # a killed renumbering into this directory, finished first
     store = store_for(step_dir)
-    if not dry_run and store.relocation_in_progress(step_dir):
+    if not o.dry_run and store.relocation_in_progress(step_dir):
         with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
             moved += [n for n in [store.finish_relocation(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
-    if layout is Layout.MAXTEXT and rescan is not None and out is not None:
+    if layout is Layout.MAXTEXT and o.rescan is not None and o.out is not None:
         if detect_layout(dest) is not Layout.MAXTEXT:  # else written by an earlier run
-            job = dict(use_zarr3=use_zarr3, budget=memory_budget, copy=copy)
-            change = dict(scan=rescan, optimizer=optimizer, plain_scan=plain_scan)
-            return _rescan_maxtext(step_dir, target, dest, plan, dry_run, job=job, change=change)
+            return _rescan_maxtext(step_dir, target, dest, plan, o)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         return _already_converted(
-            step_dir, dest, dry_run=dry_run, finish_removal=in_place or remove_legacy
+            step_dir, dest, dry_run=o.dry_run, finish_removal=o.in_place or o.remove_legacy
         )
     if layout is Layout.UNKNOWN:
         return _uncommitted(step_dir)
     meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
-    if renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
+    if o.renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[renumbering.TUNIX_ZERO])
     # Planned before anything is written: a step that does not fit the target stays as it is.
     specs: dict = {}  # the legacy items' metadata, read once: for the plan and for verify
-    plan = plan or plan_step(step_dir, target, **opts, specs=specs)
-    if dry_run:
-        report = StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
+    plan = plan or plan_step(step_dir, target, **_plan_options(o), specs=specs)
+    if o.dry_run:
+        report = StepReport.from_plan(step_dir, plan, "dry-run", o.optimizer)
         report.notes = moved + report.notes
         return report
-    numbering = _numbering(step_dir, renumber, meta)
+    numbering = _numbering(step_dir, o.renumber, meta)
     job = _Job(
-        step_dir, dest, plan, optimizer, use_zarr3, memory_budget, copy, in_place, meta, numbering
+        step_dir,
+        dest,
+        plan,
+        o.optimizer,
+        o.use_zarr3,
+        o.memory_budget,
+        o.copy,
+        o.in_place,
+        meta,
+        numbering,
     )
-    if out is not None:
+    if o.out is not None:
         return _convert_to(job)
-    removal = legacy_removal.remove_legacy if in_place or remove_legacy else None
+    removal = legacy_removal.remove_legacy if o.in_place or o.remove_legacy else None
     return _write_beside(job, moved, removal, specs)
 
 
-def _renumbered(
-    step_dir: epath.Path, target: Target, opts: dict, *, dry_run: bool, **kw: Any
-) -> StepReport:
+def _plan_options(o: ConvertOptions) -> dict[str, Any]:
+    """`plan_step`'s options of a conversion."""
+    return dict(optimizer=o.optimizer, ignore=o.ignore, scan=o.rescan, plain_scan=o.plain_scan)
+
+
+def _renumbered(step_dir: epath.Path, target: Target, o: ConvertOptions) -> StepReport:
     """`convert_step` of a one-step run with ``renumber``: the step moved to MaxText's number
     under the run's lock (`renumbering`), then converted there."""
+    opts = _plan_options(o)
     [placed] = renumbering.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
-    if not dry_run:
+    if not o.dry_run:
         [placed] = renumbering.apply_renumbering([placed], lambda d: plan_step(d, target, **opts))
-    return convert_placed(placed, target, dry_run=dry_run, **kw)
+    # Converted where it landed with the writer's options alone (the plan, made with the
+    # others, goes with it), as this call has always passed them on.
+    kept = ("dry_run", "use_zarr3", "memory_budget", "in_place", "copy", "remove_legacy")
+    return convert_placed(placed, target, ConvertOptions(**{k: getattr(o, k) for k in kept}))
 
 
 def _uncommitted(step_dir: epath.Path) -> StepReport:
@@ -361,25 +374,19 @@ def check_rescan_destination(
 
 
 def _rescan_maxtext(
-    step_dir: epath.Path,
-    target: Target,
-    dest: epath.Path,
-    plan: Plan | None,
-    dry_run: bool,
-    *,
-    job: dict[str, Any],
-    change: dict[str, Any],
+    step_dir: epath.Path, target: Target, dest: epath.Path, plan: Plan | None, o: ConvertOptions
 ) -> StepReport:
     """A MaxText-layout step in the other scan form, into the separate step ``dest``: planned
     from its items' metadata (`plan.plan_maxtext_step`: identity moves over every leaf,
     transformed by `rescan` exactly as a Tunix step's), then written by the one writer,
-    streaming, and published only once complete (`_convert_to`); the source is only read.
-    ``job``: the writer's options (`_Job`); ``change``: `plan_maxtext_step`'s."""
+    streaming, and published only once complete (`_convert_to`); the source is only read."""
+    change = dict(scan=o.rescan, optimizer=o.optimizer, plain_scan=o.plain_scan)
     plan = plan or plan_maxtext_step(step_dir, target, **change)
-    optimizer = change["optimizer"]
-    if dry_run:
+    optimizer = o.optimizer
+    if o.dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer, layout=Layout.MAXTEXT)
     meta, dropped = _seeded_meta(stepmeta.read(step_dir))
+    job = dict(use_zarr3=o.use_zarr3, budget=o.memory_budget, copy=o.copy)
     kw = dict(in_place=False, meta=meta, numbering={}, maxtext=True)
     report = _convert_to(_Job(step_dir, dest, plan, optimizer, **job, **kw))
     report.notes += [
@@ -440,11 +447,11 @@ def _numbering(step_dir: epath.Path, renumber: bool, meta: dict) -> dict[str, An
 
 
 def convert_placed(
-    placed: renumbering.PlannedStep, target: Target, *, dry_run: bool = False, **kwargs: Any
+    placed: renumbering.PlannedStep, target: Target, options: ConvertOptions
 ) -> StepReport:
     """Converts one step of a run plan (`renumbering.plan_run`) where its moves put it.
 
-    ``kwargs`` go to `convert_step`. A step the plan skips, refuses or found locked is
+    ``options`` go to `convert_step`. A step the plan skips, refuses or found locked is
     reported so (a refusal raises its error, as the conversion would).
     """
     info, listed = placed.info, str(placed.info.path)
@@ -454,8 +461,9 @@ def convert_placed(
         return StepReport(listed, "locked", info.layout.value, notes=[*placed.notes, placed.locked])
     if placed.error is not None:
         raise placed.error
+    dry_run = options.dry_run
     where = placed.info.path if dry_run else placed.path  # a dry run moves nothing
-    report = convert_step(where, target, dry_run=dry_run, plan=placed.plan, **kwargs)
+    report = convert_step(where, target, options, plan=placed.plan)
     would = [placed.renumbering.note(done=False)] if dry_run and placed.renumbering else []
     report.notes = [*placed.notes, *would, *report.notes]
     return report
@@ -672,15 +680,10 @@ class MergeReport:
 def merge_lora(
     adapter_step: epath.PathLike,
     base: epath.PathLike,
+    options: MergeOptions | None = None,
     *,
-    alpha: float | None = None,
     out: epath.PathLike,
-    target: Target | None = None,
-    scan: Literal["unroll", "stack"] | None = None,
-    scan_axis: int | None = None,
-    memory_budget: int = DEFAULT_BUDGET,
-    dry_run: bool = False,
-    plain_scan: bool = False,
+    **keywords: Unpack[MergeKeywords],
 ) -> MergeReport:
     """Merges a Tunix LoRA adapter step into ``base``; writes ``<out>/0/items``.
 
@@ -694,29 +697,31 @@ def merge_lora(
     ``scan="unroll"``/``"stack"`` writes the other scan form (``target``, built from
     MaxText's config, names the model in either form); ``plain_scan`` stacks an unscanned
     base with no scanned form at hand as a plain scan (`rescan.check_plain_stack`).
+    The options (`MergeOptions`) come as one object or as keyword arguments, not both.
     """
+    o = resolve(MergeOptions, options, keywords, "merge_lora")
     adapter_dir, _ = merge.adapter_item(adapter_step)
     plan, adapters, alpha = merge.plan_merge(
         adapter_step,
         base,
-        alpha=alpha,
-        target=target,
-        scan=scan,
-        scan_axis=scan_axis,
-        plain_scan=plain_scan,
+        alpha=o.alpha,
+        target=o.target,
+        scan=o.scan,
+        scan_axis=o.scan_axis,
+        plain_scan=o.plain_scan,
     )
     dest = epath.Path(out) / "0"
     axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
     report = MergeReport(
         out=str(dest),
-        status="dry-run" if dry_run else "merged",
+        status="dry-run" if o.dry_run else "merged",
         adapter_step=str(adapter_dir),
         base=str(base),
         alpha=alpha,
         rank=adapters.rank,
         scale=alpha / adapters.rank,
         layer_axis=axis if adapters.scanned else None,
-        scan=scan,
+        scan=o.scan,
         modules=adapters.modules,
         merged=[keystr(m.dst) for m in plan.moves if m.op is Op.MERGE_LORA],
         destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
@@ -726,7 +731,7 @@ def merge_lora(
         ],
         notes=list(plan.notes),
     )
-    if dry_run:
+    if o.dry_run:
         return report
     prov = merge.merge_provenance(
         plan,
@@ -734,9 +739,9 @@ def merge_lora(
         alpha=alpha,
         adapter_dir=adapter_dir,
         base=base,
-        scan=scan,
-        scan_axis=scan_axis,
-        target=target,
+        scan=o.scan,
+        scan_axis=o.scan_axis,
+        target=o.target,
     )
     sources = merge.merge_sources(adapter_step, base)
     store = store_for(dest)
@@ -746,7 +751,7 @@ def merge_lora(
             raise StepExistsError(
                 f"{dest}: exists; nothing was written. Remove it or choose another --out."
             )
-        report.bytes_written = _publish_merge(dest, plan, sources, prov, memory_budget)
+        report.bytes_written = _publish_merge(dest, plan, sources, prov, o.memory_budget)
     return report
 
 
