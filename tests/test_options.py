@@ -273,6 +273,25 @@ def test_convert_step_options_and_keywords_convert_alike(keywords, tmp_path):
     assert runs["options"][0]["status"] == ("dry-run" if keywords.get("dry_run") else "converted")
 
 
+@pytest.mark.parametrize("way", ["keywords", "options"])
+def test_a_renumbered_conversion_records_the_optimizer_mode_it_used(way, tmp_path):
+    """``renumber=True`` moves the step, then converts it there with every option: the
+    optimizer state dropped is recorded as dropped (it was recorded as converted, and
+    verify then found 25 optimizer leaves missing)."""
+    step = copy_fixture(RL, tmp_path)
+    target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)
+    asked = dict(optimizer="drop", renumber=True)
+    if way == "keywords":
+        report = oml.convert_step(step, target, **asked)
+    else:
+        report = oml.convert_step(step, target, ConvertOptions(**asked))
+    assert report.step_dir == str(step.parent / "1") and report.optimizer == "drop"
+    assert report.destinations["opt_state"]["leaves"] == 0
+    assert oml.converted_provenance(report.step_dir)["optimizer"] == "drop"
+    verified = oml.verify_step(report.step_dir)
+    assert verified.ok, verified.problems
+
+
 def test_convert_step_takes_options_by_name_too(tmp_path):
     step = copy_fixture(RL, tmp_path)
     target = oml.Target.from_checkpoint(MAXTEXT_NATIVE)

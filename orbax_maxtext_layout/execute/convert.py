@@ -271,10 +271,10 @@ def _renumbered(step_dir: epath.Path, target: Target, o: ConvertOptions) -> Step
     [placed] = renumbering.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
     if not o.dry_run:
         [placed] = renumbering.apply_renumbering([placed], lambda d: plan_step(d, target, **opts))
-    # Converted where it landed with the writer's options alone (the plan, made with the
-    # others, goes with it), as this call has always passed them on.
-    kept = ("dry_run", "use_zarr3", "memory_budget", "in_place", "copy", "remove_legacy")
-    return convert_placed(placed, target, ConvertOptions(**{k: getattr(o, k) for k in kept}))
+    # Converted where it landed with the same options, the renumbering done: the optimizer
+    # mode too, which the report and the provenance record (verify replays it); the
+    # planning options go with the plan, made with them.
+    return convert_placed(placed, target, dataclasses.replace(o, renumber=False))
 
 
 def _uncommitted(step_dir: epath.Path) -> StepReport:
