@@ -196,8 +196,9 @@ class ImportOptions:
     object (``import_hf(hf_dir, out, ImportOptions(save_dtype="float32"), maxtext_config=c)``).
 
     ``save_dtype``: the params' dtype (a name of `SAVE_DTYPES`, to_maxtext's ``--save_dtype``).
-    ``memory_budget``: bytes of slices held at once (None: 2 GiB). ``dry_run``: report only
-    (reads the directory's metadata). ``progress``: called with (slices done, slices in all).
+    ``memory_budget``: bytes of slices held at once (None: `DEFAULT_BUDGET`). ``dry_run``:
+    report only (reads the directory's metadata). ``progress``: called with (slices done,
+    slices in all).
     """
 
     save_dtype: str = DEFAULT_SAVE_DTYPE
