@@ -17,12 +17,13 @@ from .execute.convert import (
     converted_provenance,
     to_maxtext_items,
 )
+from .execute.options import ConvertOptions, MergeOptions
 from .execute.restore import restore_as_items
 from .execute.verify import VerifyResult, replay_plan, verify_step
 from .hf.export_adapter import AdapterReport
-from .hf.export_hf import export_hf
+from .hf.export_hf import ExportOptions, export_hf
 from .hf.export_plan import ExportReport, plan_export
-from .hf.import_hf import ImportReport, import_hf
+from .hf.import_hf import ImportOptions, ImportReport, import_hf
 from .integration.handler import (
     MaxTextLayoutHandler,
     MaxTextLayoutRestore,
@@ -55,9 +56,12 @@ __all__ = [
     "AdapterReport",
     "CheckpointManager",
     "CheckpointReadError",
+    "ConvertOptions",
     "Dest",
     "Drop",
+    "ExportOptions",
     "ExportReport",
+    "ImportOptions",
     "ImportReport",
     "LayerMap",
     "Layout",
@@ -68,6 +72,7 @@ __all__ = [
     "MaxTextLayoutHandler",
     "MaxTextLayoutRestore",
     "MaxTextLayoutSave",
+    "MergeOptions",
     "MergeReport",
     "Move",
     "Op",

@@ -152,6 +152,22 @@ def test_rooms_stay_small() -> None:
         assert len(inside) <= MAX_IN_FOLDER, (folder, sorted(p.name for p in inside))
 
 
+MAX_POSITIONAL = 5  # past five, the rest are keyword-only (or an options object, issue 59)
+
+
+def test_no_function_takes_more_than_five_positional_parameters() -> None:
+    """Counted as ``shared/tools/structure.py`` counts them: ``self`` and ``cls`` aside."""
+    wide = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args
+                n = len([a for a in args if a.arg not in ("self", "cls")])
+                if n > MAX_POSITIONAL:
+                    wide.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({n})")
+    assert wide == []
+
+
 def test_design_md_writes_down_the_same_order() -> None:
     text = DESIGN.read_text()
     order = re.search(r"Import order: `([^`]+)`", text)

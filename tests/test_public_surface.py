@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PACKAGE_ALL = [
     "EXAMPLES_DIR", "KNOWN_INTERMEDIATES", "SCAN_GROUPS", "TUNIX_STEP_KEY", "AdapterReport",
-    "CheckpointManager", "CheckpointReadError", "Dest", "Drop", "ExportReport", "ImportReport", "LayerMap",
+    "CheckpointManager", "CheckpointReadError", "ConvertOptions", "Dest", "Drop", "ExportOptions",
+    "ExportReport", "ImportOptions", "ImportReport", "LayerMap",
     "Layout", "LayoutMismatchError", "LeafSpec", "LoraAdapterStepError", "LoraAdapters",
-    "MaxTextLayoutHandler", "MaxTextLayoutRestore", "MaxTextLayoutSave", "MergeReport", "Move",
+    "MaxTextLayoutHandler", "MaxTextLayoutRestore", "MaxTextLayoutSave", "MergeOptions",
+    "MergeReport", "Move",
     "Op", "OrbaxMaxTextLayoutError", "Plan", "ReadOnlyStepError", "StackReport",
     "StepExistsError", "StepInfo", "StepLocked", "StepReport", "Target", "UsageError",
     "VerifyResult", "__version__", "apply_op", "convert_step", "converted_provenance",

@@ -191,9 +191,7 @@ def _convert_one(
     """One step's report, and its error if it failed (a refusal, or a failed write)."""
     renumber = not args.keep_step_numbers
     try:
-        report = convert_placed(
-            p,
-            target,
+        options = ConvertOptions(
             dry_run=args.dry_run,
             optimizer=args.optimizer,
             ignore=args.ignore,
@@ -206,6 +204,7 @@ def _convert_one(
             plain_scan=args.plain_scan,
             renumber=renumber and args.out is not None,
         )
+        report = convert_placed(p, target, options)
     except (OrbaxMaxTextLayoutError, OSError) as e:
         report = StepReport(str(p.info.path), "failed", p.info.layout.value, notes=[str(e)])
         if isinstance(e, LoraAdapterStepError):

@@ -10,12 +10,9 @@ from .common import Subparsers, add_memory_budget, add_model_config, parse_size
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from ..hf.export_hf import export_hf
+    from ..hf.export_hf import ExportOptions, export_hf
 
-    report = export_hf(
-        args.step,
-        args.out,
-        maxtext_config=args.maxtext_config,
+    options = ExportOptions(
         base=args.base,
         alpha=args.alpha,
         hf_model_path=args.hf_model_path,
@@ -28,6 +25,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         adapter=args.adapter,
         base_model_name_or_path=args.base_model_name_or_path,
     )
+    report = export_hf(args.step, args.out, options, maxtext_config=args.maxtext_config)
     print(report.to_json() if args.json else report)
     return 0
 

@@ -9,21 +9,19 @@ from .common import Subparsers, add_model_config, parse_size
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from ..hf.import_hf import import_hf
+    from ..hf.import_hf import ImportOptions, import_hf
 
     def progress(done: int, total: int) -> None:
         if not args.json and sys.stderr.isatty():
             print(f"\rimport-hf: {done}/{total} slices", end="", file=sys.stderr, flush=True)
 
-    report = import_hf(
-        args.hf_dir,
-        args.out,
-        maxtext_config=args.maxtext_config,
+    options = ImportOptions(
         save_dtype=args.save_dtype,
         memory_budget=args.memory_budget,
         dry_run=args.dry_run,
         progress=progress,
     )
+    report = import_hf(args.hf_dir, args.out, options, maxtext_config=args.maxtext_config)
     if sys.stderr.isatty() and not args.json and not args.dry_run:
         print(file=sys.stderr)
     print(report.to_json() if args.json else report)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import OrbaxMaxTextLayoutError, UsageError, print_error
+from ..execute.options import MergeOptions
 from ..lora.merge import merge_lora
 from .common import (
     Subparsers,
@@ -20,11 +21,8 @@ from .common import (
 def cmd_merge_lora(args: argparse.Namespace) -> int:
     target = target_for(args)
     try:
-        report = merge_lora(
-            args.adapter_step,
-            args.base,
+        options = MergeOptions(
             alpha=args.alpha,
-            out=args.out,
             target=target,
             scan=args.rescan,
             scan_axis=args.scan_axis,
@@ -32,6 +30,7 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
             memory_budget=args.memory_budget,
             dry_run=args.dry_run,
         )
+        report = merge_lora(args.adapter_step, args.base, options, out=args.out)
     except UsageError:
         raise
     except (OrbaxMaxTextLayoutError, OSError) as e:

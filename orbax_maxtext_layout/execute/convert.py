@@ -11,7 +11,7 @@ import errno
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Unpack
 
 import jax
 from etils import epath
@@ -47,10 +47,17 @@ from ..storage import placement
 from ..storage.lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
 from ..storage.store import COMMIT_MARKER, store_for
 from . import legacy_removal
-from .options import FLAGS, KEYWORDS, ConvertOptions, Spelling
+from .options import (
+    FLAGS,
+    KEYWORDS,
+    ConvertKeywords,
+    ConvertOptions,
+    Spelling,
+    resolve,
+)
 from .options import check as check_options
 from .restore import assemble
-from .write import DEFAULT_BUDGET, write_items
+from .write import write_items
 
 
 @dataclasses.dataclass
@@ -135,20 +142,10 @@ class StepReport:
 def convert_step(
     step_dir: epath.PathLike,
     target: Target,
+    options: ConvertOptions | None = None,
     *,
-    dry_run: bool = False,
-    optimizer: OptimizerMode = "convert",
-    ignore: Iterable[str] = (),
-    use_zarr3: bool | None = None,
-    memory_budget: int = DEFAULT_BUDGET,
-    in_place: bool = False,
-    remove_legacy: bool = False,
-    out: epath.PathLike | None = None,
-    rescan: Literal["unroll", "stack"] | None = None,
     plan: Plan | None = None,
-    renumber: bool = False,
-    copy: bool = False,
-    plain_scan: bool = False,
+    **keywords: Unpack[ConvertKeywords],
 ) -> StepReport:
     """Converts a Tunix-layout step into ``<step_dir>/items`` (MaxText's layout), or a
     MaxText-layout step into the other scan form (``rescan`` with ``out``).
@@ -191,6 +188,9 @@ def convert_step(
     before any update) has no MaxText number and is skipped with a note. With
     ``out``, ``out`` is the destination step directory as given.
 
+    The options (`ConvertOptions`) come as one object or as keyword arguments of the same
+    names, not both; ``plan`` is not an option (it is this step's own).
+
     Raises:
       LayoutMismatchError: target and checkpoint disagree (nothing is written).
       CheckpointReadError: the step is not a readable Tunix-layout step.
@@ -198,68 +198,79 @@ def convert_step(
         ``in_place``/``remove_legacy`` were asked together with ``out``.
       UsageError: ``in_place`` with ``copy`` (in place means sharing the files), or with
         ``rescan``; ``rescan`` of a MaxText-layout step without ``out``, or in the form it is
-        in. The option checks (`options.check`) come first, before anything is read or moved.
+        in; ``options`` together with option keywords. The option checks (`options.check`)
+        come first, before anything is read or moved.
     """
+    o = resolve(ConvertOptions, options, keywords, "convert_step")
     step_dir = epath.Path(step_dir)
-    asked = dict(in_place=in_place, copy=copy, remove_legacy=remove_legacy, out=out, rescan=rescan)
-    check_options(ConvertOptions(**asked), step_dir)  # before anything is read or moved
-    if rescan is not None:
-        check_rescan_destination([step_dir], out)
-    opts = dict(optimizer=optimizer, ignore=ignore, scan=rescan, plain_scan=plain_scan)
-    if renumber and out is None:  # a one-step run: moved under the run's lock, then converted
-        kw = dict(use_zarr3=use_zarr3, memory_budget=memory_budget, in_place=in_place, copy=copy)
-        return _renumbered(
-            step_dir, target, opts, dry_run=dry_run, remove_legacy=remove_legacy, **kw
-        )
-    dest = epath.Path(out) if out is not None else step_dir
+    check_options(o, step_dir)  # before anything is read or moved
+    if o.rescan is not None:
+        check_rescan_destination([step_dir], o.out)
+    if o.renumber and o.out is None:  # a one-step run: moved under the run's lock, then converted
+        return _renumbered(step_dir, target, o)
+    dest = epath.Path(o.out) if o.out is not None else step_dir
     moved: list[str] = []  # a killed renumbering into this directory, finished first
     store = store_for(step_dir)
-    if not dry_run and store.relocation_in_progress(step_dir):
+    if not o.dry_run and store.relocation_in_progress(step_dir):
         with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
             moved += [n for n in [store.finish_relocation(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
     layout = detect_layout(step_dir)
-    if layout is Layout.MAXTEXT and rescan is not None and out is not None:
+    if layout is Layout.MAXTEXT and o.rescan is not None and o.out is not None:
         if detect_layout(dest) is not Layout.MAXTEXT:  # else written by an earlier run
-            job = dict(use_zarr3=use_zarr3, budget=memory_budget, copy=copy)
-            change = dict(scan=rescan, optimizer=optimizer, plain_scan=plain_scan)
-            return _rescan_maxtext(step_dir, target, dest, plan, dry_run, job=job, change=change)
+            return _rescan_maxtext(step_dir, target, dest, plan, o)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         return _already_converted(
-            step_dir, dest, dry_run=dry_run, finish_removal=in_place or remove_legacy
+            step_dir, dest, dry_run=o.dry_run, finish_removal=o.in_place or o.remove_legacy
         )
     if layout is Layout.UNKNOWN:
         return _uncommitted(step_dir)
     meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
-    if renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
+    if o.renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[renumbering.TUNIX_ZERO])
     # Planned before anything is written: a step that does not fit the target stays as it is.
     specs: dict = {}  # the legacy items' metadata, read once: for the plan and for verify
-    plan = plan or plan_step(step_dir, target, **opts, specs=specs)
-    if dry_run:
-        report = StepReport.from_plan(step_dir, plan, "dry-run", optimizer)
+    plan = plan or plan_step(step_dir, target, **_plan_options(o), specs=specs)
+    if o.dry_run:
+        report = StepReport.from_plan(step_dir, plan, "dry-run", o.optimizer)
         report.notes = moved + report.notes
         return report
-    numbering = _numbering(step_dir, renumber, meta)
+    numbering = _numbering(step_dir, o.renumber, meta)
     job = _Job(
-        step_dir, dest, plan, optimizer, use_zarr3, memory_budget, copy, in_place, meta, numbering
+        step_dir,
+        dest,
+        plan,
+        o.optimizer,
+        o.use_zarr3,
+        o.memory_budget,
+        o.copy,
+        o.in_place,
+        meta,
+        numbering,
     )
-    if out is not None:
+    if o.out is not None:
         return _convert_to(job)
-    removal = legacy_removal.remove_legacy if in_place or remove_legacy else None
+    removal = legacy_removal.remove_legacy if o.in_place or o.remove_legacy else None
     return _write_beside(job, moved, removal, specs)
 
 
-def _renumbered(
-    step_dir: epath.Path, target: Target, opts: dict, *, dry_run: bool, **kw: Any
-) -> StepReport:
+def _plan_options(o: ConvertOptions) -> dict[str, Any]:
+    """`plan_step`'s options of a conversion."""
+    return dict(optimizer=o.optimizer, ignore=o.ignore, scan=o.rescan, plain_scan=o.plain_scan)
+
+
+def _renumbered(step_dir: epath.Path, target: Target, o: ConvertOptions) -> StepReport:
     """`convert_step` of a one-step run with ``renumber``: the step moved to MaxText's number
     under the run's lock (`renumbering`), then converted there."""
+    opts = _plan_options(o)
     [placed] = renumbering.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
-    if not dry_run:
+    if not o.dry_run:
         [placed] = renumbering.apply_renumbering([placed], lambda d: plan_step(d, target, **opts))
-    return convert_placed(placed, target, dry_run=dry_run, **kw)
+    # Converted where it landed with the same options, the renumbering done: the optimizer
+    # mode too, which the report and the provenance record (verify replays it); the
+    # planning options go with the plan, made with them.
+    return convert_placed(placed, target, dataclasses.replace(o, renumber=False))
 
 
 def _uncommitted(step_dir: epath.Path) -> StepReport:
@@ -359,25 +370,19 @@ def check_rescan_destination(
 
 
 def _rescan_maxtext(
-    step_dir: epath.Path,
-    target: Target,
-    dest: epath.Path,
-    plan: Plan | None,
-    dry_run: bool,
-    *,
-    job: dict[str, Any],
-    change: dict[str, Any],
+    step_dir: epath.Path, target: Target, dest: epath.Path, plan: Plan | None, o: ConvertOptions
 ) -> StepReport:
     """A MaxText-layout step in the other scan form, into the separate step ``dest``: planned
     from its items' metadata (`plan.plan_maxtext_step`: identity moves over every leaf,
     transformed by `rescan` exactly as a Tunix step's), then written by the one writer,
-    streaming, and published only once complete (`_convert_to`); the source is only read.
-    ``job``: the writer's options (`_Job`); ``change``: `plan_maxtext_step`'s."""
+    streaming, and published only once complete (`_convert_to`); the source is only read."""
+    change = dict(scan=o.rescan, optimizer=o.optimizer, plain_scan=o.plain_scan)
     plan = plan or plan_maxtext_step(step_dir, target, **change)
-    optimizer = change["optimizer"]
-    if dry_run:
+    optimizer = o.optimizer
+    if o.dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer, layout=Layout.MAXTEXT)
     meta, dropped = _seeded_meta(stepmeta.read(step_dir))
+    job = dict(use_zarr3=o.use_zarr3, budget=o.memory_budget, copy=o.copy)
     kw = dict(in_place=False, meta=meta, numbering={}, maxtext=True)
     report = _convert_to(_Job(step_dir, dest, plan, optimizer, **job, **kw))
     report.notes += [
@@ -438,11 +443,11 @@ def _numbering(step_dir: epath.Path, renumber: bool, meta: dict) -> dict[str, An
 
 
 def convert_placed(
-    placed: renumbering.PlannedStep, target: Target, *, dry_run: bool = False, **kwargs: Any
+    placed: renumbering.PlannedStep, target: Target, options: ConvertOptions
 ) -> StepReport:
     """Converts one step of a run plan (`renumbering.plan_run`) where its moves put it.
 
-    ``kwargs`` go to `convert_step`. A step the plan skips, refuses or found locked is
+    ``options`` go to `convert_step`. A step the plan skips, refuses or found locked is
     reported so (a refusal raises its error, as the conversion would).
     """
     info, listed = placed.info, str(placed.info.path)
@@ -452,8 +457,9 @@ def convert_placed(
         return StepReport(listed, "locked", info.layout.value, notes=[*placed.notes, placed.locked])
     if placed.error is not None:
         raise placed.error
+    dry_run = options.dry_run
     where = placed.info.path if dry_run else placed.path  # a dry run moves nothing
-    report = convert_step(where, target, dry_run=dry_run, plan=placed.plan, **kwargs)
+    report = convert_step(where, target, options, plan=placed.plan)
     would = [placed.renumbering.note(done=False)] if dry_run and placed.renumbering else []
     report.notes = [*placed.notes, *would, *report.notes]
     return report

@@ -556,6 +556,7 @@ class HfDir:
         tensor: str | None,
         at: int,
         n: int,
+        *,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
         """Bytes ``[at, at + n)`` of ``f`` (``n`` checked against its size by the caller), into
@@ -628,7 +629,7 @@ class HfDir:
         f = self._files.get(t.file)
         if f is None:
             raise UsageError(f"{self.dir}: read after close")
-        buf = self._read(f, t.file, t.name, t.start + offset, n, into)
+        buf = self._read(f, t.file, t.name, t.start + offset, n, into=into)
         if t.dtype == np.bool_:
             np.minimum(buf, 1, out=buf)  # any other byte would be a bool NumPy misreads
         return buf.view(t.dtype).reshape(shape)

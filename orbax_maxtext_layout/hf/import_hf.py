@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import ml_dtypes
 import numpy as np
@@ -43,6 +43,7 @@ from .._version import __version__
 from ..base.futures import results
 from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
+from ..execute.options import resolve
 from ..formats.safetensors_reader import HfDir
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
@@ -189,51 +190,67 @@ class ImportReport:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ImportOptions:
+    """How `import_hf` writes the step: its keyword arguments of the same names, as one
+    object (``import_hf(hf_dir, out, ImportOptions(save_dtype="float32"), maxtext_config=c)``).
+
+    ``save_dtype``: the params' dtype (a name of `SAVE_DTYPES`, to_maxtext's ``--save_dtype``).
+    ``memory_budget``: bytes of slices held at once (None: `DEFAULT_BUDGET`). ``dry_run``:
+    report only (reads the directory's metadata). ``progress``: called with (slices done,
+    slices in all).
+    """
+
+    save_dtype: str = DEFAULT_SAVE_DTYPE
+    memory_budget: int | None = None
+    dry_run: bool = False
+    progress: Callable[[int, int], None] | None = None
+
+
+class ImportKeywords(TypedDict, total=False):
+    """`ImportOptions` as `import_hf`'s keyword arguments (for type checkers)."""
+
+    save_dtype: str
+    memory_budget: int | None
+    dry_run: bool
+    progress: Callable[[int, int], None] | None
+
+
 def import_hf(
     hf_dir: epath.PathLike,
     out: epath.PathLike,
+    options: ImportOptions | None = None,
     *,
     maxtext_config: Sequence[str],
-    save_dtype: str = DEFAULT_SAVE_DTYPE,
-    memory_budget: int | None = None,
-    dry_run: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    **keywords: Unpack[ImportKeywords],
 ) -> ImportReport:
     """Writes the Hugging Face directory ``hf_dir`` as ``<out>/0`` (MaxText's layout), as
     MaxText's ``to_maxtext`` does for the model of ``maxtext_config`` (its config file, then
     ``KEY=VALUE`` overrides; ``scan_layers`` picks the form). Nothing is written before the
-    whole directory was read as metadata and checked against the model.
+    whole directory was read as metadata and checked against the model. The options
+    (`ImportOptions`) come as one object or as keyword arguments, not both.
 
     Raises:
       HfInputError: the directory is malformed or names anything outside itself.
       LayoutMismatchError: ``config.json`` or a tensor disagrees with the MaxText config
         (every mismatch named).
       StepExistsError: ``<out>/0`` exists.
-      UsageError: an unknown ``save_dtype``.
+      UsageError: an unknown ``save_dtype``; ``options`` together with option keywords.
     """
+    o = resolve(ImportOptions, options, keywords, "import_hf")
     # The collector is left as the caller set it (a library call changes no process setting,
     # issue 57); the command line runs with the objects alive at its start frozen.
-    return _import_hf(
-        hf_dir,
-        out,
-        maxtext_config=maxtext_config,
-        save_dtype=save_dtype,
-        memory_budget=memory_budget,
-        dry_run=dry_run,
-        progress=progress,
-    )
+    return _import_hf(hf_dir, out, o, maxtext_config=maxtext_config)
 
 
 def _import_hf(
     hf_dir: epath.PathLike,
     out: epath.PathLike,
+    o: ImportOptions,
     *,
     maxtext_config: Sequence[str],
-    save_dtype: str,
-    memory_budget: int | None,
-    dry_run: bool,
-    progress: Callable[[int, int], None] | None,
 ) -> ImportReport:
+    save_dtype, memory_budget, dry_run = o.save_dtype, o.memory_budget, o.dry_run
     start = time.monotonic()
     if save_dtype not in SAVE_DTYPES:
         raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
@@ -247,7 +264,7 @@ def _import_hf(
     if dest.exists():
         raise StepExistsError(f"{dest} exists; import-hf writes a new step: pass another --out.")
     if not dry_run:
-        _write_step(plan, dest, progress)
+        _write_step(plan, dest, o.progress)
     return ImportReport(
         str(hf_dir),
         str(out),

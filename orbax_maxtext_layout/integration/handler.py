@@ -183,16 +183,18 @@ def load_params_from_path(
     checkpoint_storage_concurrent_gb: int = 96,
     use_ocdbt: bool = True,
     use_zarr3: bool = True,
-    enable_single_replica_ckpt_restoring: bool = False,
     *,
+    enable_single_replica_ckpt_restoring: bool = False,
     handler: ocp.PyTreeCheckpointHandler | None = None,
     maxtext_config: Sequence[str] | None = None,
 ) -> Any:
     """Drop-in for MaxText's ``load_params_from_path`` that reads either layout, and a
     Hugging Face directory.
 
-    The signature is MaxText 0.2.5's (``maxtext.common.checkpointing``), positional
-    and keyword alike, plus ``handler``.
+    The signature is MaxText 0.2.5's (``maxtext.common.checkpointing``) as its callers
+    call it, plus ``handler``: the first five arguments positional or keyword alike,
+    ``enable_single_replica_ckpt_restoring`` by keyword (every MaxText 0.2.5 caller passes
+    it so; it is MaxText's sixth positional parameter, past this package's five).
 
     Args:
       load_parameters_from_path: a MaxText ``<step>/items``, a Tunix

@@ -7,14 +7,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, Unpack
 
 from etils import epath
 
 from ..base.treepaths import keystr
 from ..errors import StepExistsError
-from ..execute.write import DEFAULT_BUDGET, write_items
-from ..model.target import Target
+from ..execute.options import MergeKeywords, MergeOptions, resolve
+from ..execute.write import write_items
 from ..orbax_io import stepdir
 from ..orbax_io.orbax_files import reads_each_item_once
 from ..storage.lock import step_lock
@@ -76,15 +76,10 @@ class MergeReport:
 def merge_lora(
     adapter_step: epath.PathLike,
     base: epath.PathLike,
+    options: MergeOptions | None = None,
     *,
-    alpha: float | None = None,
     out: epath.PathLike,
-    target: Target | None = None,
-    scan: Literal["unroll", "stack"] | None = None,
-    scan_axis: int | None = None,
-    memory_budget: int = DEFAULT_BUDGET,
-    dry_run: bool = False,
-    plain_scan: bool = False,
+    **keywords: Unpack[MergeKeywords],
 ) -> MergeReport:
     """Merges a Tunix LoRA adapter step into ``base``; writes ``<out>/0/items``.
 
@@ -98,29 +93,31 @@ def merge_lora(
     ``scan="unroll"``/``"stack"`` writes the other scan form (``target``, built from
     MaxText's config, names the model in either form); ``plain_scan`` stacks an unscanned
     base with no scanned form at hand as a plain scan (`rescan.check_plain_stack`).
+    The options (`MergeOptions`) come as one object or as keyword arguments, not both.
     """
+    o = resolve(MergeOptions, options, keywords, "merge_lora")
     adapter_dir, _ = adapter_item(adapter_step)
     plan, adapters, alpha = plan_merge(
         adapter_step,
         base,
-        alpha=alpha,
-        target=target,
-        scan=scan,
-        scan_axis=scan_axis,
-        plain_scan=plain_scan,
+        alpha=o.alpha,
+        target=o.target,
+        scan=o.scan,
+        scan_axis=o.scan_axis,
+        plain_scan=o.plain_scan,
     )
     dest = epath.Path(out) / "0"
     axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
     report = MergeReport(
         out=str(dest),
-        status="dry-run" if dry_run else "merged",
+        status="dry-run" if o.dry_run else "merged",
         adapter_step=str(adapter_dir),
         base=str(base),
         alpha=alpha,
         rank=adapters.rank,
         scale=alpha / adapters.rank,
         layer_axis=axis if adapters.scanned else None,
-        scan=scan,
+        scan=o.scan,
         modules=adapters.modules,
         merged=[keystr(m.dst) for m in plan.moves if m.lora],
         destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
@@ -130,7 +127,7 @@ def merge_lora(
         ],
         notes=list(plan.notes),
     )
-    if dry_run:
+    if o.dry_run:
         return report
     prov = merge_provenance(
         plan,
@@ -138,9 +135,9 @@ def merge_lora(
         alpha=alpha,
         adapter_dir=adapter_dir,
         base=base,
-        scan=scan,
-        scan_axis=scan_axis,
-        target=target,
+        scan=o.scan,
+        scan_axis=o.scan_axis,
+        target=o.target,
     )
     sources = merge_sources(adapter_step, base)
     store = store_for(dest)
@@ -150,7 +147,7 @@ def merge_lora(
             raise StepExistsError(
                 f"{dest}: exists; nothing was written. Remove it or choose another --out."
             )
-        report.bytes_written = _publish_merge(dest, plan, sources, prov, memory_budget)
+        report.bytes_written = _publish_merge(dest, plan, sources, prov, o.memory_budget)
     return report
 
 
