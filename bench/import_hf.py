@@ -336,8 +336,8 @@ def phases(argv: list[str]) -> None:
     from maxtext.checkpoint_conversion.utils import tensor_handling as th
 
     from orbax_maxtext_layout.formats import safetensors_reader as si
-    from orbax_maxtext_layout.hf import hf_mapping
     from orbax_maxtext_layout.hf import import_hf as ih
+    from orbax_maxtext_layout.model import hf_mapping
     from orbax_maxtext_layout.orbax_io import stepdir
 
     t_imported = time.perf_counter()

@@ -20,7 +20,6 @@ from .execute.convert import (
 from .execute.options import ConvertOptions, MergeOptions
 from .execute.restore import restore_as_items
 from .execute.verify import VerifyResult, replay_plan, verify_step
-from .hf.export_adapter import AdapterReport
 from .hf.export_hf import ExportOptions, export_hf
 from .hf.export_plan import ExportReport, plan_export
 from .hf.import_hf import ImportOptions, ImportReport, import_hf
@@ -31,6 +30,7 @@ from .integration.handler import (
     load_params_from_path,
 )
 from .integration.manager import CheckpointManager
+from .lora.export_adapter import AdapterReport
 from .lora.merge import MergeReport, merge_lora
 from .lora.merge_plan import plan_merge
 from .model.layer_axes import layer_map, scan_axes

@@ -115,7 +115,7 @@ def test_check_catches_a_map_that_does_not_hold():
 def test_the_peft_target_pattern_selects_exactly_the_adapted_modules():
     import re
 
-    from orbax_maxtext_layout.hf.export_adapter import target_pattern
+    from orbax_maxtext_layout.lora.export_adapter import target_pattern
 
     lm = "model.language_model.layers"
     names = {f"{lm}.{i}.self_attn.{p}" for i in range(12) for p in ("q_proj", "k_proj")}
@@ -156,7 +156,7 @@ def _expert_factor(kernel, a_shape, b_shape, axis):
 
 
 def _unit(levels):
-    from orbax_maxtext_layout.hf.hf_mapping import Unit
+    from orbax_maxtext_layout.model.hf_mapping import Unit
 
     if not levels:
         return Unit(("w",), None, None, "x.weight", None)
@@ -175,7 +175,7 @@ EXPERT_CASES = {  # kernel, a, b, the factors' layer axis, each unit's levels (a
 
 @pytest.mark.parametrize("name", list(EXPERT_CASES))
 def test_each_experts_factors_give_its_slice_of_the_merge(name):
-    from orbax_maxtext_layout.hf.export_adapter import factor_cut
+    from orbax_maxtext_layout.lora.export_adapter import factor_cut
 
     kernel, a_shape, b_shape, axis = EXPERT_CASES[name]
     f = _expert_factor(kernel, a_shape, b_shape, axis)
@@ -196,7 +196,7 @@ def test_each_experts_factors_give_its_slice_of_the_merge(name):
 
 
 def test_expert_factors_that_do_not_cut_per_expert_are_refused():
-    from orbax_maxtext_layout.hf.export_adapter import factor_cut
+    from orbax_maxtext_layout.lora.export_adapter import factor_cut
 
     # one Hugging Face tensor holding every expert of a layer (a fused 3-D export)
     f = _expert_factor(*EXPERT_CASES["wi_0"])

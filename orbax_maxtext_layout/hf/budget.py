@@ -15,9 +15,9 @@ import threading
 
 import numpy as np
 
+from ..model.hf_mapping import HfModel, Unit
 from ..orbax_io.reader import FAST_DECODING
 from ..plan.moves import Move
-from .hf_mapping import HfModel, Unit
 
 WORKERS = 2
 

@@ -37,8 +37,8 @@ from etils import epath
 
 from ..errors import StepExistsError, UsageError
 from ..execute.options import resolve
+from ..lora.export_adapter import AdapterReport, export_adapter
 from ..storage.store import EXPORT_WORK_SUFFIX, store_for
-from .export_adapter import AdapterReport, export_adapter
 from .export_plan import ExportReport, plan_export
 from .export_processes import CONFIG_FILE, finish, processes, write_part
 

@@ -34,6 +34,8 @@ from ..lora.merge_plan import (
     plan_merge,
     read_adapters,
 )
+from ..model import hf_mapping
+from ..model.hf_mapping import HfModel, Unit
 from ..model.layermap import scanned_form
 from ..model.target import Target
 from ..orbax_io import stepmeta
@@ -42,9 +44,7 @@ from ..orbax_io.spec import read_specs
 from ..plan.moves import Move
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage.store import store_for
-from . import hf_mapping
 from .budget import expected_memory
-from .hf_mapping import HfModel, Unit
 
 NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
 

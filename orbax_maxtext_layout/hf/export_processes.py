@@ -30,12 +30,12 @@ from etils import epath
 
 from ..errors import UsageError
 from ..formats.sink import Part, PartWriter
+from ..model import hf_mapping
+from ..model.hf_mapping import Unit
 from ..storage.store import store_for
-from . import hf_mapping
 from .budget import group_bytes, largest_first
 from .export_plan import ExportPlan, shares_files
 from .export_stream import run_groups
-from .hf_mapping import Unit
 
 CONFIG_FILE = "config.json"  # published last on an object store
 DONE_PREFIX = ".done-"

@@ -24,14 +24,15 @@ import numpy as np
 
 from ..base.futures import results
 from ..formats.sink import PartWriter
+from ..model import hf_mapping
+from ..model.hf_mapping import HfModel, Unit
 from ..orbax_io import chunks, item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import Move
-from . import hf_mapping, piecewise
+from . import piecewise
 from .budget import WORKERS, Budget, group_cost, largest_first, piece_bytes, piece_held, slice_bytes
 from .export_plan import ExportPlan
-from .hf_mapping import HfModel, Unit
 
 
 def run_groups(ep: ExportPlan, groups: dict, where: dict[str, PartWriter], budget: int) -> None:

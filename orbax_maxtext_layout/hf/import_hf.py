@@ -45,15 +45,15 @@ from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..execute.options import resolve
 from ..formats.safetensors_reader import HfDir
+from ..model import hf_mapping
+from ..model.hf_mapping import HfModel
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage import transpose
 from ..storage.lock import step_lock
 from ..storage.scratch import small_pages
 from ..storage.store import store_for
-from . import hf_mapping
 from .budget import Budget
-from .hf_mapping import HfModel
 
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_SAVE_DTYPE = "bfloat16"  # to_maxtext's default

@@ -8,16 +8,17 @@
 - `merge_writer`: the merges written layer by layer, within a memory bound;
 - `merge`: `merge_lora` end to end, with its `MergeReport`;
 - `adapter_factors`: a LoRA module's factors carried through MaxText's Hugging Face hooks
-  onto PEFT's factors (the adapter export's mapping, checked on a real layer).
+  onto PEFT's factors (the adapter export's mapping, checked on a real layer);
+- `export_adapter`: an adapter step written as a PEFT adapter, through a `formats` sink.
 
-Sits between `execute` and `hf`: the Hugging Face side (the merged export, the adapter
-export, the import of a PEFT adapter) builds on it. The floors below reach LoRA only through
+Sits between `execute` and `hf`: the Hugging Face side (the merged export, the import of a
+PEFT adapter) builds on it. The floors below reach LoRA only through
 the plan's op interface and `execute.verify.REPLAYS`, never by importing this room; both
 are filled in when it is imported (below), which the package's ``__init__`` does. Reading
 an adapter step's metadata stays in `model.lora`, below `plan` (listing steps and refusing
 a LoRA-only step to a plain conversion need it).
 
-Imports: `execute`, `plan`, `model`, `orbax_io`, `storage`, `base`, `errors`; not `hf`,
+Imports: `execute`, `plan`, `model`, `formats`, `orbax_io`, `storage`, `base`, `errors`; not `hf`,
 `integration`.
 """
 

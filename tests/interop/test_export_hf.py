@@ -470,7 +470,7 @@ def test_refuses_a_model_maxtext_cannot_export(capsys, place, fixtures):
     mapping, so only the model name is refused."""
     from maxtext.utils.globals import HF_IDS
 
-    from orbax_maxtext_layout.hf import hf_mapping
+    from orbax_maxtext_layout.model import hf_mapping
 
     supported = hf_mapping.supported_models()
     assert "llama2-7b" not in HF_IDS and "llama2-7b" not in supported

@@ -37,9 +37,8 @@ from ..base.treepaths import keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
 from ..formats.safetensors_writer import SafetensorsSink
 from ..formats.sink import Part, Sink, Tensor
-from ..lora import adapter_factors
-from ..lora.delta import lora_delta_added
-from ..lora.merge_plan import adapter_item, adapter_moves, read_adapters
+from ..model import hf_mapping
+from ..model.hf_mapping import HfModel, Unit
 from ..model.lora import per_layer_shape
 from ..model.target import Target
 from ..orbax_io import item_writer
@@ -47,8 +46,9 @@ from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import LoraFactor, Move
 from ..storage.store import EXPORT_WORK_SUFFIX, store_for
-from . import hf_mapping
-from .hf_mapping import HfModel, Unit
+from . import adapter_factors
+from .delta import lora_delta_added
+from .merge_plan import adapter_item, adapter_moves, read_adapters
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"  # published last on an object store
