@@ -47,12 +47,13 @@ from ..plan.step_plan import OptimizerMode, Plan, make_plan, plan_maxtext_step, 
 from ..plan.steps import find_steps
 from ..storage import placement
 from ..storage.lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
+from ..storage.memory import DEFAULT_BUDGET
 from ..storage.store import COMMIT_MARKER, store_for
 from . import legacy_removal
 from .options import FLAGS, KEYWORDS, ConvertOptions, Spelling
 from .options import check as check_options
 from .restore import assemble
-from .write import DEFAULT_BUDGET, write_items
+from .write import write_items
 
 
 @dataclasses.dataclass

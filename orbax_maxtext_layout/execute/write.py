@@ -32,11 +32,10 @@ from ..orbax_io.values import PIECE
 from ..plan.moves import Move, Op, Plan, apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
+from ..storage.memory import DEFAULT_BUDGET
 from ..storage.store import StepStore, store_for
 from . import routing
 from .merge_writer import chunk_shape, write_merges
-
-DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
 
 class Written(NamedTuple):

@@ -21,7 +21,6 @@ from etils import epath
 from ..base.names import Dest
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError, UsageError
-from ..execute.write import DEFAULT_BUDGET
 from ..model.layermap import scanned_form
 from ..model.target import Target
 from ..orbax_io import stepmeta
@@ -38,6 +37,7 @@ from ..plan.merge import (
 )
 from ..plan.moves import Move
 from ..plan.provenance import SCAN_LAYERS_KEY
+from ..storage.memory import DEFAULT_BUDGET
 from ..storage.store import store_for
 from . import hf_mapping, safetensors_out
 from .budget import expected_memory
