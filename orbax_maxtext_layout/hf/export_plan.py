@@ -38,7 +38,7 @@ from ..plan.merge import (
 from ..plan.moves import Move
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage.memory import DEFAULT_BUDGET
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from . import hf_mapping, safetensors_out
 from .budget import expected_memory
 from .hf_mapping import HfModel, Unit
@@ -121,6 +121,7 @@ class ExportPlan:
     shards: list[Shard]
     report: ExportReport
     fingerprint: str
+    store: StepStore  # the output's, decided once here and handed down to every process step
 
 
 def plan_export(
@@ -182,12 +183,13 @@ def plan_export(
         merged=merged,
         process=(process_index, process_count),
     )
-    if shares_files(store_for(epath.Path(out)), process_count):
+    store = store_for(epath.Path(out))
+    if shares_files(store, process_count):
         for sh in report.shards:  # every process writes its params' tensors into every file
             sh["process"] = None
     report.memory = expected_memory(model, units, moves, budget)
     fp = _fingerprint(shards, sources, merged, process_count)
-    return ExportPlan(model, moves, sources, units, shards, report, fp)
+    return ExportPlan(model, moves, sources, units, shards, report, fp, store)
 
 
 def _report(step, out, *, model, kind, shards, drops, merged, process) -> ExportReport:
@@ -342,8 +344,8 @@ def _fingerprint(
     for s in shards:
         h.update(s.header)
     for name, d in sorted(sources.items()):
-        meta = d / "_METADATA"
-        h.update(f"{name}={store_for(d).absolute(d)}:{store_for(d).version(meta)}".encode())
+        meta, store = d / "_METADATA", store_for(d)  # each source's root, once
+        h.update(f"{name}={store.absolute(d)}:{store.version(meta)}".encode())
     h.update(json.dumps(merged, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
 

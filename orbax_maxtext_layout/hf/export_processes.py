@@ -27,7 +27,7 @@ from typing import Any
 from etils import epath
 
 from ..errors import UsageError
-from ..storage.store import store_for
+from ..storage.store import StepStore
 from . import hf_mapping, safetensors_out
 from .budget import group_bytes, largest_first
 from .export_plan import ExportPlan, shares_files
@@ -44,7 +44,7 @@ WAIT_S = 24 * 3600  # process 0 waits this long for the others' shards
 def write_part(ep: ExportPlan, work: epath.Path, index: int, count: int) -> None:
     """Process ``index`` of ``count``: its part of the export's files, then its marker;
     nothing where its marker of the same export is there already (a rerun after a kill)."""
-    store = store_for(work)
+    store = ep.store
     done = work / f"{DONE_PREFIX}{index}"
     budget = ep.report.memory["budget"]
     if marker(store, done) == ep.fingerprint:
@@ -65,8 +65,8 @@ def finish(
     export, puts the shared part files in place, and publishes ``out`` (`_publish`);
     returns the names of the files in ``out``."""
     count = ep.report.process["count"]
-    wait_for_all(work, ep.fingerprint, count)
-    if shares_files(store_for(work), count):
+    wait_for_all(work, ep.fingerprint, count, ep.store)
+    if shares_files(ep.store, count):
         _place_shared(ep, work)
     return _publish(ep, work, out, hf_model_path)
 
@@ -95,8 +95,7 @@ def marker(store: Any, path: epath.Path) -> str | None:
         return None
 
 
-def wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
-    store = store_for(work)
+def wait_for_all(work: epath.Path, fingerprint: str, count: int, store: StepStore) -> None:
     deadline = time.monotonic() + WAIT_S
     while True:
         missing = [
@@ -116,7 +115,7 @@ def _publish(
     export's shards, parts of killed writers, a killed ``_publish``'s files), then the index,
     the tokenizer, config.json; then the markers go, and ``work`` becomes ``out``
     (config.json last on an object store)."""
-    store = store_for(work)
+    store = ep.store
     ours = {s.name for s in ep.shards}
     store.refresh(work)
     for f in work.iterdir():
@@ -151,7 +150,7 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Shard], *, budg
     files: dict[str, ShardFile] = {}
     where: dict[str, ShardFile] = {}
     who = f"{PART}{socket.gethostname()}.{os.getpid()}"
-    store = store_for(work)
+    store = ep.store
     staging = store.staging_dir(work)
     try:
         for s in shards:
@@ -222,7 +221,7 @@ def _owned(ep: ExportPlan, index: int, count: int) -> dict[tuple[str, ...], list
 def _place_shared(ep: ExportPlan, work: epath.Path) -> None:
     """Process 0, once every process's marker is there: each shared part file renamed to
     its shard's name (a rerun finds some already renamed)."""
-    store = store_for(work)
+    store = ep.store
     for s in ep.shards:
         part = work / _shared_part(s, ep.fingerprint)
         if part.exists():

@@ -48,7 +48,7 @@ from ..storage import transpose
 from ..storage.lock import step_lock
 from ..storage.memory import DEFAULT_BUDGET, IMPORT, Gate
 from ..storage.scratch import small_pages
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from . import hf_mapping
 from .hf_mapping import HfModel
 from .safetensors_in import HfDir
@@ -440,21 +440,23 @@ def _write_step(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -
     made_parent = not dest.parent.exists()
     store = store_for(dest)
     try:
-        with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():
+        with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
             if store.dest_taken(dest):
                 raise StepExistsError(f"{dest} exists; nothing was written: pass another --out.")
-            _build(plan, dest, progress)
+            _build(plan, dest, progress, store=store)
     except BaseException:
         if made_parent:
             dest.parent.rmtree(missing_ok=True)
         raise
 
 
-def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> None:
-    work = stepdir.new_step_dir(dest)
+def _build(
+    plan: ImportPlan, dest: epath.Path, progress: Callable | None, *, store: StepStore
+) -> None:
+    work = stepdir.new_step_dir(dest, store=store)
     try:
-        tmp = stepdir.new_tmp_dir(work)
-        _write_items(plan, tmp, progress)
+        tmp = stepdir.new_tmp_dir(work, store=store)
+        _write_items(plan, tmp, progress, store=store)
         provenance = {
             "source_layout": SOURCE_LAYOUT,
             "converter": f"orbax-maxtext-layout {__version__}",
@@ -463,15 +465,17 @@ def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> Non
             "bytes_read": plan.hf.bytes_read,
         }
         custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
-        stepdir.commit(work, tmp, provenance, meta={}, custom=custom)
-        if not stepdir.publish_step(work, dest):
+        stepdir.commit(work, tmp, provenance, store=store, meta={}, custom=custom)
+        if not stepdir.publish_step(work, dest, store=store):
             raise StepExistsError(f"{dest} appeared while this import ran; nothing replaced.")
     except BaseException:
-        stepdir.discard_step_dir(work)
+        stepdir.discard_step_dir(work, store=store)
         raise
 
 
-def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -> None:
+def _write_items(
+    plan: ImportPlan, tmp: epath.Path, progress: Callable | None, *, store: StepStore
+) -> None:
     """Every param's arrays made (each slice its own chunk), every slice written, then
     ``step`` and the item's JSON files, ``_METADATA`` last."""
     ctx = item_writer.ts_context()
@@ -489,7 +493,7 @@ def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -
             )
             chunks[path] = chunk
     # the new data files leave the page cache once written (nothing here reads them back)
-    with store_for(tmp).drop_written(tmp / item_writer.DATA_DIR):
+    with store.drop_written(tmp / item_writer.DATA_DIR):
         _run_slices(plan, arrays, chunks, progress)
     item_writer.write_array(dst, "step", np.asarray(0, np.int64), use_zarr3=zarr3, context=ctx)
     leaves = {
