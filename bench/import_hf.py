@@ -426,17 +426,17 @@ def phases(argv: list[str]) -> None:
 
     waits: list[tuple[float, float, int]] = []  # (at s, waited s, bytes asked)
 
-    class TimedBudget(ih.Budget):
-        def take(self, n):
+    class TimedBudget(ih.Gate):
+        def take(self, n, **kw):
             w, c = time.perf_counter(), time.thread_time()
             try:
-                return super().take(n)
+                return super().take(n, **kw)
             finally:
                 add("budget wait", time.perf_counter() - w, time.thread_time() - c)
                 with lock:
                     waits.append((round(w - t_start, 2), round(time.perf_counter() - w, 2), n))
 
-    ih.Budget = TimedBudget
+    ih.Gate = TimedBudget
     samples, stop = [], threading.Event()
 
     def sample():

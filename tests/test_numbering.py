@@ -22,6 +22,7 @@ from test_cli import cli
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.orbax_io import stepdir
+from orbax_maxtext_layout.storage.store import store_for
 
 MODEL_ONLY = FIXTURES / "tunix_snapshot_v1/sft_model_only/checkpoints/1"  # step from the name
 RL = FIXTURES / "tunix017/rl_run/checkpoints/actor/2"
@@ -128,7 +129,7 @@ def test_out_writes_maxtext_numbers_and_leaves_the_source(tmp_path):
 def test_a_step_moved_but_not_converted_is_converted_by_the_rerun(tmp_path):
     """The state a kill between the renumbering and the conversion leaves."""
     root = _run(tmp_path, [4])
-    stepdir.renumber_step(root / "4", root / "3", 4)
+    stepdir.renumber_step(root / "4", root / "3", 4, store=store_for(root))
     assert oml.detect_layout(root / "3") is oml.Layout.TUNIX
     assert not [p.name for p in (root / "3").iterdir() if p.name.endswith(".lock")]
     (report,) = json.loads(_convert(root).stdout)
@@ -353,8 +354,9 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
     def plan_of(step_dir):
         plan = oml.plan_step(step_dir, target, optimizer="drop")
         if step_dir == root / "1" and not (root / "0").exists():
-            stepdir.renumber_step(step_dir, root / "0", 1)  # the other converter's moves: 1 -> 0,
-            stepdir.renumber_step(root / "2", root / "1", 2)  # then 2 -> 1
+            store = store_for(root)  # the other converter's moves: 1 -> 0, then 2 -> 1
+            stepdir.renumber_step(step_dir, root / "0", 1, store=store)
+            stepdir.renumber_step(root / "2", root / "1", 2, store=store)
         return plan
 
     infos = oml.find_steps(root)

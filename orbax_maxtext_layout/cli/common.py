@@ -15,11 +15,11 @@ from etils import epath
 
 from ..base.gcfreeze import frozen_heap
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError, print_error
-from ..execute.write import DEFAULT_BUDGET
 from ..model.target import Target
 from ..plan import rescan
 from ..plan.steps import find_step_roots, find_steps
 from ..storage import scratch
+from ..storage.memory import DEFAULT_BUDGET
 
 Subparsers = argparse._SubParsersAction  # the type of `add_subparsers`' result
 

@@ -53,7 +53,7 @@ def add_import_hf(sub: Subparsers) -> None:
         "--memory-budget",
         type=parse_size,
         metavar="SIZE",
-        help="bytes of slices held at once, e.g. 2GiB (default 2GiB)",
+        help="bytes of slices held at once, e.g. 2GiB (default 1GiB)",
     )
     add_model_config(i, " (scan_layers picks the form written)")
     i.set_defaults(fn=cmd_import_hf)

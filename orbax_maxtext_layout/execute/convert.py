@@ -45,7 +45,7 @@ from ..plan.step_plan import OptimizerMode, Plan, make_plan, plan_maxtext_step, 
 from ..plan.steps import find_steps
 from ..storage import placement
 from ..storage.lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
-from ..storage.store import COMMIT_MARKER, store_for
+from ..storage.store import COMMIT_MARKER, StepStore, store_for
 from . import legacy_removal
 from .options import (
     FLAGS,
@@ -212,21 +212,25 @@ def convert_step(
     moved: list[str] = []  # a killed renumbering into this directory, finished first
     store = store_for(step_dir)
     if not o.dry_run and store.relocation_in_progress(step_dir):
-        with step_lock(step_dir.parent, name=RENUMBER_LOCK_NAME, wait=60.0):
+        with step_lock(step_dir.parent, store=store, name=RENUMBER_LOCK_NAME, wait=60.0):
             moved += [n for n in [store.finish_relocation(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
-    layout = detect_layout(step_dir)
+    layout = detect_layout(step_dir, store=store)
     if layout is Layout.MAXTEXT and o.rescan is not None and o.out is not None:
         if detect_layout(dest) is not Layout.MAXTEXT:  # else written by an earlier run
             return _rescan_maxtext(step_dir, target, dest, plan, o)
     if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
         return _already_converted(
-            step_dir, dest, dry_run=o.dry_run, finish_removal=o.in_place or o.remove_legacy
+            step_dir,
+            dest,
+            store=store,
+            dry_run=o.dry_run,
+            finish_removal=o.in_place or o.remove_legacy,
         )
     if layout is Layout.UNKNOWN:
         return _uncommitted(step_dir)
-    meta = stepmeta.read(step_dir)  # read once: numbering, the plan, the commit
+    meta = stepmeta.read(step_dir, store=store)  # read once: numbering, the plan, the commit
     if o.renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[renumbering.TUNIX_ZERO])
     # Planned before anything is written: a step that does not fit the target stays as it is.
@@ -252,7 +256,7 @@ def convert_step(
     if o.out is not None:
         return _convert_to(job)
     removal = legacy_removal.remove_legacy if o.in_place or o.remove_legacy else None
-    return _write_beside(job, moved, removal, specs)
+    return _write_beside(job, moved, removal, specs, store=store)
 
 
 def _plan_options(o: ConvertOptions) -> dict[str, Any]:
@@ -287,44 +291,52 @@ def _uncommitted(step_dir: epath.Path) -> StepReport:
     )
 
 
-def _write_beside(job: _Job, moved: list[str], removal: Callable | None, specs: dict) -> StepReport:
+def _write_beside(
+    job: _Job, moved: list[str], removal: Callable | None, specs: dict, *, store: StepStore
+) -> StepReport:
     """`convert_step`'s write of ``items`` beside the legacy items, under the step's lock:
     skipped if another converter wrote it meanwhile; then the legacy items removed
-    (``removal``, verified first) when asked for."""
+    (``removal``, verified first) when asked for. ``store``: the step's."""
     dest = job.dest
     try:
-        with step_lock(dest):
-            if detect_layout(dest) is Layout.MAXTEXT:  # converted while we waited
+        with step_lock(dest, store=store):
+            if detect_layout(dest, store=store) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
-            stepdir.clean_stale_tmp(dest)
+            stepdir.clean_stale_tmp(dest, store=store)
             report = _write(job, dest)
             report.notes = moved + report.notes
             if removal is not None:
-                report.notes += removal(job.src, specs=specs)
+                report.notes += removal(job.src, store=store, specs=specs)
             return report
     except StepLocked as e:
         return StepReport(str(dest), "locked", Layout.TUNIX.value, notes=[str(e)])
 
 
 def _already_converted(
-    step_dir: epath.Path, dest: epath.Path, *, dry_run: bool, finish_removal: bool
+    step_dir: epath.Path,
+    dest: epath.Path,
+    *,
+    store: StepStore,
+    dry_run: bool,
+    finish_removal: bool,
 ) -> StepReport:
     """The report of a step that already has ``items/`` (at ``dest`` or in place). A real
     run also clears what dead runs left there (their lock, a half-built destination), and
     with ``finish_removal`` finishes a run killed between its commit and its legacy removal,
-    under the step lock (which also clears a dead run's lock)."""
+    under the step lock (which also clears a dead run's lock). ``store``: ``step_dir``'s."""
     done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
     report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
     if dry_run:
         return report
-    if break_stale_lock(done):
+    done_store = store if done == step_dir else store_for(done)  # ``--out`` may be elsewhere
+    if break_stale_lock(done, store=done_store):
         report.notes.append("removed the lock of a dead run")
-    report.notes += stepdir.sweep_dead_work(done)
+    report.notes += stepdir.sweep_dead_work(done, store=done_store)
     if finish_removal and stepmeta.read_provenance(step_dir):
         try:
-            with step_lock(step_dir):
-                stepdir.clean_stale_tmp(step_dir)
-                report.notes += legacy_removal.remove_legacy(step_dir)
+            with step_lock(step_dir, store=store):
+                stepdir.clean_stale_tmp(step_dir, store=store)
+                report.notes += legacy_removal.remove_legacy(step_dir, store=store)
         except StepLocked as e:
             return StepReport(str(step_dir), "locked", "maxtext", notes=[str(e)])
     return report
@@ -477,26 +489,28 @@ def _convert_to(job: _Job) -> StepReport:
                 f"{job.dest}: exists and is not a converted step; nothing was written. Remove "
                 "it or choose another destination."
             )
-        return _build_and_publish(job)
+        return _build_and_publish(job, store=store)
     try:
-        with step_lock(job.dest):
-            if detect_layout(job.dest) is Layout.MAXTEXT:
+        with step_lock(job.dest, store=store):
+            if detect_layout(job.dest, store=store) is Layout.MAXTEXT:
                 return StepReport(str(job.dest), "skipped", "maxtext", notes=["already has items/"])
-            return _build_and_publish(job)
+            return _build_and_publish(job, store=store)
     except StepLocked as e:
         return StepReport(str(job.dest), "locked", Layout.TUNIX.value, notes=[str(e)])
 
 
-def _build_and_publish(job: _Job) -> StepReport:
-    work = stepdir.new_step_dir(job.dest)
+def _build_and_publish(job: _Job, *, store: StepStore) -> StepReport:
+    """``job`` built in a new step directory and published at its destination (whose
+    store is ``store``)."""
+    work = stepdir.new_step_dir(job.dest, store=store)
     try:
         tunix_step = tunix_step_number(job.src, job.meta) if job.numbering else None
-        stepdir.seed_destination(job.src, work, tunix_step, meta=job.meta)
+        stepdir.seed_destination(job.src, work, tunix_step, store=store, meta=job.meta)
         report = _write(job, work)
-        if not stepdir.publish_step(work, job.dest):
+        if not stepdir.publish_step(work, job.dest, store=store):
             return StepReport(str(job.dest), "skipped", "maxtext", notes=["converted meanwhile"])
     except BaseException:
-        stepdir.discard_step_dir(work)
+        stepdir.discard_step_dir(work, store=store)
         raise
     report.step_dir = str(job.dest)
     return report

@@ -16,7 +16,7 @@ from etils import epath
 from ..base.names import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from ..orbax_io import item_writer, stepmeta
 from ..storage import placement
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .verify import verify_step
 
 REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being deleted
@@ -27,7 +27,7 @@ REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being dele
 SCALAR_OPS = frozenset({"cast", "constant", "fresh"})
 
 
-def removal_check(step_dir: epath.Path) -> tuple[bool, str]:
+def removal_check(step_dir: epath.Path, *, store: StepStore | None = None) -> tuple[bool, str]:
     """Whether a quick verification (metadata and stored-data presence) is enough before
     the legacy items of a converted step are deleted, and why.
 
@@ -38,10 +38,11 @@ def removal_check(step_dir: epath.Path) -> tuple[bool, str]:
     to a copy (another file system, no links), ``copy=True``, a scan change or a zarr
     format change: every value is compared. Steps converted before this record existed,
     and steps on an object store: quick after ``in_place``, full otherwise (as before).
+    ``store``: the step's root's, where the caller decided it.
     """
     prov = stepmeta.read_provenance(step_dir) or {}
     files = prov.get("data_files")
-    if not store_for(step_dir).shares_files or not isinstance(files, dict):
+    if not (store or store_for(step_dir)).shares_files or not isinstance(files, dict):
         if prov.get("in_place"):
             return True, "converted in place"
         return False, "converted by copying"
@@ -90,7 +91,9 @@ def _not_shared_now(step_dir: epath.Path, reflinks: int) -> str | None:
     return None
 
 
-def remove_legacy(step_dir: epath.Path, *, specs: dict | None = None) -> list[str]:
+def remove_legacy(
+    step_dir: epath.Path, *, store: StepStore | None = None, specs: dict | None = None
+) -> list[str]:
     """Deletes the legacy items of a converted step, only once ``items`` verifies.
 
     When every array byte of ``items`` is the legacy items' own (its data files shared
@@ -101,52 +104,54 @@ def remove_legacy(step_dir: epath.Path, *, specs: dict | None = None) -> list[st
     The shared data files stay readable through ``items``
     (a hard link keeps the inode, a reflink its extents). A symlinked legacy item loses
     only its link: nothing outside the step is ever deleted. ``specs``: the legacy items'
-    specs if the caller read them (`verify_step`'s ``source_specs``).
+    specs if the caller read them (`verify_step`'s ``source_specs``); ``store``: the step's
+    root's, as the caller decided it (else decided here).
     """
-    notes = _finish_removal(step_dir)
+    store = store or store_for(step_dir)
+    notes = _finish_removal(step_dir, store)
     present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
     if not present:
-        _forget_item_handlers(step_dir)  # also after a run killed right after the removal
+        _forget_item_handlers(step_dir, store)  # also after a run killed right after the removal
         return notes
     if notes:
         # A removal cut short between two set-asides: every legacy item was verified before
         # the first was set aside, and the one gone can no longer be verified against.
         how = "verified before an interrupted removal"
     else:
-        linked, why = removal_check(step_dir)
+        linked, why = removal_check(step_dir, store=store)
         how = f"{'quick' if linked else 'full'} verification: {why}"
         result = verify_step(step_dir, quick=linked, source_specs=specs)
         if not result.ok:
             return [f"legacy items kept: verification failed ({how}): {result.problems[:3]}"]
     for name in present:  # set aside first: no longer an item, not yet deleted
-        store_for(step_dir).set_aside(step_dir / name, step_dir / f"{name}{REMOVING}")
-    _finish_removal(step_dir)
-    _forget_item_handlers(step_dir)
+        store.set_aside(step_dir / name, step_dir / f"{name}{REMOVING}")
+    _finish_removal(step_dir, store)
+    _forget_item_handlers(step_dir, store)
     return [*notes, f"removed legacy {', '.join(present)} after verifying items ({how})"]
 
 
-def _forget_item_handlers(step_dir: epath.Path) -> None:
+def _forget_item_handlers(step_dir: epath.Path, store: StepStore) -> None:
     """Drops the step metadata's handler entries of items no longer on disk, so that
     readers that resolve handlers from it (a no-args restore) see what is there."""
 
-    meta = stepmeta.read(step_dir)
+    meta = stepmeta.read(step_dir, store=store)
     handlers = meta.get("item_handlers")
     if not isinstance(handlers, dict):
         return
     kept = {k: v for k, v in handlers.items() if _exists(step_dir / k)}
     if kept != handlers:
-        stepmeta.write(step_dir, {**meta, "item_handlers": kept})
+        stepmeta.write(step_dir, {**meta, "item_handlers": kept}, store=store)
 
 
 def _exists(p: epath.Path) -> bool:
     return p.exists() or os.path.islink(str(p))
 
 
-def _finish_removal(step_dir: epath.Path) -> list[str]:
+def _finish_removal(step_dir: epath.Path, store: StepStore) -> list[str]:
     done = []
     for child in step_dir.iterdir():
         if child.name.endswith(REMOVING):
             name = child.name.removesuffix(REMOVING)
-            store_for(step_dir).finish_set_aside(child, step_dir / name)
+            store.finish_set_aside(child, step_dir / name)
             done.append(name)
     return [f"finished removing verified legacy {', '.join(done)}"] if done else []

@@ -59,6 +59,7 @@ from ..orbax_io import casts, chunks
 from ..orbax_io.reader import ItemReader
 from ..orbax_io.values import PIECE
 from ..orbax_io.zarr import Layout, np_dtype
+from ..storage.memory import RESTORE, Gate
 from ..storage.scratch import Ahead, aligned
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ _POPULATE_STEP = 16 << 20  # ... in ranges this large, in order
 # (`ItemReader.fetch`), at most this many stored bytes beyond those being decoded.
 FETCH_AHEAD = 1 << 30
 _PICK_AMONG = 256  # the pending tasks looked at for one whose chunk has arrived
+TASKS = "tasks"  # the host buffers' gate lane: the tasks running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,36 +223,34 @@ def _tasks(arrays: list[_Array]) -> list[_Task]:
 # -- host buffers ------------------------------------------------------------------------------
 class _Buffers:
     """Reused host buffers of boxes on their way to devices, at most ``budget`` bytes in use
-    while any task runs (one box larger than the budget is made alone)."""
+    while any task runs (one box larger than the budget is made alone): a `Gate` whose lane
+    `TASKS` counts the tasks running (`started`), since only a running task gives a buffer
+    back (a box is given back by the task that completes it)."""
 
     def __init__(self, budget: int) -> None:
-        self.budget, self.used, self.free = budget, 0, []
-        self.cond = threading.Condition()
-        self.running = 0
+        self.budget, self.free = budget, []
+        self.gate = Gate(budget)
+        self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        with self.cond:
-            while self.used and self.used + nbytes > self.budget and self.running:
-                self.cond.wait()
-            self.used += nbytes
+        self.gate.take(nbytes, lane=TASKS)
+        with self.lock:
             fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
             if fits:  # the smallest that fits (by index: arrays do not compare as values)
                 return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
         return aligned(nbytes)
 
     def give(self, buf: np.ndarray, nbytes: int) -> None:
-        with self.cond:
-            self.used -= nbytes
+        # The buffer is free before its bytes are: a take the give lets through finds it.
+        with self.lock:
             self.free.append(buf)
             # Never keep more than the budget of idle buffers: drop the smallest.
             while sum(b.nbytes for b in self.free) > self.budget and len(self.free) > 1:
                 self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].nbytes))
-            self.cond.notify_all()
+        self.gate.give(nbytes)
 
     def started(self, n: int) -> None:
-        with self.cond:
-            self.running += n
-            self.cond.notify_all()
+        self.gate.count(TASKS, n)
 
 
 def _aliases(device: Any) -> bool:
@@ -322,7 +322,7 @@ def _read_all(
     tasks = _tasks(arrays)
     if not tasks:
         return {}
-    workers = workers or len(os.sched_getaffinity(0))
+    workers = workers or RESTORE.count()
     budget = chunks.host_memory() // BUDGET_SHARE if budget is None else budget
     run = _Run(_Buffers(budget))
     workers = max(1, min(workers, len(tasks)))

@@ -28,12 +28,13 @@ from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import Move
+from ..storage.memory import CONVERT
 
 PIECE = 64 << 20  # the largest pieces a writer streams in
 # Source arrays walked at once: one more than this project's 2 cores, as a worker waits on
 # its piece's commit (8B `convert --unroll`, side by side: 43.0 and 39.3 s against 48.6 and
 # 43.4 s with 2; 0.25 to 0.4 GiB more held).
-WORKERS = 3
+WORKERS = CONVERT.count()
 # What a worker holds per byte of piece: the piece, a cast or a merge's float32 delta and
 # its sum, and the piece's parts in its transaction (`write_routed`), then encoded.
 HELD = 6

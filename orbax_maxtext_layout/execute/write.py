@@ -33,10 +33,9 @@ from ..plan.moves import Move, Op, Plan
 from ..plan.ops import apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
+from ..storage.memory import DEFAULT_BUDGET
 from ..storage.store import StepStore, store_for
 from . import routing
-
-DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
 
 class Written(NamedTuple):
@@ -79,7 +78,7 @@ def write_items(
     src_zarr3 = main.use_zarr3 if main is not None else True
     zarr3 = src_zarr3 if use_zarr3 is None else use_zarr3
     store = store_for(step_dir)  # the destination's, decided once
-    tmp = stepdir.new_tmp_dir(step_dir)
+    tmp = stepdir.new_tmp_dir(step_dir, store=store)
     try:
         reads = [(i, orbax_files.param_name(p), s.shape) for m in plan.moves for i, p, s in m.reads]
         filled = item_writer.check_complete([item_writer.Read(*r) for r in reads], sources)
@@ -124,9 +123,11 @@ def write_items(
         }
         scan = scan_layers(plan)  # recorded as MaxText's own saves record it
         custom = {SCAN_LAYERS_KEY: scan} if scan is not None else {}
-        stepdir.commit(step_dir, tmp, provenance | record, meta=step_meta, custom=custom)
+        stepdir.commit(
+            step_dir, tmp, provenance | record, store=store, meta=step_meta, custom=custom
+        )
     except BaseException:
-        stepdir.discard(tmp)
+        stepdir.discard(tmp, store=store)
         raise
     return Written(written, placed.to_dict())
 

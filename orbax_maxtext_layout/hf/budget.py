@@ -4,42 +4,21 @@ the gate that keeps the bytes in flight within the budget.
 A job is one param (or a fused group of params) with its units (`hf_mapping.Unit`). It
 costs the param decoded whole, a merge's factors, and its largest slice three times over
 (`group_cost`); one over the budget goes piece by piece instead, in pieces sized from the
-budget (`piece_bytes`). `WORKERS` jobs run at once where the budget holds them (`Budget`),
-largest first (`largest_first`). `expected_memory` is the same sum, from metadata, for
+budget (`piece_bytes`). `WORKERS` jobs run at once where the budget holds them (`storage.memory.Gate`,
+capped: a job over the budget holds the budget, alone), largest first (`largest_first`). `expected_memory` is the same sum, from metadata, for
 the report.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 
 from ..model.hf_mapping import HfModel, Unit
 from ..orbax_io.reader import FAST_DECODING
 from ..plan.moves import Move
+from ..storage.memory import EXPORT
 
-WORKERS = 2
-
-
-class Budget:
-    """Bytes in flight, at most ``limit`` (one claim larger than it runs alone)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self._cv = threading.Condition()
-
-    def take(self, n: int) -> int:
-        n = min(n, self.limit)
-        with self._cv:
-            self._cv.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
-            self.used += n
-        return n
-
-    def give(self, n: int) -> None:
-        with self._cv:
-            self.used -= n
-            self._cv.notify_all()
+WORKERS = EXPORT.count()
 
 
 def expected_memory(

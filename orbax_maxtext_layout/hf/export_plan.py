@@ -22,7 +22,6 @@ from etils import epath
 from ..base.names import Dest
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError, UsageError
-from ..execute.write import DEFAULT_BUDGET
 from ..formats.safetensors_writer import SafetensorsSink
 from ..formats.sink import Part, Sink, Tensor
 from ..lora.merge_plan import (
@@ -43,7 +42,8 @@ from ..orbax_io.layout import TUNIX_PARAMS_ITEM
 from ..orbax_io.spec import read_specs
 from ..plan.moves import Move
 from ..plan.provenance import SCAN_LAYERS_KEY
-from ..storage.store import store_for
+from ..storage.memory import DEFAULT_BUDGET
+from ..storage.store import StepStore, store_for
 from .budget import expected_memory
 
 NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
@@ -125,6 +125,7 @@ class ExportPlan:
     report: ExportReport
     fingerprint: str
     sink: Sink
+    store: StepStore  # the output's, decided once here and handed down to every process step
 
 
 def plan_export(
@@ -184,12 +185,13 @@ def plan_export(
         merged=merged,
         process=(process_index, process_count),
     )
-    if shares_files(store_for(epath.Path(out)), process_count):
+    store = store_for(epath.Path(out))
+    if shares_files(store, process_count):
         for sh in report.shards:  # every process writes its params' tensors into every file
             sh["process"] = None
     report.memory = expected_memory(model, units, moves, budget)
     fp = _fingerprint(shards, sources, merged, process_count)
-    return ExportPlan(model, moves, sources, units, shards, report, fp, sink)
+    return ExportPlan(model, moves, sources, units, shards, report, fp, sink, store)
 
 
 def _report(step, out, *, model, kind, shards, drops, merged, process) -> ExportReport:
@@ -345,8 +347,8 @@ def _fingerprint(
     for s in shards:
         h.update(s.signature)
     for name, d in sorted(sources.items()):
-        meta = d / "_METADATA"
-        h.update(f"{name}={store_for(d).absolute(d)}:{store_for(d).version(meta)}".encode())
+        meta, store = d / "_METADATA", store_for(d)  # each source's root, once
+        h.update(f"{name}={store.absolute(d)}:{store.version(meta)}".encode())
     h.update(json.dumps(merged, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
 

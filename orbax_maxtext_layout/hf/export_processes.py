@@ -32,7 +32,7 @@ from ..errors import UsageError
 from ..formats.sink import Part, PartWriter
 from ..model import hf_mapping
 from ..model.hf_mapping import Unit
-from ..storage.store import store_for
+from ..storage.store import StepStore
 from .budget import group_bytes, largest_first
 from .export_plan import ExportPlan, shares_files
 from .export_stream import run_groups
@@ -46,7 +46,7 @@ WAIT_S = 24 * 3600  # process 0 waits this long for the others' shards
 def write_part(ep: ExportPlan, work: epath.Path, index: int, count: int) -> None:
     """Process ``index`` of ``count``: its part of the export's files, then its marker;
     nothing where its marker of the same export is there already (a rerun after a kill)."""
-    store = store_for(work)
+    store = ep.store
     done = work / f"{DONE_PREFIX}{index}"
     budget = ep.report.memory["budget"]
     if marker(store, done) == ep.fingerprint:
@@ -67,8 +67,8 @@ def finish(
     export, puts the shared part files in place, and publishes ``out`` (`_publish`);
     returns the names of the files in ``out``."""
     count = ep.report.process["count"]
-    wait_for_all(work, ep.fingerprint, count)
-    if shares_files(store_for(work), count):
+    wait_for_all(work, ep.fingerprint, count, ep.store)
+    if shares_files(ep.store, count):
         _place_shared(ep, work)
     return _publish(ep, work, out, hf_model_path)
 
@@ -97,8 +97,7 @@ def marker(store: Any, path: epath.Path) -> str | None:
         return None
 
 
-def wait_for_all(work: epath.Path, fingerprint: str, count: int) -> None:
-    store = store_for(work)
+def wait_for_all(work: epath.Path, fingerprint: str, count: int, store: StepStore) -> None:
     deadline = time.monotonic() + WAIT_S
     while True:
         missing = [
@@ -118,7 +117,7 @@ def _publish(
     export's shards, parts of killed writers, a killed ``_publish``'s files), then the
     tokenizer, the index and config.json (`Sink.finish`); then the markers go, and ``work``
     becomes ``out`` (config.json last on an object store)."""
-    store = store_for(work)
+    store = ep.store
     ours = {s.name for s in ep.shards}
     store.refresh(work)
     for f in work.iterdir():
@@ -150,7 +149,7 @@ def _write_shards(ep: ExportPlan, work: epath.Path, shards: list[Part], *, budge
     files: dict[str, PartWriter] = {}
     where: dict[str, PartWriter] = {}
     who = f"{PART}{socket.gethostname()}.{os.getpid()}"
-    store = store_for(work)
+    store = ep.store
     staging = store.staging_dir(work)
     parts = {s.name: staging / f"{s.name}{who}" for s in shards}
     try:
@@ -222,7 +221,7 @@ def _owned(ep: ExportPlan, index: int, count: int) -> dict[tuple[str, ...], list
 def _place_shared(ep: ExportPlan, work: epath.Path) -> None:
     """Process 0, once every process's marker is there: each shared part file renamed to
     its shard's name (a rerun finds some already renamed)."""
-    store = store_for(work)
+    store = ep.store
     for s in ep.shards:
         part = work / _shared_part(s, ep.fingerprint)
         if part.exists():

@@ -1,7 +1,7 @@
 """The streaming execution of an export: its params decoded and written within the budget.
 
 `run_groups` runs one job per param (or fused group of params), `budget.WORKERS` at a
-time and largest first, each holding what `budget.Budget` grants it. A param that fits is
+time and largest first, each holding what its gate (`storage.memory.Gate`) grants it. A param that fits is
 decoded whole once (`ItemReader.read_whole`), sliced into its units (`hf_mapping.Unit`), and
 each unit put through MaxText's hooks (`hf_mapping.transform`) into its tensors, written
 whole (`PartWriter.write`). A param over the budget goes piece by piece
@@ -30,8 +30,9 @@ from ..orbax_io import chunks, item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import Move
+from ..storage.memory import Gate
 from . import piecewise
-from .budget import WORKERS, Budget, group_cost, largest_first, piece_bytes, piece_held, slice_bytes
+from .budget import WORKERS, group_cost, largest_first, piece_bytes, piece_held, slice_bytes
 from .export_plan import ExportPlan
 
 
@@ -41,7 +42,7 @@ def run_groups(ep: ExportPlan, groups: dict, where: dict[str, PartWriter], budge
     `WORKERS` jobs at a time within ``budget`` bytes, largest first."""
     ctx = item_writer.ts_context()
     sources = {n: ItemReader.open(d, ctx) for n, d in ep.sources.items()}
-    gate = Budget(budget)
+    gate = Gate(budget, cap=True)  # a job over the budget holds the budget, alone
 
     def job(keys: tuple[str, ...], units: list[Unit]) -> None:
         moves = [ep.moves[k] for k in keys]

@@ -18,7 +18,7 @@ as ``to_maxtext`` runs it, with four differences (docs/import-hf.md):
 The unit of work is one slice: one HF tensor (or a fused group) of one layer (and expert),
 read with one range read, cast, put through MaxText's hooks and written as its own chunk
 of the stacked MaxText array. Slices run on two workers a core, the bytes in flight held
-within the budget (`budget.Budget`). The step is built in a work directory beside
+within the budget (`storage.memory.Gate`). The step is built in a work directory beside
 ``<out>/0`` and appears only once complete (`stepdir.publish_step`).
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,13 +50,12 @@ from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage import transpose
 from ..storage.lock import step_lock
+from ..storage.memory import DEFAULT_BUDGET, IMPORT, Gate
 from ..storage.scratch import small_pages
-from ..storage.store import store_for
-from .budget import Budget
+from ..storage.store import StepStore, store_for
 
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_SAVE_DTYPE = "bfloat16"  # to_maxtext's default
-DEFAULT_BUDGET = 2 << 30
 HOLD = 3  # a slice is held read, cast and hooked: three times its bytes at most
 CHUNK_BYTES = 64 << 20  # a written chunk at most this (a slice larger is cut in row blocks)
 SOURCE_LAYOUT = "huggingface"
@@ -441,13 +439,13 @@ def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
 
 
 def _workers() -> int:
-    """Two workers a core, at most 8: a worker spends most of a slice waiting for tensorstore
-    to encode and write its blocks, and a page-cache write on a VM's disk sleeps in writeback
-    (an 8B import on 2 cores spent 20% of its slices idle or in iowait with one worker a core:
-    a median of 2.09x the read-and-encode floor in 9 runs, 1.95x in 8 with two;
-    docs/performance.md, import-hf). The budget, not the worker count, bounds what is held:
-    a worker past it waits at the gate."""
-    return max(1, min(8, 2 * (os.cpu_count() or 1)))
+    """Two workers a core, at most 8 (`storage.memory.IMPORT`): a worker spends most of a
+    slice waiting for tensorstore to encode and write its blocks, and a page-cache write on
+    a VM's disk sleeps in writeback (an 8B import on 2 cores spent 20% of its slices idle or
+    in iowait with one worker a core: a median of 2.09x the read-and-encode floor in 9 runs,
+    1.95x in 8 with two; docs/performance.md, import-hf). The budget, not the worker count,
+    bounds what is held: a worker past it waits at the gate."""
+    return IMPORT.count()
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -459,21 +457,23 @@ def _write_step(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -
     made_parent = not dest.parent.exists()
     store = store_for(dest)
     try:
-        with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():
+        with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
             if store.dest_taken(dest):
                 raise StepExistsError(f"{dest} exists; nothing was written: pass another --out.")
-            _build(plan, dest, progress)
+            _build(plan, dest, progress, store=store)
     except BaseException:
         if made_parent:
             dest.parent.rmtree(missing_ok=True)
         raise
 
 
-def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> None:
-    work = stepdir.new_step_dir(dest)
+def _build(
+    plan: ImportPlan, dest: epath.Path, progress: Callable | None, *, store: StepStore
+) -> None:
+    work = stepdir.new_step_dir(dest, store=store)
     try:
-        tmp = stepdir.new_tmp_dir(work)
-        _write_items(plan, tmp, progress)
+        tmp = stepdir.new_tmp_dir(work, store=store)
+        _write_items(plan, tmp, progress, store=store)
         provenance = {
             "source_layout": SOURCE_LAYOUT,
             "converter": f"orbax-maxtext-layout {__version__}",
@@ -482,15 +482,17 @@ def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> Non
             "bytes_read": plan.hf.bytes_read,
         }
         custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
-        stepdir.commit(work, tmp, provenance, meta={}, custom=custom)
-        if not stepdir.publish_step(work, dest):
+        stepdir.commit(work, tmp, provenance, store=store, meta={}, custom=custom)
+        if not stepdir.publish_step(work, dest, store=store):
             raise StepExistsError(f"{dest} appeared while this import ran; nothing replaced.")
     except BaseException:
-        stepdir.discard_step_dir(work)
+        stepdir.discard_step_dir(work, store=store)
         raise
 
 
-def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -> None:
+def _write_items(
+    plan: ImportPlan, tmp: epath.Path, progress: Callable | None, *, store: StepStore
+) -> None:
     """Every param's arrays made (each slice its own chunk), every slice written, then
     ``step`` and the item's JSON files, ``_METADATA`` last."""
     ctx = item_writer.ts_context()
@@ -508,7 +510,7 @@ def _write_items(plan: ImportPlan, tmp: epath.Path, progress: Callable | None) -
             )
             chunks[path] = chunk
     # the new data files leave the page cache once written (nothing here reads them back)
-    with store_for(tmp).drop_written(tmp / item_writer.DATA_DIR):
+    with store.drop_written(tmp / item_writer.DATA_DIR):
         _run_slices(plan, arrays, chunks, progress)
     item_writer.write_array(dst, "step", np.asarray(0, np.int64), use_zarr3=zarr3, context=ctx)
     leaves = {
@@ -536,7 +538,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     (docs/performance.md, import-hf)."""
     jobs = [(lf, idx, hf) for lf in plan.leaves for idx, hf in lf.slices()]
     jobs.sort(key=lambda j: -_slice_bytes(plan, j[0], j[2]))  # the largest first
-    gate = Budget(plan.budget)
+    gate = Gate(plan.budget, cap=True)  # a slice over the budget holds the budget, alone
     done, lock = [0], threading.Lock()
     scratch = _Scratch()
 

@@ -103,6 +103,7 @@ class LegacySteps:
         after its removal, before releasing the lock."""
         if not (self._remove_legacy and self._is_primary()):
             return
+        store = store_for(directory)  # decided once for the manager's directory, handed down
         for info in find_steps(directory, roles=False):
             if info.layout is not Layout.MAXTEXT or read_provenance(info.path) is None:
                 continue
@@ -110,12 +111,13 @@ class LegacySteps:
             if not names & {TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM} and not any(
                 n.endswith(REMOVING) for n in names
             ):
-                if any(n.startswith(LOCK_NAME) for n in names) and break_stale_lock(info.path):
+                stale = any(n.startswith(LOCK_NAME) for n in names)
+                if stale and break_stale_lock(info.path, store=store):
                     logger.info("Step %s: removed the lock of a dead run", info.path)
                 continue
             try:
-                with step_lock(info.path):  # verified as its record says (`removal_check`)
-                    notes = legacy_removal.remove_legacy(info.path)
+                with step_lock(info.path, store=store):  # verified as its record says
+                    notes = legacy_removal.remove_legacy(info.path, store=store)
                 logger.info("Step %s: %s", info.path, "; ".join(notes))
             except Exception as e:  # a failed removal leaves the step readable as it is
                 logger.error("Step %s: legacy removal not finished: %s", info.path, e)
@@ -276,11 +278,13 @@ class LegacySteps:
                     f"Cannot move Tunix step {held} to {home}: that directory is taken."
                 )
             if self._is_primary() and held.exists():
-                stepmeta.update(held, lambda meta: stepmeta.with_tunix_step(meta, p + 1))
                 store = store_for(held)
+                stepmeta.update(
+                    held, lambda meta: stepmeta.with_tunix_step(meta, p + 1), store=store
+                )
                 store.clear_for_move(home)  # a killed move into it, or a dead client's debris
                 store.relocate_step(held, home, keep=LOCK_NAME)  # (a rename on a disk)
-                stepmeta.moved(held, home)
+                stepmeta.moved(held, home, store=store)
                 logger.info("Moved Tunix step %s to %s (MaxText step %d).", held, home, p)
         self._legacy[p] = home
 

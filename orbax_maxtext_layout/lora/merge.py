@@ -18,7 +18,7 @@ from ..execute.write import write_items
 from ..orbax_io import stepdir
 from ..orbax_io.orbax_files import reads_each_item_once
 from ..storage.lock import step_lock
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .merge_plan import NOT_PARAMS, adapter_item, merge_provenance, merge_sources, plan_merge
 
 
@@ -141,25 +141,27 @@ def merge_lora(
     )
     sources = merge_sources(adapter_step, base)
     store = store_for(dest)
-    with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():
+    with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
         # Built in place on an object store: one writer at a time, under the lock.
         if store.dest_taken(dest):
             raise StepExistsError(
                 f"{dest}: exists; nothing was written. Remove it or choose another --out."
             )
-        report.bytes_written = _publish_merge(dest, plan, sources, prov, o.memory_budget)
+        report.bytes_written = _publish_merge(
+            dest, plan, sources, prov, o.memory_budget, store=store
+        )
     return report
 
 
-def _publish_merge(dest, plan, sources, prov, budget) -> int:
+def _publish_merge(dest, plan, sources, prov, budget, *, store: StepStore) -> int:
     """Writes the step where it is built (`stepdir.new_step_dir`), then publishes it last:
     a merge that fails or is killed leaves no listable step."""
-    work = stepdir.new_step_dir(dest)
+    work = stepdir.new_step_dir(dest, store=store)
     try:
         written = write_items(work, plan, sources, provenance=prov, budget=budget).bytes_written
-        if not stepdir.publish_step(work, dest):
+        if not stepdir.publish_step(work, dest, store=store):
             raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
     except BaseException:
-        stepdir.discard_step_dir(work)
+        stepdir.discard_step_dir(work, store=store)
         raise
     return written

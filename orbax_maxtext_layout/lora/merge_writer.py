@@ -11,10 +11,11 @@ The work is a pipeline of three kinds of thread:
   layer's buffer) and encode and write it as one chunk (`item_writer.write_part`);
 * the caller hands the layers of each decoded kernel to the workers.
 
-Memory is a ledger (`_Ledger`) bounded by the claim ``budget + 3 * the largest layer
-slice``: a decode takes the kernel's bytes (and its pieces) before it starts, a layer in
-flight takes what its encoding holds, and each layer's buffer is given back once it is
-written. So a kernel's memory shrinks layer by layer while the next one is decoded, and the
+Memory is a gate (`storage.memory.Gate`) bounded by the claim ``budget + 3 * the largest
+layer slice``: a decode takes the kernel's bytes (and its pieces) before it starts, with room
+for one layer in flight to spare; a layer in flight takes what its encoding holds, passing
+alone when no other layer is in flight (lane `LAYERS`); and each layer's buffer is given
+back once it is written. So a kernel's memory shrinks layer by layer while the next one is decoded, and the
 next decode waits where it would not fit. A kernel larger than the budget is read one layer
 at a time (tensorstore decodes the stored chunks holding that layer).
 """
@@ -22,7 +23,6 @@ at a time (tensorstore decodes the stored chunks holding that layer).
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +36,15 @@ from ..orbax_io import item_writer, orbax_files
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import FAST_DECODING, TS_DECODING, ItemReader
 from ..plan.moves import Move
+from ..storage.memory import MERGE, Gate
 from .delta import merge_base, merge_layer
 
 # Layers merged and encoded at once: one per core (numpy's merge and zstd's encode both run
 # without the GIL).
-MERGE_WORKERS = max(1, min(2, os.cpu_count() or 1))
+MERGE_WORKERS = MERGE.count()
+# The gate's lane of layers in flight: a layer waits for one of them, never for a decode
+# (which holds its kernel until its layers run).
+LAYERS = "layers"
 # What a layer in flight holds beside its own buffer, in layer slices, while tensorstore
 # encodes and writes it (its write buffer, the encoded chunk: weights encode to about 0.8 of
 # their bytes). Measured: at 3 the next kernel's decode waits longer (7.5 s against 6.4 s
@@ -62,7 +66,7 @@ def write_merges(
         return
     kernels = _kernels(moves, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
     slice_bytes = max(_layer_bytes(m) for m in moves)
-    ledger = _Ledger(budget + 3 * slice_bytes)
+    ledger = Gate(budget + 3 * slice_bytes)
     keep = max(t.cost for k in kernels for t in k.tasks)  # room for one layer in flight
     decoder = ThreadPoolExecutor(1, "merge-decode")
     # BLAS's own threads spin against the workers (a fifth of the CPU time, measured): the
@@ -75,7 +79,9 @@ def write_merges(
         for k, job in zip(kernels, decoded, strict=True):
             job.result()
             for t in k.tasks:
-                ledger.take_layer(t.cost)
+                # Only this thread takes layers, so none passes between the take and the count.
+                ledger.take(t.cost, lane=LAYERS)
+                ledger.count(LAYERS, 1)
                 pending = [f for f in pending if not _raised(f)]
                 pending.append(pool.submit(k.run, t, ledger))
         for f in pending:
@@ -98,51 +104,6 @@ def _raised(f) -> bool:
         f.result()
         return True
     return False
-
-
-class _Ledger:
-    """The bytes the merge holds, within ``bound``.
-
-    A decode waits until the kernel fits with ``keep`` more to spare (room for a layer in
-    flight, so decoding ahead never starves the layers before it), or until nothing at all
-    is held. A layer waits until it fits, or until no other layer is in flight (one layer
-    larger than the bound goes alone). So the merge always moves: a waiting layer waits
-    for one in flight, and a waiting decode for layers in flight or decoded before it.
-    """
-
-    def __init__(self, bound: int):
-        self.bound, self.used, self.layers, self.stopped = bound, 0, 0, False
-        self.cv = threading.Condition()
-
-    def stop(self) -> None:
-        """Wakes whoever waits: their wait raises (the merge failed, or is over)."""
-        with self.cv:
-            self.stopped = True
-            self.cv.notify_all()
-
-    def take_decode(self, n: int, keep: int) -> None:
-        self._take(n, lambda: self.used == 0 or self.used + n + keep <= self.bound)
-
-    def take_layer(self, n: int) -> None:
-        self._take(n, lambda: self.layers == 0 or self.used + n <= self.bound, layer=True)
-
-    def give(self, n: int, *, layer: bool = False) -> None:
-        with self.cv:
-            self.used -= n
-            self.layers -= layer
-            self.cv.notify_all()
-
-    def _take(self, n: int, fits, *, layer: bool = False) -> None:
-        with self.cv:
-            self.cv.wait_for(lambda: self.stopped or fits())
-            if self.stopped:
-                raise _Stopped("the merge stopped")
-            self.used += n
-            self.layers += layer
-
-
-class _Stopped(Exception):
-    """A wait for memory ended because the merge stopped."""
 
 
 @dataclasses.dataclass
@@ -180,8 +141,10 @@ class _Kernel:
     uses: dict = dataclasses.field(default_factory=dict)  # layer index -> tasks still to read it
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    def decode(self, ledger: _Ledger, keep: int) -> None:
-        """Decodes the kernel (if whole) and its factors, once they fit in the ledger."""
+    def decode(self, ledger: Gate, keep: int) -> None:
+        """Decodes the kernel (if whole) and its factors, once they fit beside ``keep``
+        bytes to spare (room for a layer in flight, so decoding ahead never starves the
+        layers before it), or nothing is held."""
         factors = {
             (f.item, p): s
             for t in self.tasks
@@ -191,7 +154,7 @@ class _Kernel:
         factor_bytes = self.factor_bytes = sum(s.nbytes for s in factors.values())
         self.left = len(self.tasks)
         cost = factor_bytes + (int(FAST_DECODING * self.nbytes) if self.whole else 0)
-        ledger.take_decode(cost, keep)
+        ledger.take(cost, spare=keep)
         try:
             for item, p in factors:
                 self.factors[item, p] = self.sources[item].read_whole(param_name(p))
@@ -210,7 +173,7 @@ class _Kernel:
             raise
         ledger.give(cost - factor_bytes - (self.nbytes if self.whole else 0))
 
-    def run(self, t: _Task, ledger: _Ledger) -> None:
+    def run(self, t: _Task, ledger: Gate) -> None:
         """Merges ``t``'s layer and writes it; then gives back what it held."""
         freed = 0
         try:
@@ -220,7 +183,8 @@ class _Kernel:
             del w, merged
             freed = self._done(t)
         finally:
-            ledger.give(t.cost + freed, layer=True)
+            ledger.give(t.cost + freed)
+            ledger.count(LAYERS, -1)
 
     def _base(self, t: _Task) -> np.ndarray:
         """The task's base layer: the kernel's own buffer where no later task reads it (the

@@ -13,7 +13,7 @@ from typing import Any
 from etils import epath
 
 from ..base.names import MAXTEXT_ITEM, ROLES, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from . import stepmeta
 from .stepmeta import recorded_tunix_step
 
@@ -41,15 +41,16 @@ class Layout(enum.Enum):
     UNKNOWN = "unknown"
 
 
-def detect_layout(step_dir: epath.PathLike) -> Layout:
+def detect_layout(step_dir: epath.PathLike, *, store: StepStore | None = None) -> Layout:
     """MAXTEXT if ``items/`` exists, TUNIX if ``model_params/`` exists without it, else UNKNOWN.
 
     Reads directory names only (and, on an object store, whether the step and its
     ``items/`` have their commit markers: see `is_committed`). A step holding both
     (converted beside its legacy items) is MAXTEXT: ``items/`` is what MaxText reads.
+    ``store``: the root's, as the caller decided it (else decided here).
     """
     step_dir = epath.Path(step_dir)
-    store = store_for(step_dir)
+    store = store or store_for(step_dir)
     # On an object store items/ is written in place: it exists, incomplete, until its
     # commit marker (its last object) does. On a disk it appears whole, by a rename.
     if store.item_committed(step_dir / MAXTEXT_ITEM):
@@ -61,7 +62,7 @@ def detect_layout(step_dir: epath.PathLike) -> Layout:
     return layout if store.step_committed(step_dir) else Layout.UNKNOWN
 
 
-def is_committed(step_dir: epath.PathLike) -> bool:
+def is_committed(step_dir: epath.PathLike, *, store: StepStore | None = None) -> bool:
     """Whether a step directory is a finished step.
 
     On an object store, as for Orbax, only once its ``commit_success.txt`` exists:
@@ -69,14 +70,16 @@ def is_committed(step_dir: epath.PathLike) -> bool:
     disk a step directory appears whole (Orbax renames it into place).
     """
     step_dir = epath.Path(step_dir)
-    return store_for(step_dir).step_committed(step_dir)
+    return (store or store_for(step_dir)).step_committed(step_dir)
 
 
-def tunix_items(step_dir: epath.PathLike) -> dict[str, epath.Path]:
+def tunix_items(
+    step_dir: epath.PathLike, *, store: StepStore | None = None
+) -> dict[str, epath.Path]:
     """The legacy items of a Tunix-layout step: ``model_params`` and, if present, the optimizer."""
     step_dir = epath.Path(step_dir)
     out = {TUNIX_PARAMS_ITEM: step_dir / TUNIX_PARAMS_ITEM}
-    if store_for(step_dir).is_dir(step_dir / TUNIX_OPT_ITEM):
+    if (store or store_for(step_dir)).is_dir(step_dir / TUNIX_OPT_ITEM):
         out[TUNIX_OPT_ITEM] = step_dir / TUNIX_OPT_ITEM
     return out
 

@@ -29,7 +29,7 @@ from etils import epath
 
 from ..base.treepaths import Path
 from ..errors import CheckpointReadError, CheckpointRefusedError
-from ..storage.store import TooLarge, store_for
+from ..storage.store import StepStore, TooLarge, store_for
 from ..storage.store import read_only as _store_read_only
 
 METADATA_FILE = "_METADATA"
@@ -61,14 +61,14 @@ def param_name(path: Path) -> str:
     return ".".join(str(k) for k in path)
 
 
-def read_limited(f: epath.Path, limit: int, what: str) -> bytes:
+def read_limited(f: epath.Path, limit: int, what: str, *, store: StepStore) -> bytes:
     """The bytes of file ``f`` (``what``), or `CheckpointReadError` naming ``limit`` when it
     holds more: on a disk its size is checked before it is read, and the read stops one
     byte past the limit (a file that grew meanwhile); on an object store one ranged request
     reads at most one byte past it (`StepStore.read_file`). `OSError`s pass through (the
-    callers name them)."""
+    callers name them). ``store``: the root's, as the caller decided it."""
     try:
-        return store_for(f).read_file(f, limit)
+        return store.read_file(f, limit)
     except TooLarge:
         pass
     raise CheckpointRefusedError(
@@ -89,35 +89,34 @@ def parse_json(data: bytes | str, where: object, what: str) -> Any:
         raise CheckpointRefusedError(f"{where}: invalid {what} ({why}).") from e
 
 
-def read_json(f: epath.Path, what: str, limit: int = ITEM_JSON_LIMIT) -> Any:
+def read_json(f: epath.Path, what: str, limit: int = ITEM_JSON_LIMIT, *, store: StepStore) -> Any:
     try:
-        data = read_limited(f, limit, what)
+        data = read_limited(f, limit, what, store=store)
     except OSError as e:
         raise CheckpointReadError(f"{f}: missing or invalid {what} ({e}).") from e
     return parse_json(data, f, f"JSON in the {what}")
 
 
-def prefetch_item(item_dir: epath.Path) -> None:
+def prefetch_item(item_dir: epath.Path, *, store: StepStore) -> None:
     """On an object store, within a restore (`reads_only`), starts reading the item's small
     files together (its JSON files and the OCDBT manifest, whose existence is checked): each
     request waits a round trip, and asked one after another they add up (issue 58). A disk
     reads each when asked."""
-    store_for(item_dir).prefetch(
+    store.prefetch(
         [item_dir / n for n in (METADATA_FILE, SHARDING_FILE, ARRAY_METADATA_FILE, MANIFEST_FILE)],
         ITEM_JSON_LIMIT,
     )
 
 
-def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
+def read_array_metadatas(item_dir: epath.Path, *, store: StepStore) -> dict[str, dict]:
     """``param_name -> array_metadata`` from every ``array_metadatas/process_*`` file."""
     out: dict[str, dict] = {}
     folder = epath.Path(item_dir) / ARRAY_METADATA_DIR
-    store = store_for(folder)
     names = store.list_dir(folder)  # [] where there is none
     store.prefetch([folder / n for n in names], ITEM_JSON_LIMIT)  # together, not in turn
     for f in (folder / n for n in names):
         try:
-            for entry in read_json(f, "array metadata")["array_metadatas"]:
+            for entry in read_json(f, "array metadata", store=store)["array_metadatas"]:
                 meta = entry["array_metadata"]  # read-only: writers copy what they change
                 out[str(meta["param_name"])] = meta
         except CheckpointReadError:
@@ -127,10 +126,12 @@ def read_array_metadatas(item_dir: epath.Path) -> dict[str, dict]:
     return out
 
 
-def key_impls(item_dir: epath.Path) -> dict[str, str]:
-    """``param_name -> random_key_impl`` of the item's stored PRNG keys (JSON only)."""
+def key_impls(item_dir: epath.Path, *, store: StepStore | None = None) -> dict[str, str]:
+    """``param_name -> random_key_impl`` of the item's stored PRNG keys (JSON only);
+    ``store``: the root's, as the caller decided it (else decided here)."""
     out = {}
-    for name, meta in read_array_metadatas(item_dir).items():
+    store = store or store_for(item_dir)
+    for name, meta in read_array_metadatas(item_dir, store=store).items():
         impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
         if impl:
             out[name] = str(impl)
@@ -146,6 +147,8 @@ class ItemFiles:
     value_meta: dict[str, dict]  # param name -> value_metadata
     shardings: dict[str, str]  # param name -> sharding JSON
     array_meta: dict[str, dict]  # param name -> array_metadata
+    # The store of the item's root, as the operation that read the files decided it.
+    store: StepStore | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def use_zarr3(self) -> bool:
@@ -165,27 +168,30 @@ class ItemFiles:
         return not bool(self.meta.get("store_array_data_equal_to_fill_value", False))
 
     @classmethod
-    def read(cls, item_dir: epath.PathLike, meta: dict | None = None) -> ItemFiles:
+    def read(
+        cls, item_dir: epath.PathLike, meta: dict | None = None, *, store: StepStore | None = None
+    ) -> ItemFiles:
         """Reads the item's JSON files (``meta``: its ``_METADATA``, if already parsed); in
         an operation that reads each item once (`reads_each_item_once`), the files it read
-        before, while ``_METADATA`` is the same file."""
+        before, while ``_METADATA`` is the same file. ``store``: the root's, as the caller
+        decided it (else decided here); the files carry it (``store``)."""
         item_dir = epath.Path(item_dir)
-        key = _once_key(item_dir)
+        store = store or store_for(item_dir)
+        key = _once_key(item_dir, store)
         known = _known(key)
         if known is not None and (meta is None or meta is known.meta):
             return known
-        files = cls._read(item_dir, meta)
+        files = cls._read(item_dir, meta, store)
         if key is not None:
             _READ_ONCE.get()[key] = files  # type: ignore[index]
         return files
 
     @classmethod
-    def _read(cls, item_dir: epath.Path, meta: dict | None) -> ItemFiles:
+    def _read(cls, item_dir: epath.Path, meta: dict | None, store: StepStore) -> ItemFiles:
         count("item files", str(item_dir))
-        store = store_for(item_dir)
-        prefetch_item(item_dir)
+        prefetch_item(item_dir, store=store)
         if meta is None:
-            meta = read_json(item_dir / METADATA_FILE, "Orbax metadata")
+            meta = read_json(item_dir / METADATA_FILE, "Orbax metadata", store=store)
         try:
             value_meta = {
                 ".".join(str(k["key"]) for k in entry["key_metadata"]): entry["value_metadata"]
@@ -197,12 +203,13 @@ class ItemFiles:
             ) from e
         shardings = {}
         if store.exists(item_dir / SHARDING_FILE):  # answered by the read, where it was made
-            raw = read_json(item_dir / SHARDING_FILE, "sharding file")
+            raw = read_json(item_dir / SHARDING_FILE, "sharding file", store=store)
             try:
                 shardings = {base64.urlsafe_b64decode(k).decode(): v for k, v in raw.items()}
             except (ValueError, TypeError, AttributeError) as e:
                 raise CheckpointReadError(f"{item_dir}/{SHARDING_FILE}: invalid ({e!r}).") from e
-        return cls(item_dir, meta, value_meta, shardings, read_array_metadatas(item_dir))
+        array_meta = read_array_metadatas(item_dir, store=store)
+        return cls(item_dir, meta, value_meta, shardings, array_meta, store)
 
 
 # -- each item's JSON files parsed once per operation ----------------------------------------
@@ -272,9 +279,9 @@ def remembered(kind: str, item_dir: epath.Path, compute: Callable[[], _T]) -> _T
     return memo[key]  # type: ignore[index]
 
 
-def known_metadata(item_dir: epath.Path) -> dict | None:
+def known_metadata(item_dir: epath.Path, *, store: StepStore) -> dict | None:
     """The item's parsed ``_METADATA`` if this operation read its files already."""
-    known = _known(_once_key(item_dir))
+    known = _known(_once_key(item_dir, store))
     return known.meta if known is not None else None
 
 
@@ -283,11 +290,11 @@ def _known(key: tuple | None) -> ItemFiles | None:
     return _READ_ONCE.get().get(key) if key is not None else None  # type: ignore[union-attr]
 
 
-def _once_key(item_dir: epath.Path) -> tuple | None:
+def _once_key(item_dir: epath.Path, store: StepStore) -> tuple | None:
     memo = _READ_ONCE.get()
     if memo is None:
         return None
-    if not store_for(item_dir).reads_files:  # an object store: within `reads_only` alone
+    if not store.reads_files:  # an object store: within `reads_only` alone
         return ("remote", str(item_dir).rstrip("/")) if _REMOTE in memo else None
     try:
         st = os.stat(os.path.join(str(item_dir), METADATA_FILE))

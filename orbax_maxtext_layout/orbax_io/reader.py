@@ -28,7 +28,7 @@ from etils import epath
 
 from ..base.treepaths import Path
 from ..errors import CheckpointReadError
-from ..storage.store import StepStore, store_for
+from ..storage.store import StepStore
 from . import chunks
 from .ocdbt import value_locations
 from .orbax_files import ItemFiles, count, open_kvstore, param_name, read_context, sub_kv
@@ -87,10 +87,10 @@ class ItemReader:
         An OCDBT item's B-tree (nodes only) is walked here, before any data file is opened:
         a data file named outside the item is refused (`containment`) whatever reads it
         later, this package's decoder or tensorstore."""
-        files = ItemFiles.read(item_dir)
+        files = ItemFiles.read(item_dir, store=store)
         context = read_context(0) if context is None else context
         kv = open_kvstore(files.dir, context, use_ocdbt=files.use_ocdbt)
-        item = cls(files, kv, store if store is not None else store_for(files.dir), context)
+        item = cls(files, kv, files.store, context)
         if item.is_ocdbt:
             item._value_files = value_locations(files.dir)
         return item

@@ -15,7 +15,7 @@ from etils import epath
 
 from ..base.treepaths import FlatTree, Path, flatten, norm_key
 from ..errors import CheckpointReadError
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .ocdbt import value_locations
 from .orbax_files import (
     ITEM_JSON_LIMIT,
@@ -120,26 +120,29 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
     Orbax's own, wrapped as before.
     """
     item_dir = epath.Path(item_dir)
-    meta = _item_metadata(item_dir)
+    store = store_for(item_dir)  # decided once for every file of the item, handed down
+    meta = _item_metadata(item_dir, store)
     try:
-        specs = _specs_from_files(item_dir, meta)
+        specs = _specs_from_files(item_dir, meta, store)
     except CheckpointRefusedError:  # damaged or forged past a limit: no other reader is given it
         raise
     except Exception:  # damaged or unusual: Orbax's reader names the problem, as always
         specs = None
-    return specs if specs is not None else orbax_specs(item_dir)
+    return specs if specs is not None else orbax_specs(item_dir, store=store)
 
 
-def orbax_specs(item_dir: epath.Path) -> FlatTree:
+def orbax_specs(item_dir: epath.Path, *, store: StepStore | None = None) -> FlatTree:
     """`read_specs` through Orbax's own ``PyTreeCheckpointHandler.metadata`` (which opens
-    every array with tensorstore, one by one, and reads ``_sharding`` for each)."""
+    every array with tensorstore, one by one, and reads ``_sharding`` for each). ``store``:
+    the root's, as `read_specs` decided it (else decided here)."""
     item_dir = epath.Path(item_dir)
-    _item_metadata(item_dir)
+    store = store or store_for(item_dir)
+    _item_metadata(item_dir, store)
     try:
         tree = ocp.PyTreeCheckpointHandler().metadata(absolute(item_dir)).tree
     except Exception as e:  # Orbax raises many types for a damaged item
         raise CheckpointReadError(f"{item_dir}: cannot read Orbax metadata: {e}") from e
-    impls = key_impls(item_dir)
+    impls = key_impls(item_dir, store=store)
     out: FlatTree = {}
     for raw_path, leaf in flatten(tree, is_leaf=_is_meta_leaf).items():
         path: Path = tuple(norm_key(k) for k in raw_path)
@@ -149,20 +152,19 @@ def orbax_specs(item_dir: epath.Path) -> FlatTree:
     return out
 
 
-def _item_metadata(item_dir: epath.Path) -> dict:
+def _item_metadata(item_dir: epath.Path, store: StepStore) -> dict:
     """The item's parsed ``_METADATA``, after the checks every reader makes first."""
-    store = store_for(item_dir)
-    prefetch_item(item_dir)  # on an object store: the files below read together
+    prefetch_item(item_dir, store=store)  # on an object store: the files below read together
     if not store.exists(item_dir / "_METADATA"):
         raise CheckpointReadError(
             f"{item_dir}: no _METADATA; this is not a complete Orbax PyTree item "
             "(an interrupted save, or the wrong directory)."
         )
     f = item_dir / "_METADATA"
-    meta = known_metadata(item_dir)  # this operation read it already
+    meta = known_metadata(item_dir, store=store)  # this operation read it already
     if meta is None:
         try:  # bounded (`ITEM_JSON_LIMIT`): checkpoints are untrusted input
-            raw = read_limited(f, ITEM_JSON_LIMIT, "Orbax metadata")
+            raw = read_limited(f, ITEM_JSON_LIMIT, "Orbax metadata", store=store)
         except OSError as e:  # gone since the check: e.g. moved by another converter meanwhile
             raise CheckpointReadError(f"{item_dir}/_METADATA: cannot be read ({e}).") from e
         meta = parse_json(raw, f, "JSON")  # also JSON nested too deeply for Python's parser
@@ -184,11 +186,11 @@ _EMPTY_VALUE_TYPES = frozenset({"None", "Dict", "List", "Tuple", "NamedTuple"})
 _UNREAD = LeafSpec((), np.dtype(np.int64))  # a leaf Orbax's metadata gives no shape or dtype
 
 
-def _specs_from_files(item_dir: epath.Path, meta: dict) -> FlatTree | None:
+def _specs_from_files(item_dir: epath.Path, meta: dict, store: StepStore) -> FlatTree | None:
     """What `orbax_specs` returns, read as Orbax's metadata reader does but in one batch
     (its JSON files, then every array's zarr metadata at once); None for an item holding
     a value type it does not know. Raises on anything unreadable."""
-    files = ItemFiles.read(item_dir, meta)
+    files = ItemFiles.read(item_dir, meta, store=store)
     entries: list[tuple[Path, dict]] = []
     for entry in meta["tree_metadata"].values():
         path: list[str | int] = []
@@ -280,7 +282,7 @@ def _tree_order(paths: Iterable[Path]) -> list[Path]:
 def _check_shardings(files: ItemFiles, names: list[str]) -> None:
     """Parses the sharding of each ``jax.Array`` leaf as Orbax's metadata reader does (it
     fails on a missing or unreadable one, so this does too)."""
-    if not names or not store_for(files.dir).exists(files.dir / SHARDING_FILE):
+    if not names or not files.store.exists(files.dir / SHARDING_FILE):
         return
     from orbax.checkpoint._src.metadata import sharding  # Orbax's parser (private; pinned)
 

@@ -4,7 +4,8 @@ Everything that changes a step directory's entries goes through here (the lock i
 `lock`, the step metadata in `stepmeta`, the legacy removal in `legacy_removal`): the temporary
 directory for a new ``items``, the single commit point, the renumbering move, and the
 separate destination step that appears only once complete. How each is done on a disk or
-an object store is the root's `store.StepStore`'s business.
+an object store is the root's `store.StepStore`'s business: each function is handed the
+store its caller decided for the root (``store``), and decides nothing itself.
 """
 
 from __future__ import annotations
@@ -14,24 +15,24 @@ from etils import epath
 
 from ..errors import OrbaxMaxTextLayoutError, StepExistsError
 from ..storage.lock import LOCK_NAME, release_moved_lock, step_lock
-from ..storage.store import TMP_SUFFIX, store_for
+from ..storage.store import TMP_SUFFIX, StepStore
 from . import stepmeta
 from .layout import MAXTEXT_ITEM, Layout, detect_layout, tunix_step_number
 
 
-def new_tmp_dir(step_dir: epath.Path) -> epath.Path:
+def new_tmp_dir(step_dir: epath.Path, *, store: StepStore) -> epath.Path:
     """Where a new ``items`` is written before its commit.
 
     On a disk: an Orbax-style temporary directory (ignored by readers and `find_steps`),
     renamed at the commit. On an object store (no rename): ``items/`` itself, written in
     place; it counts as written only once its commit marker exists (`commit`).
     """
-    return store_for(step_dir).new_item_dir(step_dir, MAXTEXT_ITEM)
+    return store.new_item_dir(step_dir, MAXTEXT_ITEM)
 
 
-def discard(tmp: epath.Path) -> None:
+def discard(tmp: epath.Path, *, store: StepStore) -> None:
     """Removes an uncommitted ``items`` (after a failure)."""
-    store_for(tmp).discard(tmp)
+    store.discard(tmp)
 
 
 def commit(
@@ -39,6 +40,7 @@ def commit(
     tmp: epath.Path,
     provenance: dict,
     *,
+    store: StepStore,
     meta: dict | None = None,
     custom: dict | None = None,
 ) -> None:
@@ -53,23 +55,23 @@ def commit(
     if publishing fails. ``meta``: the step metadata as this operation read it; ``custom``:
     entries for its custom metadata beside the provenance (MaxText's ``scan_layers``).
     """
-    store = store_for(step_dir)
-    old = stepmeta.read(step_dir) if meta is None else meta
+    old = stepmeta.read(step_dir, store=store) if meta is None else meta
     store.seal_item(tmp)
     typestr = ocp.PyTreeCheckpointHandler.typestr()
-    stepmeta.write(step_dir, stepmeta.with_item(old, MAXTEXT_ITEM, typestr, provenance, custom))
+    new = stepmeta.with_item(old, MAXTEXT_ITEM, typestr, provenance, custom)
+    stepmeta.write(step_dir, new, store=store)
     try:
         store.publish_item(tmp, step_dir / MAXTEXT_ITEM)
     except BaseException:
-        stepmeta.restore(step_dir, old)
+        stepmeta.restore(step_dir, old, store=store)
         raise
 
 
-def renumber_refusal(src: epath.Path, dst: epath.Path) -> StepExistsError:
+def renumber_refusal(src: epath.Path, dst: epath.Path, *, store: StepStore) -> StepExistsError:
     """The error for renumbering ``src`` into ``dst``, a directory that stays taken."""
     what = "a step of the same run in MaxText's numbering?"
     try:
-        if detect_layout(dst) is Layout.TUNIX and tunix_step_number(dst) == 0:
+        if detect_layout(dst, store=store) is Layout.TUNIX and tunix_step_number(dst) == 0:
             what = "Tunix's initial state (0 updates), which has no MaxText number"
     except OrbaxMaxTextLayoutError:  # moved or damaged meanwhile: the generic guess
         pass
@@ -80,7 +82,7 @@ def renumber_refusal(src: epath.Path, dst: epath.Path) -> StepExistsError:
     )
 
 
-def renumber_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
+def renumber_step(src: epath.Path, dst: epath.Path, tunix_step: int, *, store: StepStore) -> None:
     """Renumbers a legacy Tunix step: records its update count, then moves it (a rename on
     a disk; ordered copies and markers on an object store: `store.StepStore.relocate_step`).
 
@@ -88,15 +90,15 @@ def renumber_step(src: epath.Path, dst: epath.Path, tunix_step: int) -> None:
     Refused if ``dst`` exists: nothing is moved or overwritten.
     """
     if dst.exists():
-        raise renumber_refusal(src, dst)
-    with step_lock(src):
-        stepmeta.update(src, lambda meta: stepmeta.with_tunix_step(meta, tunix_step))
-        store_for(src).relocate_step(src, dst, keep=LOCK_NAME)
-        stepmeta.moved(src, dst)
-        release_moved_lock(dst)
+        raise renumber_refusal(src, dst, store=store)
+    with step_lock(src, store=store):
+        stepmeta.update(src, lambda m: stepmeta.with_tunix_step(m, tunix_step), store=store)
+        store.relocate_step(src, dst, keep=LOCK_NAME)
+        stepmeta.moved(src, dst, store=store)
+        release_moved_lock(dst, store=store)
 
 
-def new_step_dir(dest: epath.Path) -> epath.Path:
+def new_step_dir(dest: epath.Path, *, store: StepStore) -> epath.Path:
     """Where a separate destination step is built before it appears at ``dest``.
 
     On a disk: a temporary sibling (``<dest>.orbax-checkpoint-tmp-<hex>``, which Orbax
@@ -106,47 +108,52 @@ def new_step_dir(dest: epath.Path) -> epath.Path:
     `publish_step` writes last. Either way a failed conversion leaves no step a stock
     manager would list.
     """
-    store = store_for(dest)
     store.sweep_dead_work(dest)
     work = store.new_step_dir(dest)
-    clean_stale_tmp(work)
+    clean_stale_tmp(work, store=store)
     return work
 
 
-def sweep_dead_work(dest: epath.Path) -> list[str]:
+def sweep_dead_work(dest: epath.Path, *, store: StepStore) -> list[str]:
     """Removes what killed builds of the separate destination ``dest`` left (a merge or an
     ``--out`` conversion killed before its publication); notes for a report."""
-    return [f"removed {n}, left by a dead run" for n in store_for(dest).sweep_dead_work(dest)]
+    return [f"removed {n}, left by a dead run" for n in store.sweep_dead_work(dest)]
 
 
 def seed_destination(
-    step_dir: epath.Path, dest: epath.Path, tunix_step: int | None, *, meta: dict | None = None
+    step_dir: epath.Path,
+    dest: epath.Path,
+    tunix_step: int | None,
+    *,
+    store: StepStore,
+    meta: dict | None = None,
 ) -> None:
     """A separate destination step starts with the source's step metadata (recording
-    its Tunix step number when it is renumbered). ``meta``: the source's, if read."""
+    its Tunix step number when it is renumbered). ``meta``: the source's, if read; ``store``:
+    the destination's (the source's is read only where ``meta`` is not given)."""
     meta = stepmeta.read(step_dir) if meta is None else meta
     if meta or tunix_step is not None:
         if tunix_step is not None:
             meta = stepmeta.with_tunix_step(meta, tunix_step)
-        stepmeta.write(dest, meta)
+        stepmeta.write(dest, meta, store=store)
 
 
-def publish_step(work: epath.Path, dest: epath.Path) -> bool:
+def publish_step(work: epath.Path, dest: epath.Path, *, store: StepStore) -> bool:
     """Makes a destination step built in ``work`` (`new_step_dir`) appear at ``dest``:
     its ``commit_success.txt`` last, then (on a disk) one rename. False if ``dest``
     appeared meanwhile (another converter): ``work`` is then discarded."""
-    return store_for(dest).publish_step(work, dest)
+    return store.publish_step(work, dest)
 
 
-def discard_step_dir(work: epath.Path) -> None:
+def discard_step_dir(work: epath.Path, *, store: StepStore) -> None:
     """Removes an unpublished destination step (after a failure; but the lock)."""
-    store_for(work).discard_step_dir(work, keep=LOCK_NAME)
+    store.discard_step_dir(work, keep=LOCK_NAME)
 
 
-def clean_stale_tmp(step_dir: epath.Path) -> None:
+def clean_stale_tmp(step_dir: epath.Path, *, store: StepStore) -> None:
     """Removes what a dead run left (call under the step lock): an uncommitted ``items``,
     an items temporary directory, or the temporary file of a step-metadata replace."""
-    store_for(step_dir).clean_uncommitted_item(step_dir / MAXTEXT_ITEM)
+    store.clean_uncommitted_item(step_dir / MAXTEXT_ITEM)
     for child in step_dir.iterdir():
         if child.name.startswith(MAXTEXT_ITEM + TMP_SUFFIX):
             child.rmtree()

@@ -21,7 +21,7 @@ from typing import Any
 from etils import epath
 
 from ..errors import CheckpointReadError
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .orbax_files import count, parse_json, read_limited
 
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -46,14 +46,17 @@ def _remember(f: epath.Path, version: Hashable | None, data: dict) -> None:
             _records.popitem(last=False)
 
 
-def read(step_dir: epath.PathLike) -> dict[str, Any]:
+def read(step_dir: epath.PathLike, *, store: StepStore | None = None) -> dict[str, Any]:
     """The step's ``_CHECKPOINT_METADATA`` JSON (a fresh copy to edit), ``{}`` if it has none.
 
     Read from storage only when the file changed since this process last read or wrote it
     (each such read is counted by `orbax_files.io_counts` as ``("step metadata", step)``).
+    ``store``: the root's, as the caller decided it (else decided here, for a reader that
+    holds none).
     """
     f = epath.Path(step_dir) / STEP_METADATA
-    version = store_for(f).version(f)
+    store = store or store_for(f)
+    version = store.version(f)
     if version is None:
         return {}
     with _guard:
@@ -62,7 +65,7 @@ def read(step_dir: epath.PathLike) -> dict[str, Any]:
         return json.loads(json.dumps(known[1]))
     count("step metadata", str(step_dir))
     try:
-        raw = read_limited(f, STEP_METADATA_LIMIT, "step metadata file")
+        raw = read_limited(f, STEP_METADATA_LIMIT, "step metadata file", store=store)
     except FileNotFoundError as e:  # gone since the check: moved or removed meanwhile
         raise CheckpointReadError(
             f"{f}: disappeared while being read (another process moved or removed the step?)."
@@ -80,36 +83,36 @@ def read(step_dir: epath.PathLike) -> dict[str, Any]:
     return json.loads(json.dumps(data))
 
 
-def write(step_dir: epath.PathLike, meta: dict[str, Any]) -> None:
-    """Replaces the step's ``_CHECKPOINT_METADATA`` with ``meta``, atomically."""
+def write(step_dir: epath.PathLike, meta: dict[str, Any], *, store: StepStore) -> None:
+    """Replaces the step's ``_CHECKPOINT_METADATA`` with ``meta``, atomically (``store``: the
+    root's)."""
     f = epath.Path(step_dir) / STEP_METADATA
-    store = store_for(f)
     store.replace_file(f, json.dumps(meta))
     _remember(f, store.version(f), json.loads(json.dumps(meta)))
 
 
-def update(step_dir: epath.PathLike, change: Callable[[dict], dict]) -> None:
+def update(step_dir: epath.PathLike, change: Callable[[dict], dict], *, store: StepStore) -> None:
     """Replaces the step's metadata with ``change(current)``, atomically."""
-    write(step_dir, change(read(step_dir)))
+    write(step_dir, change(read(step_dir, store=store)), store=store)
 
 
-def restore(step_dir: epath.PathLike, old: dict[str, Any]) -> None:
+def restore(step_dir: epath.PathLike, old: dict[str, Any], *, store: StepStore) -> None:
     """Puts back ``old`` (as `read` returned it: ``{}`` for none) after a failed commit."""
     if old:
-        write(step_dir, old)
+        write(step_dir, old, store=store)
     else:
         f = epath.Path(step_dir) / STEP_METADATA
-        store_for(f).remove(f)
+        store.remove(f)
 
 
-def moved(src: epath.PathLike, dst: epath.PathLike) -> None:
+def moved(src: epath.PathLike, dst: epath.PathLike, *, store: StepStore) -> None:
     """The step directory ``src`` now lives at ``dst`` (renumbered by this process): its
     record follows it, so the metadata is not read again there."""
     f, g = epath.Path(src) / STEP_METADATA, epath.Path(dst) / STEP_METADATA
     with _guard:
         known = _records.pop(str(f), None)
     if known is not None:
-        _remember(g, store_for(g).version(g), known[1])
+        _remember(g, store.version(g), known[1])
 
 
 # -- what the record holds --------------------------------------------------------------

@@ -29,7 +29,7 @@ from ..errors import (
 from ..orbax_io import stepdir, stepmeta
 from ..orbax_io.layout import Layout, maxtext_number, tunix_step_number
 from ..storage.lock import RENUMBER_LOCK_NAME, holder, step_lock
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .moves import Plan
 from .steps import StepInfo, find_steps
 
@@ -133,6 +133,7 @@ def plan_renumbering(
     known = known or {}
     out: dict[epath.Path, PlannedStep] = {}
     for folder, members in _by_folder(infos).items():
+        store = store_for(folder)  # decided once per directory of steps, handed down
         occupied = {s.step for s in find_steps(folder, roles=False)}
         held: set[int] = set()  # directories another live process holds where they are
         todo = []
@@ -144,7 +145,7 @@ def plan_renumbering(
                 out[info.path] = PlannedStep(info, info.path)  # converted where it is, or skipped
             elif tunix < 1:
                 out[info.path] = PlannedStep(info, info.path, tunix, skip=TUNIX_ZERO)
-            elif (who := holder(info.path)) is not None:
+            elif (who := holder(info.path, store=store)) is not None:
                 held.add(int(info.path.name))
                 out[info.path] = PlannedStep(info, info.path, tunix, locked=who)
             else:
@@ -159,7 +160,10 @@ def plan_renumbering(
                 out[info.path] = PlannedStep(info, info.path, tunix, locked=why)
             elif home in occupied:
                 out[info.path] = PlannedStep(
-                    info, info.path, tunix, error=stepdir.renumber_refusal(info.path, dst)
+                    info,
+                    info.path,
+                    tunix,
+                    error=stepdir.renumber_refusal(info.path, dst, store=store),
                 )
             else:
                 occupied.discard(here)
@@ -203,9 +207,10 @@ def apply_renumbering(
     for p in planned:
         folders.setdefault(p.info.path.parent, []).append(p)
     for folder, mine in folders.items():
+        store = store_for(folder)  # decided once per directory of steps, handed down
         try:
-            with step_lock(folder, name=RENUMBER_LOCK_NAME, wait=_LOCK_WAIT):
-                out.update(_apply_in(folder, mine, plan_of))
+            with step_lock(folder, store=store, name=RENUMBER_LOCK_NAME, wait=_LOCK_WAIT):
+                out.update(_apply_in(folder, mine, plan_of, store=store))
         except StepLocked as e:
             for p in mine:
                 out[p.info.path] = dataclasses.replace(
@@ -232,8 +237,10 @@ def _apply_in(
     folder: epath.Path,
     planned: Sequence[PlannedStep],
     plan_of: Callable[[epath.Path], Plan] | None,
+    *,
+    store: StepStore,
 ) -> dict[epath.Path, PlannedStep]:
-    notes = store_for(folder).finish_relocations(folder)  # killed moves (an object store's)
+    notes = store.finish_relocations(folder)  # killed moves (an object store's)
 
     # Planned again here: the moves (a refusal planned outside the lock may be gone), and a
     # conversion whose metadata could not be read then (another converter was moving it).
@@ -278,7 +285,7 @@ def _apply_in(
         elif q.renumbering is not None:
             try:
                 stepdir.renumber_step(
-                    q.renumbering.src, q.renumbering.dst, q.renumbering.tunix_step
+                    q.renumbering.src, q.renumbering.dst, q.renumbering.tunix_step, store=store
                 )
             except StepLocked as e:
                 blocked.add(q.renumbering.src)

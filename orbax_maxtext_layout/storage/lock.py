@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from etils import epath
 
 from ..errors import ReadOnlyStepError, StepLocked
-from .store import StepStore, alive, dead, read_only_error, store_for
+from .store import StepStore, alive, dead, read_only_error
 
 LOCK_NAME = ".orbax-maxtext-layout.lock"
 # Held on a directory of steps while one of them is renumbered (a short critical section).
@@ -19,17 +19,20 @@ RENUMBER_LOCK_NAME = ".orbax-maxtext-layout.renumber.lock"
 
 
 @contextlib.contextmanager
-def step_lock(step_dir: epath.Path, *, name: str = LOCK_NAME, wait: float = 0.0) -> Iterator[None]:
+def step_lock(
+    step_dir: epath.Path, *, store: StepStore, name: str = LOCK_NAME, wait: float = 0.0
+) -> Iterator[None]:
     """Holds ``<step>/.orbax-maxtext-layout.lock`` (an exclusive create, owner pid and host
     inside: ``O_EXCL`` on a disk, a conditional write on an object store).
 
     A lock left by a dead process on this host (a SIGKILLed converter) is broken;
     a live owner's lock raises `StepLocked`, and the caller skips the step, unless
     ``wait`` seconds (for a short critical section such as a renumbering) are given
-    to wait for it. ``name`` is the lock file's name.
+    to wait for it. ``name`` is the lock file's name; ``store``, the store of the step's root
+    (`store.store_for`, decided by the caller's entry point).
     """
     step_dir = epath.Path(step_dir)
-    store, path = store_for(step_dir), step_dir / name
+    path = step_dir / name
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     deadline = time.monotonic() + wait
     tries = 0
@@ -76,20 +79,20 @@ def _stale(owner: dict) -> bool:
     return owner.get("host") == socket.gethostname() and not alive(owner["pid"])
 
 
-def holder(step_dir: epath.Path, *, name: str = LOCK_NAME) -> str | None:
+def holder(step_dir: epath.Path, *, store: StepStore, name: str = LOCK_NAME) -> str | None:
     """Who holds the lock of ``step_dir`` (a live owner), or None: the lock is free, or
     its owner died (`step_lock` would break it). Reads the lock file only."""
-    owner = store_for(step_dir).read_owner(epath.Path(step_dir) / name)
+    owner = store.read_owner(epath.Path(step_dir) / name)
     if owner is None or _stale(owner):
         return None
     return f"{step_dir}: being converted by pid {owner.get('pid')} on {owner.get('host')}"
 
 
-def break_stale_lock(step_dir: epath.Path) -> bool:
+def break_stale_lock(step_dir: epath.Path, *, store: StepStore) -> bool:
     """Removes a lock whose owner died on this host (or that has no owner), and the private
     files of dead lockers; True if the lock was removed."""
     step_dir = epath.Path(step_dir)
-    store, path = store_for(step_dir), step_dir / LOCK_NAME
+    path = step_dir / LOCK_NAME
     store.sweep_lock_files(step_dir, LOCK_NAME, dead)
     owner = store.read_owner(path)
     if owner is None or not _stale(owner):
@@ -98,10 +101,10 @@ def break_stale_lock(step_dir: epath.Path) -> bool:
     return True
 
 
-def release_moved_lock(step_dir: epath.Path) -> None:
+def release_moved_lock(step_dir: epath.Path, *, store: StepStore) -> None:
     """Removes this process's lock that moved with a renamed step directory.
 
     A step is renumbered by renaming its directory while holding its lock; the lock
     file moves along, and `step_lock` then finds nothing to remove at the old path.
     """
-    store_for(step_dir).release_moved_lock(epath.Path(step_dir), LOCK_NAME, os.getpid())
+    store.release_moved_lock(epath.Path(step_dir), LOCK_NAME, os.getpid())

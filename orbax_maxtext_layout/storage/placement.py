@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..base.futures import results
+from . import memory
 
 REFLINK, HARDLINK, COPY = "reflink", "hardlink", "copy"
 KINDS = (REFLINK, HARDLINK, COPY)
@@ -176,7 +177,7 @@ class Placer:
         ``workers`` threads (default: one per core, at most 4): a copy is in the kernel
         (``copy_file_range``, ``sendfile``), which runs without the GIL, so copies overlap
         where one stream leaves the disk or the cores idle; links are placed in order."""
-        workers = workers or min(4, os.cpu_count() or 1)
+        workers = workers or memory.COPY.count()
         for i, (a, b) in enumerate(pairs):
             copied = self.placed.files[COPY]
             self.place(a, b)
