@@ -21,12 +21,13 @@ FLOORS = {
     "model": 3,
     "plan": 4,
     "execute": 5,
-    "hf": 6,
-    "integration": 7,
+    "lora": 6,
+    "hf": 7,
+    "integration": 8,
 }
 GROUND = {"errors", "_version"}  # top-level modules every floor may import
 ROOF = {"__init__", "__main__", "cli", "training", "maxtext", "paths"}  # the faces, on top
-ROOF_FLOOR = 8
+ROOF_FLOOR = 9
 MAX_TOP = 8  # modules at the top of the package
 MAX_IN_FOLDER = 12
 
@@ -129,7 +130,7 @@ def test_the_check_sees_an_import_upward_and_a_pair_importing_each_other() -> No
         [("hf.export_hf", "integration.handler"), ("integration.handler", "hf.export_hf")]
     )
     assert upward_or_mutual([("hf.export_hf", "integration.handler")]) == [
-        "hf.export_hf (floor 6) imports integration.handler (floor 7)"
+        "hf.export_hf (floor 7) imports integration.handler (floor 8)"
     ]
     assert upward_or_mutual([("errors", "storage.store")]) == [
         "errors is on the ground floor and imports storage.store"

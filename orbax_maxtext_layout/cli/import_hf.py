@@ -23,6 +23,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
         memory_budget=args.memory_budget,
         dry_run=args.dry_run,
         progress=progress,
+        adapter=args.adapter,
     )
     if sys.stderr.isatty() and not args.json and not args.dry_run:
         print(file=sys.stderr)
@@ -56,6 +57,13 @@ def add_import_hf(sub: Subparsers) -> None:
         type=parse_size,
         metavar="SIZE",
         help="bytes of slices held at once, e.g. 2GiB (default 2GiB)",
+    )
+    i.add_argument(
+        "--adapter",
+        metavar="ADAPTER_DIR",
+        help="a PEFT LoRA adapter of this model (adapter_config.json and "
+        "adapter_model.safetensors), merged in: W + s·B@A per adapted tensor in float32, with "
+        "PEFT's scale for its module (rsLoRA, rank and alpha patterns), before MaxText's hooks",
     )
     add_model_config(i, " (scan_layers picks the form written)")
     i.set_defaults(fn=cmd_import_hf)

@@ -43,6 +43,7 @@ from .._version import __version__
 from ..base.futures import results
 from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
+from ..lora import peft_adapter
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage import transpose
@@ -132,10 +133,12 @@ class ImportPlan:
     leaves: list[Leaf]
     save_dtype: np.dtype
     budget: int
+    adapter: Adapter | None = None  # ``--adapter``: merged into its base tensors as read
 
     @property
     def bytes_read(self) -> int:
-        return sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
+        base = sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
+        return base + (self.adapter.bytes_read if self.adapter else 0)
 
     @property
     def bytes_written(self) -> int:
@@ -156,6 +159,25 @@ class ImportPlan:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """A PEFT adapter merged while importing: its directory, read as untrusted input as the
+    base is (`HfDir`), and its plan against the base (`peft_adapter.plan_adapter`)."""
+
+    dir: HfDir
+    plan: peft_adapter.AdapterPlan
+
+    @property
+    def bytes_read(self) -> int:
+        """The factors read, once per tensor they change (a fused experts pair once an
+        expert and part: small next to the base)."""
+        d = self.dir.tensors
+        return sum(d[x.a].nbytes + d[x.b].nbytes for x in self.plan.deltas.values())
+
+    def merge(self, name: str, w: np.ndarray) -> np.ndarray:
+        return self.plan.merge(name, w, self.dir.read)
+
+
 @dataclasses.dataclass
 class ImportReport:
     """What `import_hf` did (or, ``dry_run``, would do)."""
@@ -172,6 +194,7 @@ class ImportReport:
     memory: int
     dry_run: bool
     seconds: float = 0.0
+    adapter: dict | None = None  # ``--adapter``: what was merged (`AdapterPlan.to_dict`)
 
     def to_json(self) -> str:
         import json
@@ -185,7 +208,7 @@ class ImportReport:
             f"{str(self.scan_layers).lower()}, {self.save_dtype}): {self.params} params from "
             f"{self.hf_tensors} Hugging Face tensors, {self.bytes_read:,} bytes read, "
             f"{self.bytes_written:,} bytes of values written, about {self.memory:,} bytes "
-            f"held at once" + (f", {self.seconds:.1f} s" if self.seconds else "")
+            f"held at once" + (f", {self.seconds:.1f} s" if self.seconds else "") + _merged(self)
         )
 
 
@@ -198,16 +221,23 @@ def import_hf(
     memory_budget: int | None = None,
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    adapter: epath.PathLike | None = None,
 ) -> ImportReport:
     """Writes the Hugging Face directory ``hf_dir`` as ``<out>/0`` (MaxText's layout), as
     MaxText's ``to_maxtext`` does for the model of ``maxtext_config`` (its config file, then
     ``KEY=VALUE`` overrides; ``scan_layers`` picks the form). Nothing is written before the
     whole directory was read as metadata and checked against the model.
 
+    ``adapter``: a PEFT LoRA adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) for this base, merged in: each tensor it adapts becomes
+    ``W + s·B@A`` in float32 with PEFT's scale for its module, before the cast and MaxText's
+    hooks (docs/import-hf.md, "A PEFT adapter merged in").
+
     Raises:
       HfInputError: the directory is malformed or names anything outside itself.
       LayoutMismatchError: ``config.json`` or a tensor disagrees with the MaxText config
-        (every mismatch named).
+        (every mismatch named); an ``AdapterRefusedError``, the adapter's settings or
+        factors cannot be merged exactly into this base (every problem named).
       StepExistsError: ``<out>/0`` exists.
       UsageError: an unknown ``save_dtype``.
     """
@@ -221,6 +251,7 @@ def import_hf(
         memory_budget=memory_budget,
         dry_run=dry_run,
         progress=progress,
+        adapter=adapter,
     )
 
 
@@ -233,6 +264,7 @@ def _import_hf(
     memory_budget: int | None,
     dry_run: bool,
     progress: Callable[[int, int], None] | None,
+    adapter: epath.PathLike | None = None,
 ) -> ImportReport:
     start = time.monotonic()
     if save_dtype not in SAVE_DTYPES:
@@ -243,11 +275,20 @@ def _import_hf(
     check_config(hf, model)
     budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
     plan = plan_import(hf, model, SAVE_DTYPES[save_dtype], budget)
+    if adapter is not None:
+        plan = dataclasses.replace(plan, adapter=open_adapter(adapter, plan))
     dest = epath.Path(out) / "0"
-    if dest.exists():
-        raise StepExistsError(f"{dest} exists; import-hf writes a new step: pass another --out.")
-    if not dry_run:
-        _write_step(plan, dest, progress)
+    try:
+        if dest.exists():
+            raise StepExistsError(
+                f"{dest} exists; import-hf writes a new step: pass another --out."
+            )
+        if not dry_run:
+            _write_step(plan, dest, progress)
+    finally:
+        if plan.adapter is not None:
+            plan.adapter.dir.close()
+    read = hf.bytes_read + (plan.adapter.dir.bytes_read if plan.adapter else 0)
     return ImportReport(
         str(hf_dir),
         str(out),
@@ -256,11 +297,43 @@ def _import_hf(
         save_dtype,
         sum(len(lf.paths) for lf in plan.leaves),
         len({n for lf in plan.leaves for n in _names(lf.hf)}),
-        plan.bytes_read if dry_run else hf.bytes_read,
+        plan.bytes_read if dry_run else read,
         plan.bytes_written,
         plan.memory,
         dry_run,
         0.0 if dry_run else time.monotonic() - start,
+        plan.adapter.plan.to_dict() if plan.adapter else None,
+    )
+
+
+def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
+    """The PEFT adapter directory ``adapter`` opened as untrusted input (`HfDir`'s checks:
+    containment, sizes, the safetensors header) and planned against the base tensors
+    ``plan`` reads; `HfInputError` or `AdapterRefusedError`, nothing written."""
+    files = (peft_adapter.CONFIG_FILE, peft_adapter.WEIGHTS_FILE)
+    ad = HfDir.open(adapter, files=files)
+    try:
+        where = str(ad.dir)
+        settings = peft_adapter.settings(ad.config, f"{where}/{peft_adapter.CONFIG_FILE}")
+        factors = {n: (t.shape, t.dtype) for n, t in ad.tensors.items()}
+        base = {n: plan.hf.tensors[n].shape for lf in plan.leaves for n in _names(lf.hf)}
+        model_type = str(plan.hf.config.get("model_type"))
+        made = peft_adapter.plan_adapter(
+            settings, factors, base, model_type=model_type, where=where
+        )
+    except BaseException:
+        ad.close()
+        raise
+    return Adapter(ad, made)
+
+
+def _merged(report: ImportReport) -> str:
+    a = report.adapter
+    if not a:
+        return ""
+    return (
+        f"; merged the PEFT adapter {a['adapter']} into {a['tensors']} tensors of "
+        f"{a['modules']} modules (ranks {a['ranks']}, scales {a['scales']})"
     )
 
 
@@ -419,6 +492,10 @@ def _as_stored(hf: HfDir, node: Any) -> Any:
 
 def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
     read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
+    if plan.adapter is not None:  # a merged tensor also holds its float32 delta and sum
+        read += sum(
+            plan.adapter.plan.held(n, 4 * math.prod(plan.hf.tensors[n].shape)) for n in _names(hf)
+        )
     made = math.prod(leaf.slice_shape) * plan.save_dtype.itemsize * len(leaf.keys)
     return max(read, made)
 
@@ -464,6 +541,8 @@ def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> Non
             "save_dtype": plan.save_dtype.name,
             "bytes_read": plan.hf.bytes_read,
         }
+        if plan.adapter is not None:
+            provenance["adapter"] = plan.adapter.plan.to_dict()
         custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
         stepdir.commit(work, tmp, provenance, meta={}, custom=custom)
         if not stepdir.publish_step(work, dest):
@@ -738,16 +817,24 @@ def _slice(
     elif isinstance(hf, tuple):
         at, parts = 0, []
         for n in hf:
-            parts.append(cast(_read(plan.hf, n, scratch, at), plan.save_dtype))
+            parts.append(cast(_source(plan, n, scratch, at), plan.save_dtype))
             at += plan.hf.tensors[n].nbytes
         raw = tuple(parts)
     else:
-        raw = cast(_read(plan.hf, hf, scratch), plan.save_dtype)
+        raw = cast(_source(plan, hf, scratch), plan.save_dtype)
     made = np.asarray(apply_hook_fns(raw, leaf.slice_shape, leaf.hooks))
     if len(leaf.keys) == 1:
         return [made.reshape(leaf.slice_shape)]
     # a composite key: the hook's output split on its last axis, as to_maxtext splits it
     return [made[..., i] for i in range(len(leaf.keys))]
+
+
+def _source(plan: ImportPlan, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
+    """HF tensor ``name`` as the import takes it: read (`_read`), and with ``--adapter`` its
+    delta added in float32 where the adapter changes it (before the cast, as PEFT merges into
+    the float32 weights its ``merge_and_unload`` returns)."""
+    x = _read(plan.hf, name, scratch, at)
+    return x if plan.adapter is None else plan.adapter.merge(name, x)
 
 
 def _read(hf: HfDir, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
