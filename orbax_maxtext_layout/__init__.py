@@ -12,11 +12,9 @@ from .errors import (
     UsageError,
 )
 from .execute.convert import (
-    MergeReport,
     StepReport,
     convert_step,
     converted_provenance,
-    merge_lora,
     to_maxtext_items,
 )
 from .execute.restore import restore_as_items
@@ -32,6 +30,8 @@ from .integration.handler import (
     load_params_from_path,
 )
 from .integration.manager import CheckpointManager
+from .lora.merge import MergeReport, merge_lora
+from .lora.merge_plan import plan_merge
 from .model.layer_axes import layer_map, scan_axes
 from .model.layermap import SCAN_GROUPS, LayerMap
 from .model.lora import LoraAdapters, LoraAdapterStepError
@@ -41,8 +41,8 @@ from .model.target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
 from .orbax_io.layout import Layout, detect_layout, tunix_step_number
 from .orbax_io.spec import LeafSpec, read_specs
 from .orbax_io.stepmeta import TUNIX_STEP_KEY
-from .plan.merge import plan_merge
-from .plan.moves import Drop, Move, Op, apply_op
+from .plan.moves import Drop, Move, Op
+from .plan.ops import apply_op
 from .plan.rescan import maxtext_forms
 from .plan.step_plan import Plan, make_plan, narrow, plan_maxtext_step, plan_step
 from .plan.steps import StepInfo, find_steps

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from orbax_maxtext_layout.hf.adapter_factors import TOLERANCE, carry, check
-from orbax_maxtext_layout.plan.moves import lora_delta_added
+from orbax_maxtext_layout.lora.adapter_factors import TOLERANCE, carry, check
+from orbax_maxtext_layout.lora.delta import lora_delta_added
 
 EMB, HEADS, HD, R = 12, 3, 8, 4
 

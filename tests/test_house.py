@@ -140,7 +140,7 @@ def test_the_check_sees_an_import_upward_and_a_pair_importing_each_other() -> No
 def test_the_import_reader_sees_relative_absolute_and_lazy_imports() -> None:
     path = PACKAGE / "execute" / "convert.py"
     found = imports_of("execute.convert", path)
-    assert {"execute.restore", "plan.moves", "storage.store", "errors"} <= found
+    assert {"execute.restore", "plan.step_plan", "storage.store", "errors"} <= found
 
 
 def test_rooms_stay_small() -> None:

@@ -16,7 +16,7 @@ Box = tuple[tuple[int, int], ...]  # per axis, [start, stop)
 def flat_run(box: Sequence[tuple[int, int]], sizes: Sequence[int]) -> tuple[int, int] | None:
     """The run ``[lo, hi)`` of C-order flat indices a box of ``sizes`` covers, or None if it
     is not one run (single indices, then one range, then whole axes). A LoRA merge splits a
-    box onto its factors' rows and columns with it too (`plan.moves.factor_boxes`)."""
+    box onto its factors' rows and columns with it too (`plan.ops.factor_boxes`)."""
     cut = [a for a in range(len(sizes)) if box[a] != (0, sizes[a])]
     if cut and any(box[a][1] - box[a][0] != 1 for a in range(cut[-1])):
         return None

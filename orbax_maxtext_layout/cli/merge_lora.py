@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import OrbaxMaxTextLayoutError, UsageError, print_error
-from ..execute.convert import merge_lora
+from ..lora.merge import merge_lora
 from .common import (
     Subparsers,
     add_json,

@@ -12,8 +12,8 @@ from etils import epath
 from ..errors import print_error
 from ..execute.convert import converted_provenance
 from ..execute.verify import RESCANNED, verify_step
+from ..lora.merge_plan import SOURCE_LAYOUT
 from ..orbax_io.layout import Layout
-from ..plan.merge import SOURCE_LAYOUT
 from ..plan.steps import find_steps
 from .common import Subparsers, add_json, no_steps_hint
 

@@ -6,7 +6,6 @@ The report, the provenance record and the progress total all come from the one
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -40,8 +39,7 @@ from ..orbax_io.layout import (
 )
 from ..orbax_io.orbax_files import ItemFiles, reads_each_item_once
 from ..orbax_io.spec import spec_of
-from ..plan import merge, renumbering
-from ..plan.moves import Op
+from ..plan import renumbering
 from ..plan.provenance import record as provenance_record
 from ..plan.step_plan import OptimizerMode, Plan, make_plan, plan_maxtext_step, plan_step
 from ..plan.steps import find_steps
@@ -616,149 +614,3 @@ def to_maxtext_items(
 def _flat(tree: Any) -> dict:
     leaves = flatten(tree, is_leaf=lambda x: isinstance(x, jax.Array) or hasattr(x, "dtype"))
     return {tuple(norm_key(k) for k in p): x for p, x in leaves.items()}
-
-
-@dataclasses.dataclass
-class MergeReport:
-    """What a merge did (or, for a dry run, would do)."""
-
-    out: str
-    status: str  # "merged" | "dry-run"
-    adapter_step: str
-    base: str
-    alpha: float
-    rank: int
-    scale: float
-    layer_axis: int | None
-    scan: str | None
-    modules: list[str]
-    merged: list[str]
-    destinations: dict[str, dict[str, int]]
-    dropped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    bytes_written: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        params = self.destinations.get("params", {})
-        axis = "unscanned" if self.layer_axis is None else f"layer axis {self.layer_axis}"
-        lines = [
-            f"{self.out}: {self.status} (LoRA merge)",
-            f"  adapters {self.adapter_step}: rank {self.rank}, alpha {self.alpha:g}, "
-            f"scale {self.scale:g}, {axis}",
-            f"  base {self.base}",
-            f"  params: {params.get('leaves', 0)} leaves, {params.get('bytes', 0):,} bytes; "
-            f"{len(self.merged)} merged: "
-            + ", ".join(self.merged[:4])
-            + (f", ... ({len(self.merged) - 4} more)" if len(self.merged) > 4 else ""),
-        ]
-        if self.scan:
-            lines.append(f"  written {'unrolled' if self.scan == 'unroll' else 'stacked'}")
-        if self.dropped:
-            lines.append(f"  dropped {len(self.dropped)} base leaves ({merge.NOT_PARAMS})")
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.status == "merged":
-            lines.append(f"  bytes written: {self.bytes_written:,}")
-        return "\n".join(lines)
-
-
-# -- merge-lora: the same writer, lock and publication ----------------------------------------
-@reads_each_item_once
-def merge_lora(
-    adapter_step: epath.PathLike,
-    base: epath.PathLike,
-    *,
-    alpha: float | None = None,
-    out: epath.PathLike,
-    target: Target | None = None,
-    scan: Literal["unroll", "stack"] | None = None,
-    scan_axis: int | None = None,
-    memory_budget: int = DEFAULT_BUDGET,
-    dry_run: bool = False,
-    plain_scan: bool = False,
-) -> MergeReport:
-    """Merges a Tunix LoRA adapter step into ``base``; writes ``<out>/0/items``.
-
-    ``adapter_step`` is the LoRA step (or its ``model_params``); ``base`` the MaxText
-    step the LoRA run started from (or its ``items``), or a full Tunix step of the same
-    model (then pass ``target``). Either may be on ``gs://``. The result holds the base's
-    ``params`` with each adapted weight merged; every other param is the base's stored
-    bytes (hard links or server-side copies, never decoded). Provenance (base, adapter
-    step, alpha, rank, modules, layer axis) goes in the step's custom metadata. The
-    step appears under ``out`` only once complete; nothing is written on a refusal.
-    ``scan="unroll"``/``"stack"`` writes the other scan form (``target``, built from
-    MaxText's config, names the model in either form); ``plain_scan`` stacks an unscanned
-    base with no scanned form at hand as a plain scan (`rescan.check_plain_stack`).
-    """
-    adapter_dir, _ = merge.adapter_item(adapter_step)
-    plan, adapters, alpha = merge.plan_merge(
-        adapter_step,
-        base,
-        alpha=alpha,
-        target=target,
-        scan=scan,
-        scan_axis=scan_axis,
-        plain_scan=plain_scan,
-    )
-    dest = epath.Path(out) / "0"
-    axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
-    report = MergeReport(
-        out=str(dest),
-        status="dry-run" if dry_run else "merged",
-        adapter_step=str(adapter_dir),
-        base=str(base),
-        alpha=alpha,
-        rank=adapters.rank,
-        scale=alpha / adapters.rank,
-        layer_axis=axis if adapters.scanned else None,
-        scan=scan,
-        modules=adapters.modules,
-        merged=[keystr(m.dst) for m in plan.moves if m.op is Op.MERGE_LORA],
-        destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
-        dropped=[
-            {"item": d.item, "path": keystr(d.src), "bytes": d.spec.nbytes, "reason": d.reason}
-            for d in plan.drops
-        ],
-        notes=list(plan.notes),
-    )
-    if dry_run:
-        return report
-    prov = merge.merge_provenance(
-        plan,
-        adapters,
-        alpha=alpha,
-        adapter_dir=adapter_dir,
-        base=base,
-        scan=scan,
-        scan_axis=scan_axis,
-        target=target,
-    )
-    sources = merge.merge_sources(adapter_step, base)
-    store = store_for(dest)
-    with step_lock(dest) if store.builds_in_place else contextlib.nullcontext():
-        # Built in place on an object store: one writer at a time, under the lock.
-        if store.dest_taken(dest):
-            raise StepExistsError(
-                f"{dest}: exists; nothing was written. Remove it or choose another --out."
-            )
-        report.bytes_written = _publish_merge(dest, plan, sources, prov, memory_budget)
-    return report
-
-
-def _publish_merge(dest, plan, sources, prov, budget) -> int:
-    """Writes the step where it is built (`stepdir.new_step_dir`), then publishes it last:
-    a merge that fails or is killed leaves no listable step."""
-    work = stepdir.new_step_dir(dest)
-    try:
-        written = write_items(work, plan, sources, provenance=prov, budget=budget).bytes_written
-        if not stepdir.publish_step(work, dest):
-            raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
-    except BaseException:
-        stepdir.discard_step_dir(work)
-        raise
-    return written

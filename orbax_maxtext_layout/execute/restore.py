@@ -22,11 +22,10 @@ from etils import epath
 from ..base.treepaths import FlatTree, Path, flatten, keystr, norm_key, unflatten
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Target
-from ..orbax_io import casts
 from ..orbax_io.layout import tunix_items
 from ..orbax_io.orbax_files import absolute, param_name, reads_only
 from ..orbax_io.reader import ItemReader
-from ..plan.moves import Op, Plan, apply_op
+from ..plan.moves import Plan
 from ..plan.step_plan import OptimizerMode, narrow, plan_step
 from . import parallel_read
 
@@ -205,7 +204,7 @@ def read_sources(
         placed = {
             m.src: abstract[m.dst]
             for m in moves
-            if abstract and m.dst in abstract and m.op in (Op.COPY, Op.CAST)
+            if abstract and m.dst in abstract and m.op.elementwise
         }
         wanted[name] = (item_dir, {p for m in moves for p in m.sources}, placed)
     return read_items(wanted, restore)
@@ -337,14 +336,7 @@ def assemble_flat(plan: Plan, sources: Mapping[str, FlatTree]) -> FlatTree:
     flat: FlatTree = {}
     used: set[int] = set()
     for m in plan.moves:
-        if m.op is Op.COPY:
-            x = sources[m.item][m.src]
-        elif m.op is Op.CAST:
-            x = sources[m.item][m.src]
-            if np.dtype(x.dtype) != m.cast:
-                x = casts.astype(x, m.cast)  # as Orbax casts (tensorstore's cast)
-        else:
-            x = apply_op(m, lambda item, p: np.asarray(sources[item][p]))
+        x = m.op.assemble(m, lambda item, p: sources[item][p])  # a copy: the leaf as given
         if m.out_spec.key_impl and _is_key_data(x):
             x = jax.random.wrap_key_data(jax.numpy.asarray(x), impl=m.out_spec.key_impl)
         if id(x) in used:

@@ -1,9 +1,10 @@
-"""Moves that only move values (copy, cast, slice, stack), executed source by source.
+"""Moves executed source by source: those that only move values (copy, cast, slice, stack),
+and those that combine them box by box where they can (a LoRA merge: its op's `splits`).
 
 An unrolled param is 32 destination arrays read from one source array; read one layer at a
 time, the source is decoded 32 times. Here each source array is walked once
 (`ItemReader.pieces`), and each piece is routed to every move that reads it
-(`moves.piece_parts`). The writer (`write_routed`) gives each destination array chunks of
+(its op's `parts`). The writer (`write_routed`) gives each destination array chunks of
 the shape its pieces arrive in (`dest_chunk`), so that every piece fills whole chunks:
 nothing is read back or encoded twice. `verify` walks the same pieces (the same `PIECE`
 size) and reads the destination's matching boxes, so that both sides decode each stored
@@ -26,16 +27,7 @@ from ..base.treepaths import Path
 from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
-from ..plan.moves import (
-    ROUTED,
-    Move,
-    Op,
-    factor_boxes,
-    fresh_rng,
-    merge_part,
-    part_shape,
-    piece_parts,
-)
+from ..plan.moves import Move
 
 PIECE = 64 << 20  # the largest pieces a writer streams in
 # Source arrays walked at once: one more than this project's 2 cores, as a worker waits on
@@ -60,36 +52,20 @@ def routed(
     piece: int = PIECE,
 ) -> list[Move]:
     """The moves routed piece by piece: those that only move values, and (given the
-    ``sources``) LoRA merges whose pieces of ``piece`` bytes split onto their factors
-    (`merge_splits`)."""
-    return [
-        m
-        for m in moves
-        if m.op in ROUTED or (sources is not None and merge_splits(m, sources, piece))
-    ]
+    ``sources``) those whose pieces of ``piece`` bytes can still be computed alone (a LoRA
+    merge whose pieces split onto its factors: `splits`)."""
+    return [m for m in moves if m.op.routed or (sources is not None and splits(m, sources, piece))]
 
 
-def merge_splits(m: Move, sources: Mapping[str, ItemReader], piece: int = PIECE) -> bool:
-    """Whether a merge_lora move's delta can be computed piece by piece: every piece of
-    its base is a box of a layer that is one run of the factors' rows and columns."""
-    if m.op is not Op.MERGE_LORA or not m.sources:
+def splits(m: Move, sources: Mapping[str, ItemReader], piece: int = PIECE) -> bool:
+    """Whether ``m``'s op, one that combines values, can be computed piece by piece for the
+    pieces its source's stored layout gives (its op's `splits`)."""
+    if not m.sources:
         return False
     lay = sources[m.item].layout(param_name(m.sources[0]))
     if lay is None:
         return False
-    piece = lay.piece_shape(piece)
-    if m.axis is not None and not m.layers:  # a layer's part of a stacked base's piece
-        piece = _drop(piece, m.axis)
-    f = m.lora[0]
-    layer = m.spec.shape if m.layers or m.axis is None else _drop(m.spec.shape, m.axis)
-    part = tuple(min(p, n) for p, n in zip(piece, layer, strict=True))
-    a = _drop(f.a_spec.shape, f.axis) if f.axis is not None else f.a_spec.shape
-    b = _drop(f.b_spec.shape, f.axis) if f.axis is not None else f.b_spec.shape
-    return factor_boxes(layer, (0,) * len(layer), part, a, b, layout=f.layout) is not None
-
-
-def _drop(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-    return tuple(shape[:axis]) + tuple(shape[axis + 1 :])
+    return m.op.splits(m, lay.piece_shape(piece))
 
 
 def by_source(moves: Sequence[Move]) -> dict[tuple[str, Path], list[Move]]:
@@ -108,7 +84,7 @@ def dest_chunk(
     lay = sources[m.item].layout(param_name(m.sources[0]))
     if lay is None:  # no metadata: the walk reports it; one chunk meanwhile
         return tuple(m.out_spec.shape)
-    return part_shape(m, lay.piece_shape(piece_bytes))
+    return m.op.part_shape(m, lay.piece_shape(piece_bytes))
 
 
 def walk(
@@ -128,11 +104,7 @@ def walk(
         for got in sources[item].pieces(param_name(path), max_bytes=piece, reuse=True):
             with scope():
                 for m in moves:
-                    if m.op is Op.MERGE_LORA:
-                        parts = _merged(m, path, got.start, got.data, factors.read_layer)
-                    else:
-                        parts = piece_parts(m, path, got.start, got.data)
-                    for start, data in parts:
+                    for start, data in m.op.parts(m, path, got.start, got.data, factors.read_layer):
                         visit(m, start, data)
 
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
@@ -151,41 +123,6 @@ class _Factors:
             self.cache[item, path] = self.sources[item].read_whole(param_name(path))
         x = self.cache[item, path]
         return x if axis is None or i is None else x[(slice(None),) * axis + (i,)]
-
-
-def _merged(m: Move, path: Path, start: tuple[int, ...], data: np.ndarray, read_layer):
-    """What a piece of a merge's base puts in the merged leaf (`moves.merge_part` per
-    layer): its own box, the layers of a stacked base merged in one buffer."""
-    if m.layers:  # per-layer bases stacked on ``axis``
-        a = m.axis
-        for j, p in enumerate(m.layers):
-            if p == path:
-                got = merge_part(m, j, start, data, read_layer)
-                yield start[:a] + (j,) + start[a:], np.expand_dims(_split(got), a)
-    elif m.index is not None:  # one layer of a stacked base, unrolled
-        a = m.axis
-        if start[a] <= m.index < start[a] + data.shape[a]:
-            part = data[(slice(None),) * a + (m.index - start[a],)]
-            yield (
-                start[:a] + start[a + 1 :],
-                _split(merge_part(m, 0, start[:a] + start[a + 1 :], part, read_layer)),
-            )
-    elif m.axis is None:
-        yield start, _split(merge_part(m, 0, start, data, read_layer))
-    else:
-        a, out = m.axis, np.empty(data.shape, data.dtype)
-        for k in range(data.shape[a]):
-            at = (slice(None),) * a + (k,)
-            out[at] = _split(
-                merge_part(m, start[a] + k, start[:a] + start[a + 1 :], data[at], read_layer)
-            )
-        yield start, out
-
-
-def _split(x: np.ndarray | None) -> np.ndarray:
-    if x is None:  # `merge_splits` said it would split
-        raise AssertionError("a merge piece did not split onto its factors")
-    return x
 
 
 def write_routed(
@@ -241,9 +178,7 @@ def write_routed(
         store[box].write(data).result()
 
     walk(by_source(moves), sources, visit, piece, scope)
-    for m in moves:  # a stack's layers the source lacks: fresh RNG state, as `apply_op`
-        for j, p in enumerate(m.layers if m.op is Op.STACK else ()):
-            if p is None:
-                x = np.expand_dims(fresh_rng(m.spec, m.dst, j), m.axis)
-                visit(m, (0,) * m.axis + (j,) + (0,) * (x.ndim - m.axis - 1), x)
+    for m in moves:  # what no source gives (a stack's fresh RNG layers), as `apply_op`
+        for start, x in m.op.made_parts(m):
+            visit(m, start, x)
     return shapes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -26,8 +26,8 @@ from ..orbax_io.orbax_files import param_name, read_context, reads_each_item_onc
 from ..orbax_io.reader import ItemReader, same_stored
 from ..orbax_io.spec import read_specs
 from ..orbax_io.stepmeta import read_provenance
-from ..plan import merge
-from ..plan.moves import Move, Op, Plan, apply_op
+from ..plan.moves import Move, Plan
+from ..plan.ops import apply_op
 from ..plan.step_plan import plan_maxtext_step, plan_step
 from . import routing
 
@@ -75,6 +75,13 @@ def replay_plan(
 
 
 RESCANNED = Layout.MAXTEXT.value  # the source layout a scan change of a MaxText step records
+
+Replay = Callable[[epath.Path, dict], "tuple[Plan, Mapping[str, epath.Path]]"]
+REPLAYS: dict[str, Replay] = {}
+"""How a step written by a room above this one is replayed, by the ``source_layout`` its
+provenance records: ``(step_dir, provenance) -> (plan, source dirs)``. The LoRA merge's
+(`lora.merge_plan.replay_merge`) is registered when its room is imported (the package's
+``__init__`` does): this floor never imports that room."""
 
 
 def replay_rescan(prov: Mapping[str, Any], specs: FlatTree) -> tuple[Plan, dict[str, epath.Path]]:
@@ -128,8 +135,9 @@ def _verify(
     res = VerifyResult(str(step_dir), ok=True)
     prov = read_provenance(step_dir) or {}
     got = read_specs(step_dir / MAXTEXT_ITEM)
-    if prov.get("source_layout") == merge.SOURCE_LAYOUT:
-        plan, sources = merge.replay_merge(step_dir, prov)
+    replay = REPLAYS.get(prov.get("source_layout"))  # type: ignore[arg-type]
+    if replay is not None:
+        plan, sources = replay(step_dir, prov)
     elif prov.get("source_layout") == RESCANNED:
         plan, sources = replay_rescan(prov, got)
     else:
@@ -172,7 +180,7 @@ def _compare(
             if not stored.get(param_name(m.dst))
         ]
     srcs = {n: ItemReader.open(d, ctx) for n, d in sources.items()}
-    raw = [m for m in plan.moves if m.op is Op.COPY and srcs[m.item].use_zarr3 == dst.use_zarr3]
+    raw = [m for m in plan.moves if m.op.renames and srcs[m.item].use_zarr3 == dst.use_zarr3]
     listed = {n: keys_by_array(srcs[n].kv) for n in sorted({m.item for m in raw})}
     problems = []
     pairs: list[tuple[Move, bytes, bytes]] = []
@@ -204,7 +212,7 @@ def _compare(
 
 def _fresh_layers(m: Move) -> bool:
     """A stack that fills layers with fresh RNG state (compared whole, by `apply_op`)."""
-    return m.op is Op.STACK and None in m.layers
+    return m.op.makes_parts(m)
 
 
 def _routed_differ(

@@ -1,6 +1,6 @@
 """The one writer: executes a `Plan` into ``<step>/items`` with bounded memory, atomically.
 
-Per op (see `moves`):
+Per op (see `plan.ops`; each op says which way it is written):
 
 * ``copy`` from an OCDBT source in the same zarr format: the source database is
   cloned inside the new item, its data files shared with the source (a reflink,
@@ -10,7 +10,7 @@ Per op (see `moves`):
   never array bytes. From a non-OCDBT source (Pathways style): stored chunks are
   copied under their new keys, in batches within ``budget``.
 * every other op (and a copy into another zarr format) decodes its sources, one
-  destination array at a time, and writes the result (`moves.apply_op`).
+  destination array at a time, and writes the result (`ops.apply_op`).
 
 Then the Orbax JSON files are written (`orbax_files.write_metadata`) and the item
 is committed (`stepdir.commit`).
@@ -29,12 +29,12 @@ from ..orbax_io import item_writer, orbax_files, stepdir
 from ..orbax_io.ocdbt import damaged_value_files
 from ..orbax_io.reader import ItemReader
 from ..orbax_io.values import PIECE
-from ..plan.moves import Move, Op, Plan, apply_op
+from ..plan.moves import Move, Op, Plan
+from ..plan.ops import apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
 from ..storage.store import StepStore, store_for
 from . import routing
-from .merge_writer import chunk_shape, write_merges
 
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
@@ -83,7 +83,7 @@ def write_items(
     try:
         reads = [(i, orbax_files.param_name(p), s.shape) for m in plan.moves for i, p, s in m.reads]
         item_writer.check_complete([item_writer.Read(*r) for r in reads], sources)
-        raw = [m for m in plan.moves if m.op is Op.COPY and sources[m.item].use_zarr3 == zarr3]
+        raw = [m for m in plan.moves if m.op.renames and sources[m.item].use_zarr3 == zarr3]
         parent, chunked, placed = _stored_copies(raw, sources, tmp, store, copy=copy, budget=budget)
         copied = {id(m) for m in raw}
         decoded = [m for m in plan.moves if id(m) not in copied]
@@ -97,8 +97,10 @@ def write_items(
             shapes = routing.write_routed(
                 walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece
             )
-            merges = [m for m in decoded if m.op is Op.MERGE_LORA and id(m) not in shapes]
-            write_merges(merges, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
+            # the rest each op writes its own way (a LoRA merge, layer by layer)
+            rest = [m for m in decoded if not m.op.made and id(m) not in shapes]
+            for op, moves in _by_op(rest).items():
+                op.write_rest(moves, sources, dst_json, zarr3=zarr3, ctx=ctx, budget=budget)
             _write_made(decoded, dst_json, zarr3=zarr3, ctx=ctx)
         orbax_files.write_metadata(
             tmp,
@@ -157,6 +159,13 @@ def _stored_copies(
     return parent, chunked, placed
 
 
+def _by_op(moves: list[Move]) -> dict[Op, list[Move]]:
+    out: dict[Op, list[Move]] = {}
+    for m in moves:
+        out.setdefault(m.op, []).append(m)
+    return out
+
+
 def _computed(decoded: list[Move]) -> dict[str, int]:
     """How many arrays of each op the writer computed itself."""
     computed: dict[str, int] = {}
@@ -168,7 +177,7 @@ def _computed(decoded: list[Move]) -> dict[str, int]:
 def _write_made(decoded: list[Move], dst_json: dict, *, zarr3: bool, ctx) -> None:
     """What is made, not read: fresh RNG state, constants."""
     for m in decoded:
-        if m.op in (Op.FRESH, Op.CONSTANT):
+        if m.op.made:
             data = apply_op(m, None)
             name = orbax_files.param_name(m.dst)
             item_writer.write_array(dst_json, name, data, use_zarr3=zarr3, context=ctx)
@@ -220,8 +229,8 @@ def _leaf_files(
     leaf = orbax_files.leaf_files(src, name, list(out.shape), out.key_impl)
     if decoded and src is not None:
         # Re-encoded (a cast, a scan change, a zarr format change): in the chunks of the
-        # pieces it was written in (`routing.dest_chunk`), or of `chunk_shape`.
-        shape = list(chunk_shape(m) if chunks is None else chunks)
+        # pieces it was written in (`routing.dest_chunk`), or of its op's `chunk_shape`.
+        shape = list(m.op.chunk_shape(m) if chunks is None else chunks)
         am = {**leaf.array_meta, "write_shape": shape, "chunk_shape": shape}
         leaf = orbax_files.LeafFiles(leaf.value_meta, leaf.sharding, am)
     return leaf

@@ -1,6 +1,5 @@
 """The Hugging Face side: MaxText's own mapping read per layer (`hf_mapping`), its hooks
-applied to boxes (`piecewise`), LoRA factors carried through them (`adapter_factors`),
-the memory budget of a streaming job (`budget`), and both directions:
+applied to boxes (`piecewise`), the memory budget of a streaming job (`budget`), and both directions:
 
 - out: the safetensors sink (`safetensors_out`), `export_hf` in front of its plan and report
   (`export_plan`), its streaming of params into the shards (`export_stream`) and its
@@ -9,6 +8,6 @@ the memory budget of a streaming job (`budget`), and both directions:
   path checked before a byte of data is read), and `import_hf` (the step MaxText's
   ``to_maxtext`` writes, streaming; and the same conversion on read, `import_hf.load_params`).
 
-Imports: `execute`, `plan`, `model`, `orbax_io`, `storage`, `base`, `errors`; not
+Imports: `lora` (the adapter's factors), `execute`, `plan`, `model`, `orbax_io`, `storage`, `base`, `errors`; not
 `integration` (which reads Hugging Face directories through it).
 """

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from ..orbax_io.reader import FAST_DECODING
-from ..plan.moves import Move, Op
+from ..plan.moves import Move
 from .hf_mapping import HfModel, Unit
 
 WORKERS = 2
@@ -86,9 +86,7 @@ def piece_held(m: Move, fns: dict) -> float:
     """What a piece's job holds, in times the piece: the hooks' intermediates
     (`piecewise.PieceFn.held`), and a merge's delta (float32) and its sum."""
     held = max((f.held for f in fns.values()), default=1.0)
-    if m.op is Op.MERGE_LORA:
-        held += 1 + 4 / max(1, np.dtype(m.spec.dtype).itemsize)
-    return held
+    return held + m.op.piece_overhead(m)
 
 
 def piece_bytes(budget: int, m: Move, held: float) -> int:

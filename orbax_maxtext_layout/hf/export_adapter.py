@@ -34,15 +34,17 @@ from etils import epath
 
 from ..base.treepaths import keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
+from ..lora import adapter_factors
+from ..lora.delta import lora_delta_added
+from ..lora.merge_plan import adapter_item, adapter_moves, read_adapters
 from ..model.lora import per_layer_shape
 from ..model.target import Target
 from ..orbax_io import item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
-from ..plan.merge import adapter_item, adapter_moves, read_adapters
-from ..plan.moves import LoraFactor, Move, lora_delta_added
+from ..plan.moves import LoraFactor, Move
 from ..storage.store import EXPORT_WORK_SUFFIX, store_for
-from . import adapter_factors, hf_mapping, safetensors_out
+from . import hf_mapping, safetensors_out
 from .hf_mapping import HfModel, Unit
 
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -22,12 +22,7 @@ from ..base.names import Dest
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError, UsageError
 from ..execute.write import DEFAULT_BUDGET
-from ..model.layermap import scanned_form
-from ..model.target import Target
-from ..orbax_io import stepmeta
-from ..orbax_io.layout import TUNIX_PARAMS_ITEM
-from ..orbax_io.spec import read_specs
-from ..plan.merge import (
+from ..lora.merge_plan import (
     NOT_PARAMS,
     adapter_item,
     base_source,
@@ -36,6 +31,11 @@ from ..plan.merge import (
     plan_merge,
     read_adapters,
 )
+from ..model.layermap import scanned_form
+from ..model.target import Target
+from ..orbax_io import stepmeta
+from ..orbax_io.layout import TUNIX_PARAMS_ITEM
+from ..orbax_io.spec import read_specs
 from ..plan.moves import Move
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage.store import store_for

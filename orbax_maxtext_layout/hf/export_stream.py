@@ -22,12 +22,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..base.futures import results
-from ..base.treepaths import keystr
-from ..errors import LayoutMismatchError
 from ..orbax_io import chunks, item_writer
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
-from ..plan.moves import Move, Op, apply_op, merge_layer, merge_part
+from ..plan.moves import Move
 from . import hf_mapping, piecewise
 from .budget import WORKERS, Budget, group_cost, largest_first, piece_bytes, piece_held, slice_bytes
 from .export_plan import ExportPlan
@@ -94,10 +92,9 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     param cannot go piece by piece: a fused or merged param, or a hook a box cannot
     go through (`piecewise`)."""
     m = moves[0]
-    merged = m.op is Op.MERGE_LORA and not m.layers and m.index is None
-    if merged and any(u.more for u in units):  # a merge's layer is the first stacked axis
+    if len(moves) != 1 or not m.op.by_box(m):
         return None
-    if len(moves) != 1 or not (m.op is Op.COPY or merged):
+    if m.lora and any(u.more for u in units):  # a merge's layer is the first stacked axis
         return None
     shape = tuple(moves[0].out_spec.shape)
     fns: dict[int, piecewise.PieceFn] = {}
@@ -143,11 +140,11 @@ def _write_pieces(run: _Run, m: Move, units: list[Unit], fns: dict, size: int) -
             u = by_layer[index]
             if id(u) in redo:
                 continue
-            if m.op is Op.MERGE_LORA:
-                part = merge_part(m, index[0] if index else 0, start, part, factors.read_layer)
-                if part is None:
-                    redo[id(u)] = u
-                    continue
+            # the op's box of the layer (a copy's is the part itself; a merge's, merged)
+            part = m.op.box(m, index[0] if index else 0, start, part, factors.read_layer)
+            if part is None:
+                redo[id(u)] = u
+                continue
             got = fns[id(u)].apply(start, hf_mapping.restored(part, wd))
             if got is None:
                 redo[id(u)] = u
@@ -200,15 +197,6 @@ class _Reader:
         return self.sources[item].read_array(path, layer)
 
     def layer(self, m: Move, axis: int | None, index: int | None) -> np.ndarray:
-        if m.op is Op.MERGE_LORA:
-            if index is None:  # the whole merged param: what the op computes
-                return apply_op(m, lambda item, p: self.read_layer(item, p, None, None))
-            if m.axis != axis:  # cut on another axis first (MoE experts): merged whole, once
-                if ("merged", m.dst) not in self.cache:
-                    whole = apply_op(m, lambda item, p: self.read_layer(item, p, None, None))
-                    self.cache["merged", m.dst] = whole
-                return self.cache["merged", m.dst][(slice(None),) * axis + (index,)]
-            return merge_layer(m, index, self.read_layer)
-        if m.op is not Op.COPY:
-            raise LayoutMismatchError(f"{keystr(m.dst)}: cannot export a {m.op.value} move.")
-        return self.read_layer(m.item, m.src, axis, index)
+        """Layer ``index`` on ``axis`` of what ``m`` writes (its op's `layer`; only a copy or a
+        merge exports)."""
+        return m.op.layer(m, axis, index, self.read_layer, self.cache)

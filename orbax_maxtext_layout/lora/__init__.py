@@ -1,14 +1,28 @@
-"""LoRA in one room (issue 59): what an adapter's factors are and where they go.
+"""LoRA in one room (issue 59): an adapter's factors, their scale and where they go.
 
-- `peft_adapter`: a PEFT LoRA adapter (``adapter_config.json`` and its factors) read as
-  untrusted input and planned against a Hugging Face base: every factor pair mapped to the
-  base tensor it changes, with PEFT's own scale for its module, or refused by name; and the
-  merge ``W + s·B@A`` in float32 that ``import-hf --adapter`` applies to a source tensor.
+- `merge_op`: the merge as an op (``merge_lora``, a `plan.moves` op): what it reads (the
+  base and each layer's factors), what it writes, how it applies to a leaf, a layer and a
+  box; `delta`: its numerics (``W + scale * reshape(A @ B, W.shape)``, by layer or by box);
+- `merge_plan`: a merge as a plan transform (`plan_merge`: the adapter step read, each
+  adapted weight's move made a merge; `replay_merge` for `verify_step`);
+- `merge_writer`: the merges written layer by layer, within a memory bound;
+- `merge`: `merge_lora` end to end, with its `MergeReport`;
+- `adapter_factors`: a LoRA module's factors carried through MaxText's Hugging Face hooks
+  onto PEFT's factors (the adapter export's mapping, checked on a real layer);
+- `peft_adapter`: a PEFT LoRA adapter (``adapter_config.json`` and its factors) judged and
+  planned against a Hugging Face base: every factor pair mapped to the base tensor it
+  changes, with PEFT's own scale for its module, or refused by name; and the merge
+  ``W + s·B@A`` in float32 that ``import-hf --adapter`` applies to a source tensor.
 
-Sits between `execute` and `hf`: the Hugging Face side (the adapter export, the import of a
-PEFT adapter) builds on it; the floors below reach LoRA only through the plan's op interface,
-never by importing this room.
+Sits between `execute` and `hf`: the Hugging Face side (the merged export, the adapter
+export, the import of a PEFT adapter) builds on it. The floors below reach LoRA only through
+the plan's op interface and `execute.verify.REPLAYS`, never by importing this room; both
+are filled in when it is imported (below), which the package's ``__init__`` does. Reading
+an adapter step's metadata stays in `model.lora`, below `plan` (listing steps and refusing
+a LoRA-only step to a plain conversion need it).
 
 Imports: `execute`, `plan`, `model`, `orbax_io`, `storage`, `base`, `errors`; not `hf`,
 `integration`.
 """
+
+from . import merge_plan as _merge_plan  # noqa: F401  (registers the merge op and its replay)

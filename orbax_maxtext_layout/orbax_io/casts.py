@@ -2,7 +2,7 @@
 
 Orbax restores an array in another dtype through tensorstore's ``cast`` driver (its read
 spec wraps the zarr spec in ``{"driver": "cast", "dtype": ...}``, for ``jax.Array`` and
-``np.ndarray`` targets alike), and numpy's ``astype`` (what `Op.CAST` and the restore
+``np.ndarray`` targets alike), and numpy's ``astype`` (what the cast op and the restore
 engine once used) differs from it on 17 of 225 pairs (issue 58):
 
 - float64 (and complex128) to bfloat16 or float16 rounds through float32 in tensorstore,

@@ -23,33 +23,169 @@ merge_lora  a base weight plus its LoRA delta, per layer ``l``:
 
 The same plan drives the dry-run report, the writer, the in-memory restore and
 `verify`, which checks every written leaf against `apply_op` of its sources.
+
+This module holds the types alone (as optax's ``base``): the moves, the plan and the op
+interface (`Op`). Each op's class, with its numerics, is in `plan.ops`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
-from ..base.boxes import flat_run
 from ..base.names import Dest
 from ..base.treepaths import Path, keystr
-from ..model.rng import fresh_rng
-from ..orbax_io import casts
+from ..errors import LayoutMismatchError
 from ..orbax_io.spec import LeafSpec
-from ..storage.scratch import scratch_buffer
 
 
-class Op(enum.Enum):
-    COPY = "copy"
-    CAST = "cast"
-    CONSTANT = "constant"
-    SLICE = "slice"
-    STACK = "stack"
-    FRESH = "fresh"
-    MERGE_LORA = "merge_lora"
+class Op:
+    """The op interface: what a destination leaf is made by. One class per op (`plan.ops`;
+    the LoRA merge's in `lora`), one instance each, registered here as ``Op.COPY``, ...
+    (the enum's spelling: ``name`` ``"COPY"``, ``value`` ``"copy"``, what reports print).
+    Callers ask the op (what it reads, what it writes, how it applies to a box) instead of
+    branching on which op it is; the per-op fields stay on the `Move`."""
+
+    name: ClassVar[str] = ""
+    # The written leaf is its one source leaf's stored bytes, renamed only: grafted, never
+    # decoded (`execute.write`), compared key by key (`execute.verify`).
+    renames: ClassVar[bool] = False
+    # The written leaf is its one source leaf, element for element (a copy, a cast): a
+    # restore reads it straight into the destination's sharding.
+    elementwise: ClassVar[bool] = False
+    # Moves values without combining them: routed piece by piece (`parts`).
+    routed: ClassVar[bool] = False
+    # No source: made, not read (`apply` with no reader).
+    made: ClassVar[bool] = False
+
+    COPY: ClassVar[Op]
+    CAST: ClassVar[Op]
+    CONSTANT: ClassVar[Op]
+    SLICE: ClassVar[Op]
+    STACK: ClassVar[Op]
+    FRESH: ClassVar[Op]
+    MERGE_LORA: ClassVar[Op]
+
+    @property
+    def value(self) -> str:
+        """The op's name in reports and JSON (``copy``, ``merge_lora``, ...)."""
+        return self.name.lower()
+
+    def __repr__(self) -> str:
+        return f"<Op.{self.name}: {self.value!r}>"
+
+    def __reduce__(self) -> str:
+        return self.name  # one instance per op: unpickled as the module's own (`plan.ops`)
+
+    # -- the plan's view: what it reads and writes ---------------------------------------
+    def casting(self, cast: np.dtype | None) -> Op:
+        """The op a move with a ``cast`` carries out (a copy with a cast is a cast)."""
+        return self
+
+    @property
+    def unrolled(self) -> Op | None:
+        """The op that writes one layer of this op's stacked leaf (None: it cannot)."""
+        return None
+
+    @property
+    def stacked(self) -> Op:
+        """The op that writes the layers of this op's leaves stacked into one."""
+        return Op.STACK
+
+    def sources(self, m: Move) -> tuple[Path, ...]:
+        """The source leaves ``m`` reads (all in ``m.item``)."""
+        return (m.src,)
+
+    def out_spec(self, m: Move) -> LeafSpec:
+        """The stored form of the leaf ``m`` writes."""
+        return m.spec
+
+    def detail(self, m: Move) -> str:
+        """What a report adds after ``op(sources)``."""
+        return ""
+
+    # -- the numerics (each op's own, in `plan.ops`) ---------------------------------------
+    def apply(self, m: Move, read: Reader | None) -> np.ndarray:
+        """The leaf ``m`` writes in stored form (keys as raw data), from ``read``."""
+        raise NotImplementedError(self.value)
+
+    def assemble(self, m: Move, read: Callable[[str, Path], Any]) -> Any:
+        """The leaf ``m`` writes, from host leaves ``read`` gives as they are (a restore);
+        a copy hands its leaf on as given."""
+        return self.apply(m, lambda item, p: np.asarray(read(item, p)))
+
+    def parts(
+        self, m: Move, path: Path, start: tuple[int, ...], data: np.ndarray, factors: LayerReader
+    ) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+        """What a box of source leaf ``path`` (at ``start``, holding ``data``) puts in the
+        leaf ``m`` writes: ``(start in the written leaf, values)``. A chunk-once writer or
+        check walks each source's stored chunks once and routes every box through this;
+        ``factors`` reads the layers of what else a box combines with (a merge's factors)."""
+        raise ValueError(f"{self.value} is not routed by pieces")
+
+    def part_shape(self, m: Move, piece: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the box a piece of a source of ``m`` (``piece`` long) puts in the
+        leaf ``m`` writes."""
+        return piece
+
+    def splits(self, m: Move, piece: tuple[int, ...]) -> bool:
+        """Whether an op that combines values can still be computed box by box, for pieces
+        of its source of shape ``piece``."""
+        return False
+
+    def made_parts(self, m: Move) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+        """The parts of the leaf ``m`` writes that no source gives (fresh RNG layers), as
+        `parts` gives them."""
+        return iter(())
+
+    def makes_parts(self, m: Move) -> bool:
+        """Whether `made_parts` gives anything."""
+        return False
+
+    def chunk_shape(self, m: Move) -> tuple[int, ...]:
+        """The chunk shape a decoded leaf is written with (one chunk)."""
+        return m.out_spec.shape
+
+    def write_rest(
+        self,
+        moves: Sequence[Move],
+        sources: Mapping[str, Any],
+        dst_json: dict,
+        *,
+        zarr3: bool,
+        ctx: Any,
+        budget: int,
+    ) -> None:
+        """Writes this op's ``moves`` that are neither routed piece by piece nor made (a
+        LoRA merge's, layer by layer) into the database ``dst_json``, within ``budget``;
+        ``sources``: the source items' readers."""
+        raise NotImplementedError(self.value)
+
+    # -- a leaf exported layer by layer (`hf.export_stream`) -------------------------------
+    def by_box(self, m: Move) -> bool:
+        """Whether the leaf ``m`` writes can be exported box by box (`box`)."""
+        return False
+
+    def box(
+        self, m: Move, i: int, start: tuple[int, ...], w: np.ndarray, factors: LayerReader
+    ) -> np.ndarray | None:
+        """The box at ``start`` of layer ``i`` of the leaf ``m`` writes, from the source's
+        values there (``w``); None where it cannot be computed alone."""
+        return None
+
+    def layer(
+        self, m: Move, axis: int | None, index: int | None, read: LayerReader, cache: dict
+    ) -> np.ndarray:
+        """Layer ``index`` on ``axis`` of the leaf ``m`` writes (all of it with None), from
+        stored layers ``read`` gives; ``cache`` keeps what a later layer reuses."""
+        raise LayoutMismatchError(f"{keystr(m.dst)}: cannot export a {self.value} move.")
+
+    def piece_overhead(self, m: Move) -> float:
+        """What a piece's export job holds beyond the piece and the hooks, in pieces."""
+        return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +223,7 @@ class Move:
     spec: LeafSpec
     cast: np.dtype | None = None  # stored dtype to cast to (step: uint32 -> int32)
     note: str = ""  # e.g. "synthesized from ..." for a leaf copied to a second place
-    op: Op = Op.COPY
+    op: Op = None  # type: ignore[assignment]  # a copy (a cast with ``cast``), see __post_init__
     axis: int | None = None  # slice / stack / fresh: the layer axis of the stacked side
     index: int | None = None  # slice: the layer taken
     layers: tuple[Path | None, ...] = ()  # stack: source path of each layer
@@ -95,17 +231,12 @@ class Move:
     lora: tuple[LoraFactor, ...] = ()  # merge_lora: one per layer (or one for all)
 
     def __post_init__(self) -> None:
-        if self.cast is not None and self.op is Op.COPY:
-            object.__setattr__(self, "op", Op.CAST)
+        object.__setattr__(self, "op", (self.op or Op.COPY).casting(self.cast))
 
     @property
     def sources(self) -> tuple[Path, ...]:
         """The source leaves read (all in ``item``)."""
-        if self.op is Op.STACK or (self.op is Op.MERGE_LORA and self.layers):
-            return tuple(p for p in self.layers if p is not None)
-        if self.op in (Op.CONSTANT, Op.FRESH):
-            return ()
-        return (self.src,)
+        return self.op.sources(self)
 
     @property
     def reads(self) -> tuple[tuple[str, Path, LeafSpec], ...]:
@@ -128,41 +259,13 @@ class Move:
     @property
     def out_spec(self) -> LeafSpec:
         """The stored form of the leaf written."""
-        s = self.spec
-        if self.op is Op.CAST:
-            return dataclasses.replace(s, dtype=np.dtype(self.cast))
-        if self.op is Op.SLICE or (self.op is Op.MERGE_LORA and self.index is not None):
-            assert self.axis is not None
-            return dataclasses.replace(s, shape=s.shape[: self.axis] + s.shape[self.axis + 1 :])
-        if self.op is Op.STACK or (self.op is Op.MERGE_LORA and self.layers):
-            assert self.axis is not None
-            n = (len(self.layers),)
-            return dataclasses.replace(s, shape=s.shape[: self.axis] + n + s.shape[self.axis :])
-        return s
+        return self.op.out_spec(self)
 
     def describe(self) -> str:
         """One line for reports: ``dst <- op(sources)``."""
         src = ", ".join(f"{self.item}/{keystr(p)}" for p in self.sources[:2])
         more = f", ... ({len(self.sources)} scan steps)" if len(self.sources) > 2 else ""
-        extra = {
-            Op.CAST: f" to {np.dtype(self.cast).name if self.cast is not None else ''}",
-            Op.CONSTANT: f" {self.value}",
-            Op.SLICE: f" scan step {self.index} on axis {self.axis}",
-            Op.STACK: f" on axis {self.axis}",
-            Op.MERGE_LORA: (
-                f" + {self.lora[0].scale:g} * {self.lora[0].item}/"
-                f"{keystr(self.lora[0].a).removesuffix('_a')}_{{a@b}}"
-                + (f" scan step {self.index} on axis {self.axis}" if self.index is not None else "")
-                + (
-                    f", {self.layer_count} scan steps on axis {self.axis}"
-                    if self.layer_count
-                    else ""
-                )
-                if self.lora
-                else ""
-            ),
-        }.get(self.op, "")
-        return f"{keystr(self.dst)} <- {self.op.value}({src}{more}){extra}"
+        return f"{keystr(self.dst)} <- {self.op.value}({src}{more}){self.op.detail(self)}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,222 +314,8 @@ class Plan:
         return sum(seen.values())
 
 
-# -- what each op computes ----------------------------------------------------------------
 Reader = Callable[[str, Path], np.ndarray]
-
-
-def apply_op(m: Move, read: Reader) -> np.ndarray:
-    """The destination leaf of ``m`` in stored form (keys as raw data), from ``read``."""
-    if m.op is Op.COPY:
-        return np.asarray(read(m.item, m.src))
-    if m.op is Op.CAST:
-        return casts.astype(read(m.item, m.src), m.cast)  # as Orbax casts
-    if m.op is Op.CONSTANT:
-        return np.asarray(m.value, dtype=m.spec.dtype).reshape(m.spec.shape)
-    if m.op is Op.FRESH:
-        return fresh_rng(m.spec, m.dst, axis=m.axis)
-    if m.op is Op.SLICE:
-        return np.take(np.asarray(read(m.item, m.src)), m.index, axis=m.axis)
-    if m.op is Op.MERGE_LORA:
-        cache: dict[tuple[str, Path], np.ndarray] = {}
-
-        def layer(item: str, p: Path, axis: int | None, i: int | None) -> np.ndarray:
-            if (item, p) not in cache:
-                cache[item, p] = np.asarray(read(item, p))
-            x = cache[item, p]
-            return x if axis is None or i is None else np.take(x, i, axis=axis)
-
-        n = m.layer_count
-        if n is None:
-            return merge_layer(m, 0, layer)
-        return np.stack([merge_layer(m, i, layer) for i in range(n)], axis=m.axis)
-    assert m.op is Op.STACK
-    one = m.spec
-    arrays = [
-        np.asarray(read(m.item, p)) if p is not None else fresh_rng(one, m.dst, i)
-        for i, p in enumerate(m.layers)
-    ]
-    return np.stack(arrays, axis=m.axis)
-
-
-def piece_parts(
-    m: Move, path: Path, start: tuple[int, ...], data: np.ndarray
-) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
-    """What a box of source leaf ``path`` (at ``start``, holding ``data``) puts in the leaf
-    ``m`` writes: ``(start in the written leaf, values)``, for the ops that move values
-    without combining them (copy, cast, slice, stack). A chunk-once writer or check walks
-    each source's stored chunks once and routes every box through this."""
-    if m.op is Op.COPY:
-        yield start, data
-    elif m.op is Op.CAST:
-        yield start, casts.astype(data, m.cast)
-    elif m.op is Op.SLICE:
-        a = m.axis
-        assert a is not None and m.index is not None
-        if start[a] <= m.index < start[a] + data.shape[a]:
-            yield start[:a] + start[a + 1 :], data[(slice(None),) * a + (m.index - start[a],)]
-    elif m.op is Op.STACK:
-        a = m.axis
-        assert a is not None
-        for j, p in enumerate(m.layers):
-            if p == path:
-                yield start[:a] + (j,) + start[a:], np.expand_dims(data, a)
-    else:
-        raise ValueError(f"{m.op.value} is not routed by pieces")
-
-
-def part_shape(m: Move, piece: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the box a piece of a source of ``m`` (``piece`` long) puts in the leaf
-    ``m`` writes: one layer of it (a slice, a merge unrolled), a layer of the leaf (a stack,
-    a merge of per-layer bases), or the piece itself."""
-    if m.op is Op.SLICE or (m.op is Op.MERGE_LORA and m.index is not None):
-        assert m.axis is not None
-        return piece[: m.axis] + piece[m.axis + 1 :]
-    if m.op is Op.STACK or (m.op is Op.MERGE_LORA and m.layers):
-        assert m.axis is not None
-        return piece[: m.axis] + (1,) + piece[m.axis :]
-    return piece
-
-
-ROUTED = (Op.COPY, Op.CAST, Op.SLICE, Op.STACK)
-
-
-# -- merge_lora, one layer at a time ----------------------------------------------------------
+"""``read(item, path)``: a source leaf, whole, in stored form."""
 LayerReader = Callable[[str, Path, "int | None", "int | None"], np.ndarray]
 """``read_layer(item, path, axis, index)``: layer ``index`` of a stored array on ``axis``
 (the whole array when ``axis`` or ``index`` is None)."""
-
-
-def merge_layer(m: Move, i: int, read_layer: LayerReader, *, inplace: bool = False) -> np.ndarray:
-    """Layer ``i`` of a merge_lora move's output: ``W_i + scale * reshape(A_i @ B_i, W_i.shape)``.
-
-    Computed in at least float32 and cast to the base dtype once (a bf16 base gives a
-    bf16 result, rounded to nearest even), in row blocks so that no temporary is larger
-    than a few MiB. With ``inplace`` the result overwrites the layer just read (the
-    writer's own buffer), so a layer costs one slice of memory plus the blocks.
-    """
-    w = merge_base(m, i, read_layer)
-    f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
-    li = m.index if m.index is not None else i
-    a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
-    b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
-    return lora_delta_added(w, a, b, f.scale, inplace=inplace, layout=f.layout)
-
-
-def merge_base(m: Move, i: int, read_layer: LayerReader) -> np.ndarray:
-    """Layer ``i`` of a merge_lora move's base weight, as stored."""
-    if m.layers:
-        return read_layer(m.item, m.layers[i], None, None)  # type: ignore[arg-type]
-    if m.index is not None:
-        return read_layer(m.item, m.src, m.axis, m.index)
-    return read_layer(m.item, m.src, m.axis, i if m.axis is not None else None)
-
-
-def lora_delta_added(
-    w: np.ndarray,
-    a: np.ndarray,
-    b: np.ndarray,
-    scale: float,
-    *,
-    inplace: bool = False,
-    layout: tuple[int, ...] = (),
-) -> np.ndarray:
-    """``w + scale * reshape(a @ b, w.shape)`` computed in at least float32, cast once;
-    with a ``layout`` (an einsum weight's factors, `lora.delta_layouts`), ``a @ b`` over the
-    rank with its dims put in ``w``'s order instead of reshaped."""
-    wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
-    acc = np.float64 if wide else np.float32
-    # In place only into a buffer of its own that a reshape views (not a strided view).
-    own = inplace and w.flags.writeable and w.flags.c_contiguous
-    out = w if own else np.empty(w.shape, w.dtype)
-    if layout:
-        d = np.tensordot(np.asarray(a, acc), np.asarray(b, acc), axes=([-1], [0]))
-        d = np.transpose(d, layout)
-        d *= acc(scale)
-        d += w
-        out[...] = d  # the one cast to the base dtype (nearest even)
-        return out
-    a = np.reshape(a, (-1, a.shape[-1]))
-    b = np.reshape(b, (b.shape[0], -1))
-    rows = a.shape[0]
-    w2 = np.reshape(w, (rows, -1))
-    o2 = np.reshape(out, (rows, -1))
-    a32 = np.asarray(a, acc)
-    b32 = np.asarray(b, acc)
-    block = max(1, (4 << 20) // max(1, b32.shape[1] * np.dtype(acc).itemsize))
-    # One scratch block per thread, reused: a fresh multi-MiB temporary per block is a
-    # fresh mapping whose pages the kernel zeroes on first touch (most of a merge's time
-    # went to those page faults).
-    scratch = _scratch((min(block, rows), b32.shape[1]), acc)
-    for r0 in range(0, rows, block):
-        d = scratch[: min(block, rows - r0)]
-        np.matmul(a32[r0 : r0 + block], b32, out=d)
-        d *= acc(scale)
-        d += w2[r0 : r0 + block]
-        o2[r0 : r0 + block] = d  # the one cast to the base dtype (nearest even)
-    return out
-
-
-def merge_part(
-    m: Move, i: int, start: tuple[int, ...], w: np.ndarray, read_layer: LayerReader
-) -> np.ndarray | None:
-    """The box at ``start`` of layer ``i`` of a merge_lora move's output, from the base's
-    values there (``w``): ``w + scale * (A_i @ B_i)[box]``, the delta computed for the box
-    alone from the factors' matching rows and columns. None where the box does not split
-    onto the factors (a dense kernel's box that is not one run of its rows and columns):
-    merge the layer whole (`merge_layer`)."""
-    f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
-    li = m.index if m.index is not None else i
-    a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
-    b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
-    full = m.spec.shape if m.layers else _layer_shape(m)
-    boxes = factor_boxes(full, start, w.shape, a.shape, b.shape, layout=f.layout)
-    if boxes is None:
-        return None
-    wide = np.float64 in (np.dtype(w.dtype), np.dtype(a.dtype), np.dtype(b.dtype))
-    acc = np.float64 if wide else np.float32
-    ka, kb = boxes
-    d = np.tensordot(np.asarray(a[ka], acc), np.asarray(b[kb], acc), axes=([-1], [0]))
-    if f.layout:
-        d = np.transpose(d, f.layout)
-    d = d.reshape(w.shape)
-    d *= acc(f.scale)
-    d += w
-    return d.astype(w.dtype)
-
-
-def _layer_shape(m: Move) -> tuple[int, ...]:
-    s = m.spec.shape
-    return s if m.axis is None else s[: m.axis] + s[m.axis + 1 :]
-
-
-def factor_boxes(full, start, shape, a_shape, b_shape, *, layout) -> tuple | None:
-    """The boxes of factors ``a`` and ``b`` whose product is the box ``start`` (``shape``
-    long) of a layer of ``full`` shape; None if there are none."""
-    box = [(s, s + n) for s, n in zip(start, shape, strict=True)]
-    if layout:  # an einsum weight: the delta's dims are a's, then b's, permuted
-        back = [None] * len(full)
-        for j, q in enumerate(layout):
-            back[q] = box[j]
-        na = len(a_shape) - 1
-        ka = tuple(slice(*r) for r in back[:na]) + (slice(None),)
-        kb = (slice(None),) + tuple(slice(*r) for r in back[na:])
-        return ka, kb
-    p, rows = 0, 1  # a dense kernel: its leading dims flattened into a's rows
-    while p < len(full) and rows < a_shape[0]:
-        rows *= full[p]
-        p += 1
-    if rows != a_shape[0] or len(a_shape) != 2 or len(b_shape) != 2:
-        return None
-    r = flat_run(box[:p], full[:p])
-    c = flat_run(box[p:], full[p:])
-    if r is None or c is None:
-        return None
-    return (slice(*r), slice(None)), (slice(None), slice(*c))
-
-
-def _scratch(shape: tuple[int, int], dtype: type) -> np.ndarray:
-    """This thread's scratch block of at least ``shape`` (`scratch`: kept for the next call)."""
-    need = shape[0] * shape[1]
-    item = np.dtype(dtype).itemsize
-    return scratch_buffer("merge", need * item).view(dtype)[:need].reshape(shape)

@@ -23,7 +23,8 @@ from ..model.rng import is_rng
 from ..model.scan_targets import stack_target, unroll_target
 from ..model.target import AUX_ROOT, OPT_ROOT, PARAMS_ROOT, STEP_PATH, Dest, Target
 from ..orbax_io.spec import LeafSpec
-from .moves import Drop, Move, Op, Plan
+from . import ops
+from .moves import Drop, Move, Plan
 
 _UNSCANNED_RNG = "RNG state the unscanned target does not hold"
 _SHARED_RNG = "the unscanned model shares one RNG stream across its layers"
@@ -291,9 +292,8 @@ class _Unroll:
             self.one(m, _splice(m.dst, pos, prefix, family[0].unrolled), m)
             return
         a = layer_axis(self.axes, m.dst)
-        assert m.op in (Op.COPY, Op.MERGE_LORA) and a is not None, m
-        # A merge keeps its op: it then merges layer i only (`moves.merge_layer`).
-        op = Op.SLICE if m.op is Op.COPY else m.op
+        op = m.op.unrolled  # a copy slices; a merge merges layer i only (`ops.merge_layer`)
+        assert op is not None and a is not None, m
         for la in family:
             dst = _splice(m.dst, pos, prefix, la.unrolled)
             sliced = dataclasses.replace(m, dst=dst, op=op, axis=a, index=la.index)
@@ -355,7 +355,7 @@ def _never_had(
             # In a block, each layer is derived as a missing layer of a stack is (and as
             # `scan_trees.stack` derives it), unless the target holds one value for all layers.
             a = a if a is not None and len(spec.shape) - bool(spec.key_impl) > a else None
-            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=Op.FRESH, axis=a, note=note)
+            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=ops.FRESH, axis=a, note=note)
             moves.append(fresh)
     return moves, notes
 
@@ -397,16 +397,19 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
         note = f"layers {gaps} initialised fresh" if gaps else ""
         fresh_notes += _fresh_notes(layers, dst, gaps) if gaps else []
         srcs = tuple(got[i].src if i in got else None for i in range(n))
-        if first.op is Op.MERGE_LORA:  # each layer merged with its own factors
+        if first.lora:  # a merge: each layer merged with its own factors
             merged = [got[i] for i in range(n) if i in got and got[i].lora]
             if gaps or len(merged) != n:
                 problems.append(f"{keystr(dst)}: layers {sorted(got)} do not all merge")
                 continue
             lora = tuple(m.lora[0] for m in merged)
-            moves.append(dataclasses.replace(first, dst=dst, axis=a, layers=srcs, lora=lora))
+            stacked = first.op.stacked
+            moves.append(
+                dataclasses.replace(first, dst=dst, op=stacked, axis=a, layers=srcs, lora=lora)
+            )
             continue
         moves.append(
-            dataclasses.replace(first, dst=dst, op=Op.STACK, axis=a, layers=srcs, note=note)
+            dataclasses.replace(first, dst=dst, op=first.op.stacked, axis=a, layers=srcs, note=note)
         )
     if problems:
         raise LayoutMismatchError(f"The step does not stack onto the target{named(out)}:", problems)

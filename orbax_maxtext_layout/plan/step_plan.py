@@ -34,7 +34,7 @@ from ..orbax_io.layout import (
 )
 from ..orbax_io.ocdbt import check_contained
 from ..orbax_io.spec import LeafSpec, read_specs
-from . import rescan
+from . import ops, rescan
 from .moves import Drop, Move, Op, Plan
 
 __all__ = [
@@ -254,7 +254,7 @@ def _step_dtype(target: Target) -> np.dtype:
 def _step_constant(step: int, target: Target) -> Move:
     spec = LeafSpec((), _step_dtype(target))
     note = "from the step directory's number"
-    return Move("", (), STEP_PATH, Dest.STEP, spec, op=Op.CONSTANT, value=step, note=note)
+    return Move("", (), STEP_PATH, Dest.STEP, spec, op=ops.CONSTANT, value=step, note=note)
 
 
 def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:

@@ -416,7 +416,7 @@ def test_refuses_an_adapter_step_without_base(capsys, place, fixtures, tokenizer
 
 
 def test_refuses_an_adapter_step_without_alpha(capsys, place, fixtures):
-    from orbax_maxtext_layout.plan.merge import adapter_item, read_adapters
+    from orbax_maxtext_layout.lora.merge_plan import adapter_item, read_adapters
 
     step, base = LORAS["scanned"]
     assert read_adapters(*adapter_item(fixtures / step)).alpha is None  # not recorded

@@ -7,7 +7,7 @@ weight, which becomes a ``merge_lora`` move: per layer ``l``,
 axis. A scan change (``scan="unroll"``/``"stack"``) transforms that plan (`rescan`)
 as for a conversion. The one writer executes it into ``<out>/0/items`` (MaxText's
 ``generate_param_only_checkpoint`` convention), the step appears only once
-complete (`convert.merge_lora`, the job), and `verify_step` replays it from the
+complete (`merge.merge_lora`, the job), and `verify_step` replays it from the
 provenance it records (`replay_merge`).
 """
 
@@ -22,6 +22,7 @@ from etils import epath
 
 from ..base.treepaths import Path, keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, UsageError
+from ..execute.verify import REPLAYS
 from ..model.lora import (
     LoraAdapters,
     adapters_of,
@@ -41,12 +42,13 @@ from ..orbax_io.layout import (
 )
 from ..orbax_io.ocdbt import check_contained
 from ..orbax_io.spec import LeafSpec, read_specs
+from ..plan.moves import Drop, LoraFactor, Move, Plan
+from ..plan.provenance import record as provenance_record
+from ..plan.rescan import check_plain_stack, unroll_plan, written_form
+from ..plan.rescan import stack_plan as _stack_plan
+from ..plan.step_plan import narrow, plan_step
 from ..storage.store import store_for
-from .moves import Drop, LoraFactor, Move, Op, Plan
-from .provenance import record as provenance_record
-from .rescan import check_plain_stack, unroll_plan, written_form
-from .rescan import stack_plan as _stack_plan
-from .step_plan import narrow, plan_step
+from .merge_op import MERGE_LORA
 
 LORA_ITEM = "lora"  # the adapter step's model_params, as a source of a merge plan
 SOURCE_LAYOUT = "tunix-lora-merge"
@@ -304,7 +306,7 @@ def _merge_moves(
             )
             continue
         lf = LoraFactor(LORA_ITEM, f.a, f.b, f.a_spec, f.b_spec, axis, scale, layouts[0])
-        moves[m.dst] = dataclasses.replace(m, op=Op.MERGE_LORA, axis=axis, lora=(lf,))
+        moves[m.dst] = dataclasses.replace(m, op=MERGE_LORA, axis=axis, lora=(lf,))
     if problems:
         raise LayoutMismatchError(
             f"the LoRA adapters do not fit the base {base_dir} ({len(problems)} modules):",
@@ -398,7 +400,7 @@ def merge_provenance(
     target: Target | None,
 ) -> dict[str, Any]:
     """What a merged step records: enough to say what it is and for `verify` to replay it."""
-    axis = next((m.axis for m in plan.moves if m.op is Op.MERGE_LORA), None)
+    axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
     return provenance_record(
         plan,
         SOURCE_LAYOUT,
@@ -444,3 +446,6 @@ def replay_merge(
         plain_scan=True,  # a replay re-derives the form that was written
     )
     return plan, merge_sources(prov["adapter_step"], prov["base"])
+
+
+REPLAYS[SOURCE_LAYOUT] = replay_merge  # `verify_step` replays a merge through its floor's table

@@ -7,7 +7,7 @@ The work is a pipeline of three kinds of thread:
 * one *decoder* decodes the base kernels in plan order, each whole where it fits the budget
   (`ItemReader.read_whole`: each stored chunk once), with its LoRA factors; it runs ahead of the
   merge as far as memory allows;
-* `MERGE_WORKERS` *workers* merge one layer each (`moves.merge_layer`, in place in that
+* `MERGE_WORKERS` *workers* merge one layer each (`delta.merge_layer`, in place in that
   layer's buffer) and encode and write it as one chunk (`item_writer.write_part`);
 * the caller hands the layers of each decoded kernel to the workers.
 
@@ -35,7 +35,8 @@ from ..errors import detached
 from ..orbax_io import item_writer, orbax_files
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import FAST_DECODING, TS_DECODING, ItemReader
-from ..plan.moves import Move, Op, merge_base, merge_layer
+from ..plan.moves import Move
+from .delta import merge_base, merge_layer
 
 # Layers merged and encoded at once: one per core (numpy's merge and zstd's encode both run
 # without the GIL).
@@ -45,16 +46,6 @@ MERGE_WORKERS = max(1, min(2, os.cpu_count() or 1))
 # their bytes). Measured: at 3 the next kernel's decode waits longer (7.5 s against 6.4 s
 # for the 1 GiB benchmark at 512 MiB) for no lower peak.
 _ENCODING = 2
-
-
-def chunk_shape(m: Move) -> tuple[int, ...]:
-    """The chunk shape a decoded leaf is written with: one chunk, or one per layer for a
-    merge that writes a stacked weight layer by layer."""
-    out = m.out_spec.shape
-    if m.op is Op.MERGE_LORA and m.layer_count is not None:
-        assert m.axis is not None
-        return out[: m.axis] + (1,) + out[m.axis + 1 :]
-    return out
 
 
 def write_merges(
@@ -299,7 +290,7 @@ def _kernels(
     for m in moves:
         out = m.out_spec
         dst = item_writer.create_array(
-            dst_json, orbax_files.param_name(m.dst), out.shape, out.dtype, chunk_shape(m),
+            dst_json, orbax_files.param_name(m.dst), out.shape, out.dtype, m.op.chunk_shape(m),
             use_zarr3=zarr3, context=ctx,
         )  # fmt: skip
         key = (m.item, m.src)
