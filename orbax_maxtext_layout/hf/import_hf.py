@@ -44,6 +44,7 @@ from ..base.futures import results
 from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..lora import peft_adapter
+from ..lora.base_step import BaseStep
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage import transpose
@@ -128,17 +129,32 @@ def _slices(node: Any, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], 
 class ImportPlan:
     """The import as planned from metadata only: every MaxText leaf and its HF sources."""
 
-    hf: HfDir
+    hf: HfDir | None  # None: the base is a MaxText step (``base``)
     model: HfModel
     leaves: list[Leaf]
     save_dtype: np.dtype
     budget: int
     adapter: Adapter | None = None  # ``--adapter``: merged into its base tensors as read
+    base: BaseStep | None = None  # ``--base STEP``: the params read from it, not from ``hf``
 
     @property
     def bytes_read(self) -> int:
-        base = sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
-        return base + (self.adapter.bytes_read if self.adapter else 0)
+        if self.base is not None:
+            source = sum(
+                math.prod(s) * self.base.dtypes[p].itemsize
+                for lf in self.leaves
+                for p, s in zip(lf.paths, lf.shapes, strict=True)
+            )
+        else:
+            source = sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
+        return source + (self.adapter.bytes_read if self.adapter else 0)
+
+    def hf_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of Hugging Face tensor ``name``: the directory's, or with ``--base``
+        MaxText's ``HF_SHAPE`` (no directory)."""
+        if self.hf is None:
+            return tuple(self.model.shape_map[name])
+        return tuple(self.hf.tensors[name].shape)
 
     @property
     def bytes_written(self) -> int:
@@ -213,15 +229,16 @@ class ImportReport:
 
 
 def import_hf(
-    hf_dir: epath.PathLike,
+    hf_dir: epath.PathLike | None,
     out: epath.PathLike,
     *,
     maxtext_config: Sequence[str],
-    save_dtype: str = DEFAULT_SAVE_DTYPE,
+    save_dtype: str | None = None,
     memory_budget: int | None = None,
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
     adapter: epath.PathLike | None = None,
+    base: epath.PathLike | None = None,
 ) -> ImportReport:
     """Writes the Hugging Face directory ``hf_dir`` as ``<out>/0`` (MaxText's layout), as
     MaxText's ``to_maxtext`` does for the model of ``maxtext_config`` (its config file, then
@@ -233,13 +250,19 @@ def import_hf(
     ``W + s·B@A`` in float32 with PEFT's scale for its module, before the cast and MaxText's
     hooks (docs/import-hf.md, "A PEFT adapter merged in").
 
+    ``base``: a MaxText step of the model (``<step>`` or ``<step>/items``) as the base in
+    place of ``hf_dir`` (then None), with ``adapter``: each adapted slice is the step's plus
+    MaxText's hooks of the adapter's delta, computed in float32; every other param the
+    step's own values. ``save_dtype`` None: the step's dtype (``hf_dir``: bfloat16).
+
     Raises:
       HfInputError: the directory is malformed or names anything outside itself.
       LayoutMismatchError: ``config.json`` or a tensor disagrees with the MaxText config
         (every mismatch named); an ``AdapterRefusedError``, the adapter's settings or
         factors cannot be merged exactly into this base (every problem named).
       StepExistsError: ``<out>/0`` exists.
-      UsageError: an unknown ``save_dtype``.
+      UsageError: an unknown ``save_dtype``; both or neither of ``hf_dir`` and ``base``;
+        ``base`` without ``adapter``.
     """
     # The collector is left as the caller set it (a library call changes no process setting,
     # issue 57); the command line runs with the objects alive at its start frozen.
@@ -252,29 +275,39 @@ def import_hf(
         dry_run=dry_run,
         progress=progress,
         adapter=adapter,
+        base=base,
     )
 
 
 def _import_hf(
-    hf_dir: epath.PathLike,
+    hf_dir: epath.PathLike | None,
     out: epath.PathLike,
     *,
     maxtext_config: Sequence[str],
-    save_dtype: str,
+    save_dtype: str | None,
     memory_budget: int | None,
     dry_run: bool,
     progress: Callable[[int, int], None] | None,
     adapter: epath.PathLike | None = None,
+    base: epath.PathLike | None = None,
 ) -> ImportReport:
     start = time.monotonic()
-    if save_dtype not in SAVE_DTYPES:
+    if save_dtype is not None and save_dtype not in SAVE_DTYPES:
         raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
-    hf = HfDir.open(hf_dir)
+    if (hf_dir is None) == (base is None):
+        raise UsageError("import-hf: give either HF_DIR or --base STEP (one of them).")
+    if base is not None and adapter is None:
+        raise UsageError("--base STEP merges an adapter into a MaxText step: give --adapter.")
+    # the directory is checked first: a hostile one is refused whether MaxText is here or not
+    hf = HfDir.open(hf_dir) if base is None else None
     config = hf_mapping.load_config(maxtext_config)
     model = hf_mapping.load_import(config)
-    check_config(hf, model)
     budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
-    plan = plan_import(hf, model, SAVE_DTYPES[save_dtype], budget)
+    if hf is not None:
+        check_config(hf, model)
+        plan = plan_import(hf, model, SAVE_DTYPES[save_dtype or DEFAULT_SAVE_DTYPE], budget)
+    else:
+        plan = plan_base(base, model, save_dtype, budget)
     if adapter is not None:
         plan = dataclasses.replace(plan, adapter=open_adapter(adapter, plan))
     dest = epath.Path(out) / "0"
@@ -288,13 +321,14 @@ def _import_hf(
     finally:
         if plan.adapter is not None:
             plan.adapter.dir.close()
-    read = hf.bytes_read + (plan.adapter.dir.bytes_read if plan.adapter else 0)
+    read = plan.bytes_read if plan.hf is None else plan.hf.bytes_read
+    read += plan.adapter.dir.bytes_read if plan.adapter and plan.hf else 0
     return ImportReport(
-        str(hf_dir),
+        str(hf_dir if base is None else base),
         str(out),
         config.model_name,
         bool(config.scan_layers),
-        save_dtype,
+        plan.save_dtype.name,
         sum(len(lf.paths) for lf in plan.leaves),
         len({n for lf in plan.leaves for n in _names(lf.hf)}),
         plan.bytes_read if dry_run else read,
@@ -316,8 +350,9 @@ def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
         where = str(ad.dir)
         settings = peft_adapter.settings(ad.config, f"{where}/{peft_adapter.CONFIG_FILE}")
         factors = {n: (t.shape, t.dtype) for n, t in ad.tensors.items()}
-        base = {n: plan.hf.tensors[n].shape for lf in plan.leaves for n in _names(lf.hf)}
-        model_type = str(plan.hf.config.get("model_type"))
+        base = {n: plan.hf_shape(n) for lf in plan.leaves for n in _names(lf.hf)}
+        kind = plan.hf.config if plan.hf is not None else plan.model.hf_config.to_dict()
+        model_type = str(kind.get("model_type"))
         made = peft_adapter.plan_adapter(
             settings, factors, base, model_type=model_type, where=where
         )
@@ -378,14 +413,39 @@ def _same_kind(got: str, want: str) -> bool:
     return got.removesuffix("_text") == want.removesuffix("_text")
 
 
+def plan_base(
+    base: epath.PathLike, model: HfModel, save_dtype: str | None, budget: int
+) -> ImportPlan:
+    """The plan of ``--base STEP``: MaxText's leaves of the model (its mapping, without a
+    Hugging Face directory), each checked in the step (`BaseStep.open`); the dtype written is
+    ``save_dtype``, else the step's own (one for every param, or refused)."""
+    abstract = _abstract_params(model.config)
+    leaves = [_leaf(model, key, abstract) for key in _mapped_keys(model, abstract)]
+    wanted = {p: s for lf in leaves for p, s in zip(lf.paths, lf.shapes, strict=True)}
+    step = BaseStep.open(base, wanted)
+    if save_dtype is None:
+        kinds = sorted({d.name for d in step.dtypes.values()})
+        if len(kinds) != 1 or kinds[0] not in SAVE_DTYPES:
+            raise UsageError(
+                f"{base}: its params are {', '.join(kinds)}: pass --save-dtype "
+                f"({' or '.join(SAVE_DTYPES)})."
+            )
+        save_dtype = kinds[0]
+    return ImportPlan(None, model, leaves, SAVE_DTYPES[save_dtype], budget, base=step)
+
+
+def _mapped_keys(model: HfModel, abstract: dict[str, tuple[int, ...]]) -> list[Any]:
+    from maxtext.checkpoint_conversion.utils.utils import validate_and_filter_param_map_keys
+
+    return validate_and_filter_param_map_keys(model.param_map.keys(), abstract.keys())
+
+
 def plan_import(hf: HfDir, model: HfModel, save_dtype: np.dtype, budget: int) -> ImportPlan:
     """Every MaxText param of the model with its HF sources, from metadata only: each HF
     tensor named must be in the directory with the shape MaxText's ``HF_SHAPE`` gives it,
     and every param of MaxText's abstract model must have a source."""
-    from maxtext.checkpoint_conversion.utils.utils import validate_and_filter_param_map_keys
-
     abstract = _abstract_params(model.config)
-    keys = validate_and_filter_param_map_keys(model.param_map.keys(), abstract.keys())
+    keys = _mapped_keys(model, abstract)
     leaves, problems = [], []
     for key in keys:
         leaf = _leaf(model, key, abstract)
@@ -491,11 +551,12 @@ def _as_stored(hf: HfDir, node: Any) -> Any:
 
 
 def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
-    read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
+    if plan.hf is None:  # --base: the slice read, in float32 to be merged
+        read = 4 * math.prod(leaf.slice_shape) * len(leaf.keys)
+    else:
+        read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
     if plan.adapter is not None:  # a merged tensor also holds its float32 delta and sum
-        read += sum(
-            plan.adapter.plan.held(n, 4 * math.prod(plan.hf.tensors[n].shape)) for n in _names(hf)
-        )
+        read += sum(plan.adapter.plan.held(n, 4 * math.prod(plan.hf_shape(n))) for n in _names(hf))
     made = math.prod(leaf.slice_shape) * plan.save_dtype.itemsize * len(leaf.keys)
     return max(read, made)
 
@@ -537,10 +598,12 @@ def _build(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> Non
         provenance = {
             "source_layout": SOURCE_LAYOUT,
             "converter": f"orbax-maxtext-layout {__version__}",
-            "hf_dir": str(plan.hf.dir),
+            "hf_dir": str(plan.hf.dir) if plan.hf is not None else None,
             "save_dtype": plan.save_dtype.name,
-            "bytes_read": plan.hf.bytes_read,
+            "bytes_read": plan.hf.bytes_read if plan.hf is not None else plan.bytes_read,
         }
+        if plan.base is not None:
+            provenance["base"] = str(plan.base.dir)
         if plan.adapter is not None:
             provenance["adapter"] = plan.adapter.plan.to_dict()
         custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
@@ -612,7 +675,8 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
         leaf, idx, hf = job
         held = gate.take(HOLD * _slice_bytes(plan, leaf, hf))
         try:
-            for path, data in zip(leaf.paths, _slice(plan, leaf, hf, scratch), strict=True):
+            made = _slice(plan, leaf, hf, scratch, idx=idx)
+            for path, data in zip(leaf.paths, made, strict=True):
                 _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], scratch=scratch)
         finally:
             gate.give(held)
@@ -626,7 +690,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     in_flight = max(1, min(_workers(), plan.budget // (4 * CHUNK_BYTES)))
     with ThreadPoolExecutor(_workers()) as pool:
         for leaf, idx, hf in big:
-            made = _slice(plan, leaf, hf, scratch)
+            made = _slice(plan, leaf, hf, scratch, idx=idx)
             for path, data in zip(leaf.paths, made, strict=True):
                 _write_slice(
                     arrays[path], leaf.axes, idx, data, chunks[path], pool=(pool, in_flight)
@@ -805,13 +869,21 @@ def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list, lis
 
 
 def _slice(
-    plan: ImportPlan, leaf: Leaf, hf: Any, scratch: _Scratch | None = None
+    plan: ImportPlan,
+    leaf: Leaf,
+    hf: Any,
+    scratch: _Scratch | None = None,
+    *,
+    idx: tuple[int, ...] = (),
 ) -> list[np.ndarray]:
-    """One slice of ``leaf`` (per MaxText param of it), as ``to_maxtext`` makes it: its HF
-    tensors read (into this thread's buffer of ``scratch``, if given) and cast (`cast`), then
-    MaxText's hooks for the slice's shape."""
+    """One slice of ``leaf`` (per MaxText param of it; ``idx`` on its stacked axes), as
+    ``to_maxtext`` makes it: its HF tensors read (into this thread's buffer of ``scratch``,
+    if given) and cast (`cast`), then MaxText's hooks for the slice's shape. With ``--base``,
+    the step's slice with the adapter merged (`_base_slice`)."""
     from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
 
+    if plan.base is not None:
+        return _base_slice(plan, leaf, hf, idx)
     if hf is None:
         raw = None
     elif isinstance(hf, tuple):
@@ -827,6 +899,42 @@ def _slice(
         return [made.reshape(leaf.slice_shape)]
     # a composite key: the hook's output split on its last axis, as to_maxtext splits it
     return [made[..., i] for i in range(len(leaf.keys))]
+
+
+def _base_slice(plan: ImportPlan, leaf: Leaf, hf: Any, idx: tuple[int, ...]) -> list[np.ndarray]:
+    """``--base STEP``: the step's slice of each param of ``leaf``, plus MaxText's hooks of
+    the adapter's float32 deltas of the slice's HF tensors (zero where it has none), minus
+    the hooks of zero: what a hook adds to ``W + delta`` beyond what it adds to ``W`` where it
+    is affine (every MaxText 0.2.5 weight hook: reshapes, transposes, a constant scale), with
+    the base's own values where the adapter changes nothing; cast once."""
+    from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
+
+    step = [plan.base.read(p, leaf.axes, idx) for p in leaf.paths]
+    names = [n for n in _names(hf) if n in plan.adapter.plan.deltas]
+    if not names:
+        return [cast(x, plan.save_dtype) for x in step]
+
+    def hooked(delta: Callable[[str], np.ndarray]) -> list[np.ndarray]:
+        raw = tuple(map(delta, hf)) if isinstance(hf, tuple) else delta(hf)
+        made = np.asarray(apply_hook_fns(raw, leaf.slice_shape, leaf.hooks), np.float32)
+        if len(leaf.keys) == 1:
+            return [made.reshape(leaf.slice_shape)]
+        return [made[..., i] for i in range(len(leaf.keys))]
+
+    def zero(n: str) -> np.ndarray:
+        return np.zeros(plan.hf_shape(n), np.float32)
+
+    ad = plan.adapter
+
+    def delta(n: str) -> np.ndarray:
+        d = ad.plan.deltas.get(n)
+        return zero(n) if d is None else d.compute(ad.dir.read)
+
+    out = []
+    for x, d, z in zip(step, hooked(delta), hooked(zero), strict=True):
+        # float32 (a hook run by JAX gives a read-only array: new ones), then the cast once
+        out.append(cast((d - z) + x, plan.save_dtype))
+    return out
 
 
 def _source(plan: ImportPlan, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:

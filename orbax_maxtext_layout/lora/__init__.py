@@ -12,7 +12,9 @@
 - `peft_adapter`: a PEFT LoRA adapter (``adapter_config.json`` and its factors) judged and
   planned against a Hugging Face base: every factor pair mapped to the base tensor it
   changes, with PEFT's own scale for its module, or refused by name; and the merge
-  ``W + s·B@A`` in float32 that ``import-hf --adapter`` applies to a source tensor.
+  ``W + s·B@A`` in float32 that ``import-hf --adapter`` applies to a source tensor;
+- `base_step`: a MaxText step as the base of ``import-hf --base STEP --adapter``, checked
+  against the model and read one slice at a time.
 
 Sits between `execute` and `hf`: the Hugging Face side (the merged export, the adapter
 export, the import of a PEFT adapter) builds on it. The floors below reach LoRA only through

@@ -19,6 +19,14 @@ PEFT's ``merge_and_unload()`` of it saved as a Hugging Face directory.
    under ``--out``.
 3. ``test_cli_refusal``: the command line's refusal is one line naming the setting, exit 1,
    no traceback, nothing written.
+4. ``test_base_step_merged_equals_peft_merge[case]``: ``--base STEP`` (the base imported
+   first) with the adapter equals the import of PEFT's merge within 1e-6, and every param
+   the adapter leaves is the step's own; a step of another model is refused, nothing written.
+5. ``test_logits_equal_peft[case]``: MaxText 0.2.5's own model restored from the merged step
+   (``model_creation_utils.from_pretrained``, lora_logits_support's child) gives the logits of
+   PEFT's ``PeftModel`` (base + adapter, peft_child.py) on a fixed batch, within 1e-5 (llama:
+   MaxText and transformers differ by float32 rounding, 2.4e-6 on the plain export), where the
+   adapter moves them by far more.
 """
 
 from __future__ import annotations
@@ -145,6 +153,98 @@ def test_merged_equals_peft_merge(made, tmp_path, case_id):
     custom = json.loads((tmp_path / "ours" / "0" / "_CHECKPOINT_METADATA").read_text())
     recorded = custom["custom_metadata"]
     assert recorded.get("scan_layers") == case.scan
+
+
+BASE_CASES = ["llama31-patterns", "llama31-all-linear-unscanned", "qwen3tied-all-linear",
+              "mixtral-experts", "qwen3moe-experts"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case_id", BASE_CASES)
+def test_base_step_merged_equals_peft_merge(made, tmp_path, case_id):
+    """``--base STEP``: the base imported first (a MaxText step), then the adapter merged
+    into it: equal to the import of PEFT's merge within 1e-6, every param the adapter leaves
+    the step's own bytes."""
+    import orbax_maxtext_layout as oml
+
+    case = BY_ID[case_id]
+    d, _ = made[case_id]
+    base = _import(d / "base", tmp_path / "base", case)
+    report = oml.import_hf(
+        None, tmp_path / "ours", maxtext_config=_keys(case.family, case.scan),
+        adapter=d / "adapter", base=tmp_path / "base" / "0", memory_budget=case.budget,
+    )  # fmt: skip
+    assert report.save_dtype == "float32" and report.adapter["tensors"] > 0
+    ours = H.read_step(tmp_path / "ours" / "0")
+    want = _import(d / "merged", tmp_path / "want", case)
+    diffs = _max_diffs(ours, want)
+    print(f"{case_id} --base: max |ours - import of merge_and_unload| {max(diffs.values()):.3g}")
+    assert max(diffs.values()) <= TOLERANCE, {p: v for p, v in diffs.items() if v > TOLERANCE}
+    kept = [p for p, v in _max_diffs(base, want).items() if v == 0]
+    assert kept and all(
+        np.array_equal(ours.params[tuple(p.split("/"))], base.params[tuple(p.split("/"))])
+        for p in kept
+    )
+
+
+def test_base_step_of_another_model_is_refused(made, tmp_path):
+    import orbax_maxtext_layout as oml
+    from orbax_maxtext_layout.errors import LayoutMismatchError
+
+    qwen = BY_ID["qwen3tied-all-linear"]
+    _import(made[qwen.id][0] / "base", tmp_path / "qwen", qwen)
+    llama = BY_ID["llama31-attention"]
+    with pytest.raises(LayoutMismatchError) as e:
+        oml.import_hf(
+            None, tmp_path / "out", maxtext_config=_keys(llama.family, llama.scan),
+            adapter=made[llama.id][0] / "adapter", base=tmp_path / "qwen" / "0",
+        )  # fmt: skip
+    assert "not a MaxText step of the model" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+LOGITS = ["llama31-patterns", "llama31-rslora"]
+LOGITS_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("case_id", LOGITS)
+def test_logits_equal_peft(made, tmp_path, case_id):
+    import lora_logits_support as G
+
+    case = BY_ID[case_id]
+    d, _ = made[case_id]
+    _import(d / "base", tmp_path / "ours", case, adapter=d / "adapter")
+    _import(d / "merged", tmp_path / "want", case)
+    keys = [*H.FAMILY_KEYS[case.family], H.scan_key(case.scan)]
+    jobs = [
+        G.job(n, keys, tmp_path / n / "0" / "items", tmp_path / "run") for n in ("ours", "want")
+    ]
+    got = G.run_child(tmp_path / "maxtext", jobs)
+    maxtext = got["ours"]
+    spec = {"tokens": G.tokens().tolist(),
+            "jobs": [{"name": case_id, "base": str(d / "base"), "merged": str(d / "merged"),
+                      "adapter": str(d / "adapter")}]}  # fmt: skip
+    (tmp_path / "peft.json").write_text(json.dumps(spec))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [H.hf_python(), str(H.HERE / "peft_child.py"), str(tmp_path / "peft.json"),
+         str(tmp_path / "peft.npz")],
+        capture_output=True, text=True, env=env, timeout=H.CHILD_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(tmp_path / "peft.npz") as z:
+        peft, base = z[f"{case_id}::peft"], z[f"{case_id}::base"]
+    same = float(np.abs(maxtext - got["want"]).max())
+    diff = float(np.abs(maxtext - peft).max())
+    floor = float(np.abs(got["want"] - peft).max())
+    moved = float(np.abs(peft - base).max())
+    print(f"{case_id}: MaxText's logits of our step vs of PEFT's merge imported {same:.3g}; vs "
+          f"PeftModel's {diff:.3g} (MaxText vs torch on PEFT's own merge: {floor:.3g}); the "
+          f"adapter moves PEFT's logits by up to {moved:.3g}")  # fmt: skip
+    # our step runs in MaxText as PEFT's merge does; against torch, float32 rounding grows
+    # with the logits' size (up to 4.6 here): relative to it
+    assert same <= 1e-6 and moved > 0.01, (same, moved)
+    assert diff <= LOGITS_TOLERANCE * max(1.0, float(np.abs(peft).max())), diff
 
 
 def _copy(made, case_id: str, dst: Path) -> Path:
