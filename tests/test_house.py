@@ -164,3 +164,17 @@ def test_design_md_writes_down_the_same_order() -> None:
 @pytest.mark.parametrize("room", sorted(FLOORS))
 def test_each_folder_is_named_in_the_map_of_the_house(room: str) -> None:
     assert f"`{room}/`" in DESIGN.read_text()
+
+
+# The op classes themselves (and the interface they share) are the only modules that name an
+# op; every other module asks a move's op (issue 59: callers never branch on which op it is).
+OP_CLASSES = {"plan.moves", "plan.ops", "lora.merge_op"}
+
+
+def test_no_module_but_the_op_classes_names_an_op() -> None:
+    named = {
+        m: re.findall(r"\bOp\.[A-Z_]+\b", p.read_text())
+        for m, p in MODULES.items()
+        if m not in OP_CLASSES
+    }
+    assert {m: n for m, n in named.items() if n} == {}

@@ -44,6 +44,17 @@ class MergeLora(Op):
     def stacked(self) -> Op:
         return self  # each layer merged with its own factors
 
+    def stack_layers(
+        self, got: Mapping[int, Move], n: int, *, dst: Path, axis: int, note: str
+    ) -> Move | str:
+        """Every layer merged, each with its own factors: no layer missing."""
+        merged = [got[i] for i in range(n) if i in got and got[i].lora]
+        if any(i not in got for i in range(n)) or len(merged) != n:
+            return f"{keystr(dst)}: layers {sorted(got)} do not all merge"
+        srcs = tuple(got[i].src for i in range(n))
+        lora = tuple(m.lora[0] for m in merged)
+        return dataclasses.replace(got[min(got)], dst=dst, axis=axis, layers=srcs, lora=lora)
+
     def sources(self, m: Move) -> tuple[Path, ...]:
         if m.layers:
             return tuple(p for p in m.layers if p is not None)

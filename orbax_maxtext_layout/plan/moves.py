@@ -95,6 +95,18 @@ class Op:
         """The op that writes the layers of this op's leaves stacked into one."""
         return Op.STACK
 
+    def stack_layers(
+        self, got: Mapping[int, Move], n: int, *, dst: Path, axis: int, note: str
+    ) -> Move | str:
+        """The move writing ``n`` layers stacked on ``axis`` at ``dst``, from this op's moves of
+        one layer each (``got``: by layer; a missing one is fresh RNG state, ``note`` says
+        which); or why they do not stack."""
+        first = got[min(got)]
+        srcs = tuple(got[i].src if i in got else None for i in range(n))
+        return dataclasses.replace(
+            first, dst=dst, op=self.stacked, axis=axis, layers=srcs, note=note
+        )
+
     def sources(self, m: Move) -> tuple[Path, ...]:
         """The source leaves ``m`` reads (all in ``m.item``)."""
         return (m.src,)

@@ -393,24 +393,13 @@ def stack_plan(plan: Plan, unrolled: Target, out: Target) -> Plan:
         if a is None or (gaps and not (dst[:2] == AUX_ROOT and is_rng(dst))):
             problems.append(f"{keystr(dst)}: layers {sorted(got)} do not stack (axis {a})")
             continue
-        first = got[min(got)]
         note = f"layers {gaps} initialised fresh" if gaps else ""
         fresh_notes += _fresh_notes(layers, dst, gaps) if gaps else []
-        srcs = tuple(got[i].src if i in got else None for i in range(n))
-        if first.lora:  # a merge: each layer merged with its own factors
-            merged = [got[i] for i in range(n) if i in got and got[i].lora]
-            if gaps or len(merged) != n:
-                problems.append(f"{keystr(dst)}: layers {sorted(got)} do not all merge")
-                continue
-            lora = tuple(m.lora[0] for m in merged)
-            stacked = first.op.stacked
-            moves.append(
-                dataclasses.replace(first, dst=dst, op=stacked, axis=a, layers=srcs, lora=lora)
-            )
+        stacked = got[min(got)].op.stack_layers(got, n, dst=dst, axis=a, note=note)
+        if isinstance(stacked, str):  # why they do not stack
+            problems.append(stacked)
             continue
-        moves.append(
-            dataclasses.replace(first, dst=dst, op=first.op.stacked, axis=a, layers=srcs, note=note)
-        )
+        moves.append(stacked)
     if problems:
         raise LayoutMismatchError(f"The step does not stack onto the target{named(out)}:", problems)
     notes = (*plan.notes, *dict.fromkeys(n for n in fresh_notes if n not in plan.notes))
