@@ -174,6 +174,18 @@ def test_factors_refused_by_name():
         assert named in str(e.value), (named, str(e.value))
 
 
+def test_a_targeted_module_without_factors_is_refused_only_where_peft_would_randomise_it():
+    """PEFT loads an adapter whose file lacks a targeted module's factors with that module's
+    init: zero change for B at zero, a random one with ``init_lora_weights`` false."""
+    q = "model.layers.0.self_attn.q_proj"
+    fs = factors({q: 4})
+    assert plan(GOOD, fs).modules == [q]  # v_proj targeted, absent: B would start at zero
+    with pytest.raises(P.AdapterRefusedError) as e:
+        plan(dict(GOOD, init_lora_weights=False), fs)
+    assert "model.layers.1.self_attn.v_proj: targeted" in str(e.value)
+    assert f"{q}:" not in str(e.value)
+
+
 def _mutations(rng: random.Random) -> dict:
     junk = [None, True, 0, -1, 2**70, 1.5, float("inf"), "", "x" * 5000, "(", [], [1, "a"], {},
             {"a": None}, {"(": 1}, [[[]]], "all-linear", ".*", ["q_proj"], {"q_proj": 0}]  # fmt: skip

@@ -15,6 +15,11 @@ as ``to_maxtext`` runs it, with four differences (docs/import-hf.md):
 - the Hugging Face ``config.json`` must agree with the MaxText config; and the directory is
   read as untrusted input (`safetensors_in`).
 
+With ``--adapter`` (issue 60) a PEFT LoRA adapter is a source transform of the same plan
+(`lora.peft_adapter`): each HF tensor it changes gets ``W + s·B@A`` in float32 as it is read,
+then the cast and MaxText's hooks as for the base; with ``--base STEP`` the base's slices come
+from a MaxText step (`lora.base_step`) and the hooked deltas are added to them.
+
 The unit of work is one slice: one HF tensor (or a fused group) of one layer (and expert),
 read with one range read, cast, put through MaxText's hooks and written as its own chunk
 of the stacked MaxText array. Slices run on two workers a core, the bytes in flight held

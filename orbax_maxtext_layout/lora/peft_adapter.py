@@ -126,6 +126,8 @@ class Settings:
     layers_to_transform: int | list[int] | None
     layers_pattern: str | list[str] | None
     base_model: str | None
+    random_init: bool = False  # init_lora_weights false: a targeted module PEFT finds no
+    # factors for keeps nn.Linear's random init, a random change where B is not zero
 
     def rank_alpha(self, key: str) -> tuple[int, float]:
         """PEFT's rank and alpha of module (or parameter) ``key``: ``_create_and_replace``."""
@@ -178,6 +180,7 @@ def settings(config: Any, where: str) -> Settings:
         if config.get(key, want) != want:
             problems.append(f"{key} {_q(config[key])}: only {want!r} is merged")
     fields = _fields(config, problems)
+    fields["random_init"] = init is False
     if problems:
         raise AdapterRefusedError(
             f"{where}: this PEFT adapter cannot be merged exactly:",
@@ -378,6 +381,7 @@ def plan_adapter(
             if name in deltas:
                 problems.append(f"{name}: changed by both {deltas[name].module} and {delta.module}")
             deltas[name] = delta
+    problems += _unfactored(s, pairs, base, model_type)
     if not pairs and not problems:
         problems.append("no LoRA factors (lora_A/lora_B) at all")
     if problems:
@@ -406,6 +410,28 @@ class _Pair:
     b: str
     sa: tuple[int, ...]
     sb: tuple[int, ...]
+
+
+def _unfactored(
+    s: Settings, pairs: Mapping[str, Any], base: Mapping[str, tuple[int, ...]], model_type: str
+) -> list[str]:
+    """With ``init_lora_weights`` false, the base's modules the config targets and the file
+    holds no factors for: PEFT would give each a random change (`Settings.random_init`)."""
+    if not s.random_init:
+        return []  # B starts at zero (or B @ A at zero, orthogonal): no change
+    out = []
+    for name, shape in base.items():
+        if len(shape) != 2 or not name.endswith(".weight") or ".experts." in name:
+            continue
+        module = name[: -len(".weight")]
+        for ours, theirs in MODULE_RENAMES.get(model_type, ()):
+            module = module.replace(theirs, ours)  # PEFT's (in-memory) name
+        if _targeted(s, module) and module not in pairs:
+            out.append(
+                f"{module}: targeted, with init_lora_weights false, but no factors in the "
+                "file: PEFT would give it a random change"
+            )
+    return out
 
 
 def _pairs(factors: Mapping[str, Any], problems: list[str]) -> dict[str, tuple[str, str]]:
