@@ -229,7 +229,9 @@ class ImportReport:
             f"{str(self.scan_layers).lower()}, {self.save_dtype}): {self.params} params from "
             f"{self.hf_tensors} Hugging Face tensors, {self.bytes_read:,} bytes read, "
             f"{self.bytes_written:,} bytes of values written, about {self.memory:,} bytes "
-            f"held at once" + (f", {self.seconds:.1f} s" if self.seconds else "") + _merged(self)
+            f"held at once"
+            + (f", {self.seconds:.1f} s" if self.seconds else "")
+            + _adapter_line(self)
         )
 
 
@@ -367,7 +369,7 @@ def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
     return Adapter(ad, made)
 
 
-def _merged(report: ImportReport) -> str:
+def _adapter_line(report: ImportReport) -> str:
     a = report.adapter
     if not a:
         return ""

@@ -324,3 +324,19 @@ def test_cli_refusal(made, tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "use_dora" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
+
+
+def test_dry_run_plans_the_adapter_from_metadata(made, tmp_path):
+    import orbax_maxtext_layout as oml
+
+    case = BY_ID["mixtral-experts"]
+    d, _ = made[case.id]
+    report = oml.import_hf(
+        d / "base", tmp_path / "out", maxtext_config=_keys(case.family, case.scan),
+        save_dtype="float32", adapter=d / "adapter", dry_run=True,
+    )  # fmt: skip
+    a = report.adapter
+    # 2 layers: q, k, v, o and the two fused expert parameters each; 4 experts, 3 tensors each
+    assert (a["modules"], a["tensors"], a["ranks"], a["scales"]) == (12, 2 * (4 + 12), [2], [2.0])
+    assert "merged the PEFT adapter" in str(report) and json.loads(report.to_json())["adapter"]
+    assert not (tmp_path / "out").exists()
