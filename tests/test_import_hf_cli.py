@@ -270,3 +270,22 @@ def test_the_compiled_transpose_refuses_what_it_cannot_copy():
     for src in (hf, hf.T[::-1], hf.T[:, ::2][:, ::-1]):  # not a transposed view
         with pytest.raises(ValueError, match="must be a transposed view"):
             native.transpose(np.zeros(src.shape, np.uint16), src)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        ([], "HF_DIR or --base"),
+        (["HF", "--base", "step", "--adapter", "a"], "HF_DIR or --base"),
+        (["--base", "step"], "--adapter"),
+    ],
+)
+def test_the_base_is_hf_dir_or_a_step_with_an_adapter(tmp_path, capsys, argv, named):
+    """``--base STEP`` (issue 60) takes the place of HF_DIR and merges an adapter: both, neither
+    or no adapter is a usage error (exit 2) before anything is read or written."""
+    argv = [str(tmp_path / "hf") if a == "HF" else a for a in argv]
+    out = tmp_path / "o"
+    code = cli.main(["import-hf", *argv, "--out", str(out), "--maxtext-config", "base.yml"])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not out.exists()

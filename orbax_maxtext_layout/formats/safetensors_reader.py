@@ -343,6 +343,7 @@ class HfDir:
         self._index: dict[str, str] = {}  # the index's weight_map, once checked
         self._bytes_read = 0
         self._lock = threading.Lock()
+        self._names: tuple[str, str] | None = None  # `open`'s ``files``
         # On a disk, every file is opened by a walk beneath ``_top`` (`open_beneath`, from
         # a descriptor open while `open` runs): the directory itself, or in a Hub cache
         # snapshot (``models--<org>--<name>/snapshots/<rev>``) its repo, the walk starting
@@ -358,10 +359,15 @@ class HfDir:
 
     # -- opening: everything checked, no tensor data read ------------------------------
     @classmethod
-    def open(cls, hf_dir: epath.PathLike) -> HfDir:
+    def open(cls, hf_dir: epath.PathLike, *, files: tuple[str, str] | None = None) -> HfDir:
         """The directory ``hf_dir`` (a local path or ``gs://``), its config, index and every
-        shard's header read and checked; `HfInputError` for anything wrong."""
+        shard's header read and checked; `HfInputError` for anything wrong. ``files``: another
+        kind of directory's (config, weights) file names, with the same checks (a PEFT
+        adapter's ``adapter_config.json`` and ``adapter_model.safetensors``): no index, and a
+        config naming a key twice refused (which of the two would count is the reader's
+        guess)."""
         self = cls(hf_dir)
+        self._names = files
         try:
             self._open()
         except BaseException:
@@ -386,12 +392,16 @@ class HfDir:
             os.close(top)
 
     def _open_all(self) -> None:
-        config = self._read_json(CONFIG_FILE, CONFIG_LIMIT, "config", unique=False)
+        config_file, weights_file = self._names or (CONFIG_FILE, WEIGHTS_FILE)
+        unique = self._names is not None
+        config = self._read_json(config_file, CONFIG_LIMIT, "config", unique=unique)
         if not isinstance(config, dict):
-            raise _refuse(self._where(CONFIG_FILE), "the config is not a JSON object")
+            raise _refuse(self._where(config_file), "the config is not a JSON object")
         self.config = config
-        if self._exists(WEIGHTS_FILE):
-            self._add_shard(WEIGHTS_FILE, None)
+        if self._exists(weights_file):
+            self._add_shard(weights_file, None)
+        elif self._names is not None:
+            raise _refuse(self.dir, f"no {weights_file} here", forged=False)
         elif self._exists(INDEX_FILE):
             shards = self._read_index()
             for rel in sorted(shards):

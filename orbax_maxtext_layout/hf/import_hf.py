@@ -15,6 +15,11 @@ as ``to_maxtext`` runs it, with four differences (docs/import-hf.md):
 - the Hugging Face ``config.json`` must agree with the MaxText config; and the directory is
   read as untrusted input (`formats.safetensors_reader`).
 
+With ``--adapter`` (issue 60) a PEFT LoRA adapter is a source transform of the same plan
+(`lora.peft_adapter`): each HF tensor it changes gets ``W + s·B@A`` in float32 as it is read,
+then the cast and MaxText's hooks as for the base; with ``--base STEP`` the base's slices come
+from a MaxText step (`lora.base_step`) and the hooked deltas are added to them.
+
 The unit of work is one slice: one HF tensor (or a fused group) of one layer (and expert),
 read with one range read, cast, put through MaxText's hooks and written as its own chunk
 of the stacked MaxText array. Slices run on two workers a core, the bytes in flight held
@@ -44,6 +49,8 @@ from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..execute.options import resolve
 from ..formats.safetensors_reader import HfDir
+from ..lora import peft_adapter
+from ..lora.base_step import BaseStep
 from ..model import hf_mapping
 from ..model.hf_mapping import HfModel
 from ..orbax_io import item_writer, orbax_files, stepdir
@@ -126,15 +133,32 @@ def _slices(node: Any, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], 
 class ImportPlan:
     """The import as planned from metadata only: every MaxText leaf and its HF sources."""
 
-    hf: HfDir
+    hf: HfDir | None  # None: the base is a MaxText step (``base``)
     model: HfModel
     leaves: list[Leaf]
     save_dtype: np.dtype
     budget: int
+    adapter: Adapter | None = None  # ``--adapter``: merged into its base tensors as read
+    base: BaseStep | None = None  # ``--base STEP``: the params read from it, not from ``hf``
 
     @property
     def bytes_read(self) -> int:
-        return sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
+        if self.base is not None:
+            source = sum(
+                math.prod(s) * self.base.dtypes[p].itemsize
+                for lf in self.leaves
+                for p, s in zip(lf.paths, lf.shapes, strict=True)
+            )
+        else:
+            source = sum(self.hf.tensors[n].nbytes for lf in self.leaves for n in _names(lf.hf))
+        return source + (self.adapter.bytes_read if self.adapter else 0)
+
+    def hf_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of Hugging Face tensor ``name``: the directory's, or with ``--base``
+        MaxText's ``HF_SHAPE`` (no directory)."""
+        if self.hf is None:
+            return tuple(self.model.shape_map[name])
+        return tuple(self.hf.tensors[name].shape)
 
     @property
     def bytes_written(self) -> int:
@@ -155,6 +179,25 @@ class ImportPlan:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """A PEFT adapter merged while importing: its directory, read as untrusted input as the
+    base is (`HfDir`), and its plan against the base (`peft_adapter.plan_adapter`)."""
+
+    dir: HfDir
+    plan: peft_adapter.AdapterPlan
+
+    @property
+    def bytes_read(self) -> int:
+        """The factors read, once per tensor they change (a fused experts pair once an
+        expert and part: small next to the base)."""
+        d = self.dir.tensors
+        return sum(d[x.a].nbytes + d[x.b].nbytes for x in self.plan.deltas.values())
+
+    def merge(self, name: str, w: np.ndarray) -> np.ndarray:
+        return self.plan.merge(name, w, self.dir.read)
+
+
 @dataclasses.dataclass
 class ImportReport:
     """What `import_hf` did (or, ``dry_run``, would do)."""
@@ -171,6 +214,7 @@ class ImportReport:
     memory: int
     dry_run: bool
     seconds: float = 0.0
+    adapter: dict | None = None  # ``--adapter``: what was merged (`AdapterPlan.to_dict`)
 
     def to_json(self) -> str:
         import json
@@ -184,7 +228,9 @@ class ImportReport:
             f"{str(self.scan_layers).lower()}, {self.save_dtype}): {self.params} params from "
             f"{self.hf_tensors} Hugging Face tensors, {self.bytes_read:,} bytes read, "
             f"{self.bytes_written:,} bytes of values written, about {self.memory:,} bytes "
-            f"held at once" + (f", {self.seconds:.1f} s" if self.seconds else "")
+            f"held at once"
+            + (f", {self.seconds:.1f} s" if self.seconds else "")
+            + _adapter_line(self)
         )
 
 
@@ -199,23 +245,27 @@ class ImportOptions:
     slices in all).
     """
 
-    save_dtype: str = DEFAULT_SAVE_DTYPE
+    save_dtype: str | None = None
     memory_budget: int | None = None
     dry_run: bool = False
     progress: Callable[[int, int], None] | None = None
+    adapter: epath.PathLike | None = None
+    base: epath.PathLike | None = None
 
 
 class ImportKeywords(TypedDict, total=False):
     """`ImportOptions` as `import_hf`'s keyword arguments (for type checkers)."""
 
-    save_dtype: str
+    save_dtype: str | None
     memory_budget: int | None
     dry_run: bool
     progress: Callable[[int, int], None] | None
+    adapter: epath.PathLike | None
+    base: epath.PathLike | None
 
 
 def import_hf(
-    hf_dir: epath.PathLike,
+    hf_dir: epath.PathLike | None,
     out: epath.PathLike,
     options: ImportOptions | None = None,
     *,
@@ -228,12 +278,24 @@ def import_hf(
     whole directory was read as metadata and checked against the model. The options
     (`ImportOptions`) come as one object or as keyword arguments, not both.
 
+    ``adapter``: a PEFT LoRA adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) for this base, merged in: each tensor it adapts becomes
+    ``W + s·B@A`` in float32 with PEFT's scale for its module, before the cast and MaxText's
+    hooks (docs/import-hf.md, "A PEFT adapter merged in").
+
+    ``base``: a MaxText step of the model (``<step>`` or ``<step>/items``) as the base in
+    place of ``hf_dir`` (then None), with ``adapter``: each adapted slice is the step's plus
+    MaxText's hooks of the adapter's delta, computed in float32; every other param the
+    step's own values. ``save_dtype`` None: the step's dtype (``hf_dir``: bfloat16).
+
     Raises:
       HfInputError: the directory is malformed or names anything outside itself.
       LayoutMismatchError: ``config.json`` or a tensor disagrees with the MaxText config
-        (every mismatch named).
+        (every mismatch named); an ``AdapterRefusedError``, the adapter's settings or
+        factors cannot be merged exactly into this base (every problem named).
       StepExistsError: ``<out>/0`` exists.
-      UsageError: an unknown ``save_dtype``; ``options`` together with option keywords.
+      UsageError: an unknown ``save_dtype``; ``options`` together with option keywords; both
+        or neither of ``hf_dir`` and ``base``; ``base`` without ``adapter``.
     """
     o = resolve(ImportOptions, options, keywords, "import_hf")
     # The collector is left as the caller set it (a library call changes no process setting,
@@ -242,40 +304,92 @@ def import_hf(
 
 
 def _import_hf(
-    hf_dir: epath.PathLike,
+    hf_dir: epath.PathLike | None,
     out: epath.PathLike,
     o: ImportOptions,
     *,
     maxtext_config: Sequence[str],
 ) -> ImportReport:
     save_dtype, memory_budget, dry_run = o.save_dtype, o.memory_budget, o.dry_run
+    adapter, base = o.adapter, o.base
     start = time.monotonic()
-    if save_dtype not in SAVE_DTYPES:
+    if save_dtype is not None and save_dtype not in SAVE_DTYPES:
         raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
-    hf = HfDir.open(hf_dir)
+    if (hf_dir is None) == (base is None):
+        raise UsageError("import-hf: give either HF_DIR or --base STEP (one of them).")
+    if base is not None and adapter is None:
+        raise UsageError("--base STEP merges an adapter into a MaxText step: give --adapter.")
+    # the directory is checked first: a hostile one is refused whether MaxText is here or not
+    hf = HfDir.open(hf_dir) if base is None else None
     config = hf_mapping.load_config(maxtext_config)
     model = hf_mapping.load_import(config)
-    check_config(hf, model)
     budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
-    plan = plan_import(hf, model, SAVE_DTYPES[save_dtype], budget)
+    if hf is not None:
+        check_config(hf, model)
+        plan = plan_import(hf, model, SAVE_DTYPES[save_dtype or DEFAULT_SAVE_DTYPE], budget)
+    else:
+        plan = plan_base(base, model, save_dtype, budget)
+    if adapter is not None:
+        plan = dataclasses.replace(plan, adapter=open_adapter(adapter, plan))
     dest = epath.Path(out) / "0"
-    if dest.exists():
-        raise StepExistsError(f"{dest} exists; import-hf writes a new step: pass another --out.")
-    if not dry_run:
-        _write_step(plan, dest, o.progress)
+    try:
+        if dest.exists():
+            raise StepExistsError(
+                f"{dest} exists; import-hf writes a new step: pass another --out."
+            )
+        if not dry_run:
+            _write_step(plan, dest, o.progress)
+    finally:
+        if plan.adapter is not None:
+            plan.adapter.dir.close()
+    read = plan.bytes_read if plan.hf is None else plan.hf.bytes_read
+    read += plan.adapter.dir.bytes_read if plan.adapter and plan.hf else 0
     return ImportReport(
-        str(hf_dir),
+        str(hf_dir if base is None else base),
         str(out),
         config.model_name,
         bool(config.scan_layers),
-        save_dtype,
+        plan.save_dtype.name,
         sum(len(lf.paths) for lf in plan.leaves),
         len({n for lf in plan.leaves for n in _names(lf.hf)}),
-        plan.bytes_read if dry_run else hf.bytes_read,
+        plan.bytes_read if dry_run else read,
         plan.bytes_written,
         plan.memory,
         dry_run,
         0.0 if dry_run else time.monotonic() - start,
+        plan.adapter.plan.to_dict() if plan.adapter else None,
+    )
+
+
+def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
+    """The PEFT adapter directory ``adapter`` opened as untrusted input (`HfDir`'s checks:
+    containment, sizes, the safetensors header) and planned against the base tensors
+    ``plan`` reads; `HfInputError` or `AdapterRefusedError`, nothing written."""
+    files = (peft_adapter.CONFIG_FILE, peft_adapter.WEIGHTS_FILE)
+    ad = HfDir.open(adapter, files=files)
+    try:
+        where = str(ad.dir)
+        settings = peft_adapter.settings(ad.config, f"{where}/{peft_adapter.CONFIG_FILE}")
+        factors = {n: (t.shape, t.dtype) for n, t in ad.tensors.items()}
+        base = {n: plan.hf_shape(n) for lf in plan.leaves for n in _names(lf.hf)}
+        kind = plan.hf.config if plan.hf is not None else plan.model.hf_config.to_dict()
+        model_type = str(kind.get("model_type"))
+        made = peft_adapter.plan_adapter(
+            settings, factors, base, model_type=model_type, where=where
+        )
+    except BaseException:
+        ad.close()
+        raise
+    return Adapter(ad, made)
+
+
+def _adapter_line(report: ImportReport) -> str:
+    a = report.adapter
+    if not a:
+        return ""
+    return (
+        f"; merged the PEFT adapter {a['adapter']} into {a['tensors']} tensors of "
+        f"{a['modules']} modules (ranks {a['ranks']}, scales {a['scales']})"
     )
 
 
@@ -320,14 +434,39 @@ def _same_kind(got: str, want: str) -> bool:
     return got.removesuffix("_text") == want.removesuffix("_text")
 
 
+def plan_base(
+    base: epath.PathLike, model: HfModel, save_dtype: str | None, budget: int
+) -> ImportPlan:
+    """The plan of ``--base STEP``: MaxText's leaves of the model (its mapping, without a
+    Hugging Face directory), each checked in the step (`BaseStep.open`); the dtype written is
+    ``save_dtype``, else the step's own (one for every param, or refused)."""
+    abstract = _abstract_params(model.config)
+    leaves = [_leaf(model, key, abstract) for key in _mapped_keys(model, abstract)]
+    wanted = {p: s for lf in leaves for p, s in zip(lf.paths, lf.shapes, strict=True)}
+    step = BaseStep.open(base, wanted)
+    if save_dtype is None:
+        kinds = sorted({d.name for d in step.dtypes.values()})
+        if len(kinds) != 1 or kinds[0] not in SAVE_DTYPES:
+            raise UsageError(
+                f"{base}: its params are {', '.join(kinds)}: pass --save-dtype "
+                f"({' or '.join(SAVE_DTYPES)})."
+            )
+        save_dtype = kinds[0]
+    return ImportPlan(None, model, leaves, SAVE_DTYPES[save_dtype], budget, base=step)
+
+
+def _mapped_keys(model: HfModel, abstract: dict[str, tuple[int, ...]]) -> list[Any]:
+    from maxtext.checkpoint_conversion.utils.utils import validate_and_filter_param_map_keys
+
+    return validate_and_filter_param_map_keys(model.param_map.keys(), abstract.keys())
+
+
 def plan_import(hf: HfDir, model: HfModel, save_dtype: np.dtype, budget: int) -> ImportPlan:
     """Every MaxText param of the model with its HF sources, from metadata only: each HF
     tensor named must be in the directory with the shape MaxText's ``HF_SHAPE`` gives it,
     and every param of MaxText's abstract model must have a source."""
-    from maxtext.checkpoint_conversion.utils.utils import validate_and_filter_param_map_keys
-
     abstract = _abstract_params(model.config)
-    keys = validate_and_filter_param_map_keys(model.param_map.keys(), abstract.keys())
+    keys = _mapped_keys(model, abstract)
     leaves, problems = [], []
     for key in keys:
         leaf = _leaf(model, key, abstract)
@@ -433,7 +572,12 @@ def _as_stored(hf: HfDir, node: Any) -> Any:
 
 
 def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
-    read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
+    if plan.hf is None:  # --base: the slice read, in float32 to be merged
+        read = 4 * math.prod(leaf.slice_shape) * len(leaf.keys)
+    else:
+        read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
+    if plan.adapter is not None:  # a merged tensor also holds its float32 delta and sum
+        read += sum(plan.adapter.plan.held(n, 4 * math.prod(plan.hf_shape(n))) for n in _names(hf))
     made = math.prod(leaf.slice_shape) * plan.save_dtype.itemsize * len(leaf.keys)
     return max(read, made)
 
@@ -477,10 +621,14 @@ def _build(
         provenance = {
             "source_layout": SOURCE_LAYOUT,
             "converter": f"orbax-maxtext-layout {__version__}",
-            "hf_dir": str(plan.hf.dir),
+            "hf_dir": str(plan.hf.dir) if plan.hf is not None else None,
             "save_dtype": plan.save_dtype.name,
-            "bytes_read": plan.hf.bytes_read,
+            "bytes_read": plan.hf.bytes_read if plan.hf is not None else plan.bytes_read,
         }
+        if plan.base is not None:
+            provenance["base"] = str(plan.base.dir)
+        if plan.adapter is not None:
+            provenance["adapter"] = plan.adapter.plan.to_dict()
         custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
         stepdir.commit(work, tmp, provenance, store=store, meta={}, custom=custom)
         if not stepdir.publish_step(work, dest, store=store):
@@ -552,7 +700,8 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
         leaf, idx, hf = job
         held = gate.take(HOLD * _slice_bytes(plan, leaf, hf))
         try:
-            for path, data in zip(leaf.paths, _slice(plan, leaf, hf, scratch), strict=True):
+            made = _slice(plan, leaf, hf, scratch, idx=idx)
+            for path, data in zip(leaf.paths, made, strict=True):
                 _write_slice(arrays[path], leaf.axes, idx, data, chunks[path], scratch=scratch)
         finally:
             gate.give(held)
@@ -566,7 +715,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     in_flight = max(1, min(_workers(), plan.budget // (4 * CHUNK_BYTES)))
     with ThreadPoolExecutor(_workers()) as pool:
         for leaf, idx, hf in big:
-            made = _slice(plan, leaf, hf, scratch)
+            made = _slice(plan, leaf, hf, scratch, idx=idx)
             for path, data in zip(leaf.paths, made, strict=True):
                 _write_slice(
                     arrays[path], leaf.axes, idx, data, chunks[path], pool=(pool, in_flight)
@@ -745,28 +894,80 @@ def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list, lis
 
 
 def _slice(
-    plan: ImportPlan, leaf: Leaf, hf: Any, scratch: _Scratch | None = None
+    plan: ImportPlan,
+    leaf: Leaf,
+    hf: Any,
+    scratch: _Scratch | None = None,
+    *,
+    idx: tuple[int, ...] = (),
 ) -> list[np.ndarray]:
-    """One slice of ``leaf`` (per MaxText param of it), as ``to_maxtext`` makes it: its HF
-    tensors read (into this thread's buffer of ``scratch``, if given) and cast (`cast`), then
-    MaxText's hooks for the slice's shape."""
+    """One slice of ``leaf`` (per MaxText param of it; ``idx`` on its stacked axes), as
+    ``to_maxtext`` makes it: its HF tensors read (into this thread's buffer of ``scratch``,
+    if given) and cast (`cast`), then MaxText's hooks for the slice's shape. With ``--base``,
+    the step's slice with the adapter merged (`_base_slice`)."""
     from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
 
+    if plan.base is not None:
+        return _base_slice(plan, leaf, hf, idx)
     if hf is None:
         raw = None
     elif isinstance(hf, tuple):
         at, parts = 0, []
         for n in hf:
-            parts.append(cast(_read(plan.hf, n, scratch, at), plan.save_dtype))
+            parts.append(cast(_source(plan, n, scratch, at), plan.save_dtype))
             at += plan.hf.tensors[n].nbytes
         raw = tuple(parts)
     else:
-        raw = cast(_read(plan.hf, hf, scratch), plan.save_dtype)
+        raw = cast(_source(plan, hf, scratch), plan.save_dtype)
     made = np.asarray(apply_hook_fns(raw, leaf.slice_shape, leaf.hooks))
     if len(leaf.keys) == 1:
         return [made.reshape(leaf.slice_shape)]
     # a composite key: the hook's output split on its last axis, as to_maxtext splits it
     return [made[..., i] for i in range(len(leaf.keys))]
+
+
+def _base_slice(plan: ImportPlan, leaf: Leaf, hf: Any, idx: tuple[int, ...]) -> list[np.ndarray]:
+    """``--base STEP``: the step's slice of each param of ``leaf``, plus MaxText's hooks of
+    the adapter's float32 deltas of the slice's HF tensors (zero where it has none), minus
+    the hooks of zero: what a hook adds to ``W + delta`` beyond what it adds to ``W`` where it
+    is affine (every MaxText 0.2.5 weight hook: reshapes, transposes, a constant scale), with
+    the base's own values where the adapter changes nothing; cast once."""
+    from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
+
+    step = [plan.base.read(p, leaf.axes, idx) for p in leaf.paths]
+    names = [n for n in _names(hf) if n in plan.adapter.plan.deltas]
+    if not names:
+        return [cast(x, plan.save_dtype) for x in step]
+
+    def hooked(delta: Callable[[str], np.ndarray]) -> list[np.ndarray]:
+        raw = tuple(map(delta, hf)) if isinstance(hf, tuple) else delta(hf)
+        made = np.asarray(apply_hook_fns(raw, leaf.slice_shape, leaf.hooks), np.float32)
+        if len(leaf.keys) == 1:
+            return [made.reshape(leaf.slice_shape)]
+        return [made[..., i] for i in range(len(leaf.keys))]
+
+    def zero(n: str) -> np.ndarray:
+        return np.zeros(plan.hf_shape(n), np.float32)
+
+    ad = plan.adapter
+
+    def delta(n: str) -> np.ndarray:
+        d = ad.plan.deltas.get(n)
+        return zero(n) if d is None else d.compute(ad.dir.read)
+
+    out = []
+    for x, d, z in zip(step, hooked(delta), hooked(zero), strict=True):
+        # float32 (a hook run by JAX gives a read-only array: new ones), then the cast once
+        out.append(cast((d - z) + x, plan.save_dtype))
+    return out
+
+
+def _source(plan: ImportPlan, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
+    """HF tensor ``name`` as the import takes it: read (`_read`), and with ``--adapter`` its
+    delta added in float32 where the adapter changes it (before the cast, as PEFT merges into
+    the float32 weights its ``merge_and_unload`` returns)."""
+    x = _read(plan.hf, name, scratch, at)
+    return x if plan.adapter is None else plan.adapter.merge(name, x)
 
 
 def _read(hf: HfDir, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:

@@ -10,6 +10,12 @@
 - `adapter_factors`: a LoRA module's factors carried through MaxText's Hugging Face hooks
   onto PEFT's factors (the adapter export's mapping, checked on a real layer);
 - `export_adapter`: an adapter step written as a PEFT adapter, through a `formats` sink.
+- `peft_adapter`: a PEFT LoRA adapter (``adapter_config.json`` and its factors) judged and
+  planned against a Hugging Face base: every factor pair mapped to the base tensor it
+  changes, with PEFT's own scale for its module, or refused by name; and the merge
+  ``W + s·B@A`` in float32 that ``import-hf --adapter`` applies to a source tensor;
+- `base_step`: a MaxText step as the base of ``import-hf --base STEP --adapter``, checked
+  against the model and read one slice at a time.
 
 Sits between `execute` and `hf`: the Hugging Face side (the merged export, the import of a
 PEFT adapter) builds on it. The floors below reach LoRA only through

@@ -1,0 +1,342 @@
+"""Interop (issue 60): ``import-hf --adapter`` merges a PEFT adapter into the import exactly as
+PEFT's own ``merge_and_unload()`` merges it.
+
+Inputs (peft_adapter_writer.py, in the hf venv, ``OMTL_HF_PYTHON``; the module skips without
+it): per case, a tiny base saved by transformers 5, an adapter made by PEFT 0.21.2 itself
+(``LoraConfig`` + ``get_peft_model``, every factor random and non-zero, ``save_pretrained``) and
+PEFT's ``merge_and_unload()`` of it saved as a Hugging Face directory.
+
+1. ``test_merged_equals_peft_merge[case]``: ``import_hf(base, adapter=ADAPTER)`` equals
+   ``import_hf(merged)`` (PEFT's merge imported) leaf by leaf within 1e-6 in float32: the same
+   tree, dtypes and shapes; and the adapter moved the reference (so a dropped merge fails).
+   Cases: llama3.1 attention only, all linear, rsLoRA, rank and alpha patterns, a budget
+   under every slice; qwen3 with tied embeddings; mixtral and qwen3-moe expert adapters
+   (``target_parameters``, the fused names PEFT saves), scanned and unscanned.
+2. ``test_refused[...]``: DoRA, another PEFT type, a config claiming another rank than the
+   factors hold, a factor for a module the base lacks, an adapter of another model (qwen3's on
+   llama), a factor whose partner is missing, ``lm_head`` on tied qwen3 (the base has no
+   such tensor), an untargeted module: each a named ``AdapterRefusedError`` and nothing
+   under ``--out``.
+3. ``test_cli_refusal``: the command line's refusal is one line naming the setting, exit 1,
+   no traceback, nothing written.
+4. ``test_base_step_merged_equals_peft_merge[case]``: ``--base STEP`` (the base imported
+   first) with the adapter equals the import of PEFT's merge within 1e-6, and every param
+   the adapter leaves is the step's own; a step of another model is refused, nothing written.
+5. ``test_logits_equal_peft[case]``: MaxText 0.2.5's own model restored from the merged step
+   (``model_creation_utils.from_pretrained``, lora_logits_support's child) gives the logits of
+   PEFT's ``PeftModel`` (base + adapter, peft_child.py) on a fixed batch, within 1e-5 (llama:
+   MaxText and transformers differ by float32 rounding, 2.4e-6 on the plain export), where the
+   adapter moves them by far more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import import_hf_support as H
+import maxtext_loop_support as L
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(not H.hf_python(), reason="needs the hf venv (OMTL_HF_PYTHON)")
+
+WRITER = H.HERE / "peft_adapter_writer.py"
+TOLERANCE = 1e-6  # float32: numpy's and torch's B @ A add in another order
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    family: str
+    seed: int
+    lora: dict
+    scan: bool = True
+    budget: int | None = None
+
+
+CASES = [
+    Case("llama31-attention", "llama3.1", 11, {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
+    Case("llama31-all-linear", "llama3.1", 12, {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"}),
+    Case("llama31-all-linear-unscanned", "llama3.1", 12, {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"}, scan=False),
+    Case("llama31-rslora", "llama3.1", 13, {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": "all-linear"}),
+    Case("llama31-patterns", "llama3.1", 14, {
+        "r": 4, "lora_alpha": 8, "target_modules": "all-linear",
+        "rank_pattern": {"q_proj": 2, "layers.1.mlp.down_proj": 6},
+        "alpha_pattern": {"o_proj": 3, r"layers\.2\.self_attn\.k_proj": 32},
+    }),
+    Case("llama31-tiny-budget", "llama3.1", 15, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}, budget=1024),
+    Case("qwen3tied-all-linear", "qwen3", 16, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}),
+    Case("mixtral-experts", "mixtral", 17, {"r": 2, "lora_alpha": 4, "target_modules": ATTN, "target_parameters": EXPERTS}),
+    Case("mixtral-experts-unscanned", "mixtral", 17, {"r": 2, "lora_alpha": 4, "target_modules": ATTN, "target_parameters": EXPERTS}, scan=False),
+    Case("qwen3moe-experts", "qwen3-moe", 18, {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "target_parameters": EXPERTS}),
+    Case("qwen3moe-down-only", "qwen3-moe", 19, {"r": 3, "lora_alpha": 4, "target_modules": ["o_proj"], "target_parameters": ["mlp.experts.down_proj"]}),
+]  # fmt: skip
+BY_ID = {c.id: c for c in CASES}
+# adapters for the refusals (their bases are the cases')
+MADE = {c.id: c for c in CASES} | {
+    "llama31-dora": Case("llama31-dora", "llama3.1", 21, {"r": 4, "lora_alpha": 8, "target_modules": ATTN, "use_dora": True}),
+    "qwen3-untied-attention": Case("qwen3-untied-attention", "qwen3", 22, {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
+}  # fmt: skip
+
+
+def _keys(family: str, scan: bool) -> list[str]:
+    return [str(L.base_yml()), *H.FAMILY_KEYS[family], H.scan_key(scan)]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Case id -> (its directory: base/, adapter/, merged/; the writer's report), every case
+    and refusal's adapter, made by one hf-venv child."""
+    root = tmp_path_factory.mktemp("peft")
+    specs = [
+        {"name": c.id, "family": c.family, "seed": c.seed, "lora": c.lora, "out": str(root / c.id)}
+        for c in MADE.values()
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONHASHSEED="0")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [H.hf_python(), str(WRITER), json.dumps(specs)],
+        capture_output=True, text=True, env=env, timeout=H.CHILD_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = {r["name"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    return {n: (root / n, reports[n]) for n in MADE}
+
+
+def _import(src: Path, out: Path, case: Case, **kw) -> H.Step:
+    import orbax_maxtext_layout as oml
+
+    oml.import_hf(
+        src, out, maxtext_config=_keys(case.family, case.scan), save_dtype="float32",
+        memory_budget=case.budget, **kw,
+    )  # fmt: skip
+    return H.read_step(out / "0")
+
+
+def _max_diffs(got: H.Step, want: H.Step) -> dict[str, float]:
+    assert got.tree == want.tree
+    out = {}
+    for p, w in want.params.items():
+        g = got.params[p]
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), p
+        out["/".join(p)] = float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))
+    return out
+
+
+@pytest.mark.parametrize("case_id", list(BY_ID))
+def test_merged_equals_peft_merge(made, tmp_path, case_id):
+    case = BY_ID[case_id]
+    d, report = made[case_id]
+    assert report["moved"] > 0.05, report["moved"]  # the adapter changes the model
+    if case.lora.get("target_parameters"):  # PEFT saved the experts under the fused names
+        assert any(
+            ".experts.lora_A" in k or ".experts.base_layer.lora_A" in k for k in report["tensors"]
+        )
+    ours = _import(d / "base", tmp_path / "ours", case, adapter=d / "adapter")
+    want = _import(d / "merged", tmp_path / "want", case)
+    base = _import(d / "base", tmp_path / "base", case)
+    diffs = _max_diffs(ours, want)
+    worst = max(diffs.values())
+    moved = {p: v for p, v in _max_diffs(base, want).items() if v > 0}
+    print(f"{case_id}: max |ours - import of merge_and_unload| {worst:.3g}; "
+          f"{len(moved)} of {len(diffs)} params moved by the adapter, up to {max(moved.values()):.3g}")  # fmt: skip
+    assert worst <= TOLERANCE, {p: v for p, v in diffs.items() if v > TOLERANCE}
+    assert moved and max(moved.values()) > 0.05
+    custom = json.loads((tmp_path / "ours" / "0" / "_CHECKPOINT_METADATA").read_text())
+    recorded = custom["custom_metadata"]
+    assert recorded.get("scan_layers") == case.scan
+
+
+BASE_CASES = ["llama31-patterns", "llama31-all-linear-unscanned", "qwen3tied-all-linear",
+              "mixtral-experts", "qwen3moe-experts"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case_id", BASE_CASES)
+def test_base_step_merged_equals_peft_merge(made, tmp_path, case_id):
+    """``--base STEP``: the base imported first (a MaxText step), then the adapter merged
+    into it: equal to the import of PEFT's merge within 1e-6, every param the adapter leaves
+    the step's own bytes."""
+    import orbax_maxtext_layout as oml
+
+    case = BY_ID[case_id]
+    d, _ = made[case_id]
+    base = _import(d / "base", tmp_path / "base", case)
+    report = oml.import_hf(
+        None, tmp_path / "ours", maxtext_config=_keys(case.family, case.scan),
+        adapter=d / "adapter", base=tmp_path / "base" / "0", memory_budget=case.budget,
+    )  # fmt: skip
+    assert report.save_dtype == "float32" and report.adapter["tensors"] > 0
+    ours = H.read_step(tmp_path / "ours" / "0")
+    want = _import(d / "merged", tmp_path / "want", case)
+    diffs = _max_diffs(ours, want)
+    print(f"{case_id} --base: max |ours - import of merge_and_unload| {max(diffs.values()):.3g}")
+    assert max(diffs.values()) <= TOLERANCE, {p: v for p, v in diffs.items() if v > TOLERANCE}
+    kept = [p for p, v in _max_diffs(base, want).items() if v == 0]
+    assert kept and all(
+        np.array_equal(ours.params[tuple(p.split("/"))], base.params[tuple(p.split("/"))])
+        for p in kept
+    )
+
+
+def test_base_step_of_another_model_is_refused(made, tmp_path):
+    import orbax_maxtext_layout as oml
+    from orbax_maxtext_layout.errors import LayoutMismatchError
+
+    qwen = BY_ID["qwen3tied-all-linear"]
+    _import(made[qwen.id][0] / "base", tmp_path / "qwen", qwen)
+    llama = BY_ID["llama31-attention"]
+    with pytest.raises(LayoutMismatchError) as e:
+        oml.import_hf(
+            None, tmp_path / "out", maxtext_config=_keys(llama.family, llama.scan),
+            adapter=made[llama.id][0] / "adapter", base=tmp_path / "qwen" / "0",
+        )  # fmt: skip
+    assert "not a MaxText step of the model" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+LOGITS = ["llama31-patterns", "llama31-rslora"]
+LOGITS_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("case_id", LOGITS)
+def test_logits_equal_peft(made, tmp_path, case_id):
+    import lora_logits_support as G
+
+    case = BY_ID[case_id]
+    d, _ = made[case_id]
+    _import(d / "base", tmp_path / "ours", case, adapter=d / "adapter")
+    _import(d / "merged", tmp_path / "want", case)
+    keys = [*H.FAMILY_KEYS[case.family], H.scan_key(case.scan)]
+    jobs = [
+        G.job(n, keys, tmp_path / n / "0" / "items", tmp_path / "run") for n in ("ours", "want")
+    ]
+    got = G.run_child(tmp_path / "maxtext", jobs)
+    maxtext = got["ours"]
+    spec = {"tokens": G.tokens().tolist(),
+            "jobs": [{"name": case_id, "base": str(d / "base"), "merged": str(d / "merged"),
+                      "adapter": str(d / "adapter")}]}  # fmt: skip
+    (tmp_path / "peft.json").write_text(json.dumps(spec))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [H.hf_python(), str(H.HERE / "peft_child.py"), str(tmp_path / "peft.json"),
+         str(tmp_path / "peft.npz")],
+        capture_output=True, text=True, env=env, timeout=H.CHILD_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(tmp_path / "peft.npz") as z:
+        peft, base = z[f"{case_id}::peft"], z[f"{case_id}::base"]
+    same = float(np.abs(maxtext - got["want"]).max())
+    diff = float(np.abs(maxtext - peft).max())
+    floor = float(np.abs(got["want"] - peft).max())
+    moved = float(np.abs(peft - base).max())
+    print(f"{case_id}: MaxText's logits of our step vs of PEFT's merge imported {same:.3g}; vs "
+          f"PeftModel's {diff:.3g} (MaxText vs torch on PEFT's own merge: {floor:.3g}); the "
+          f"adapter moves PEFT's logits by up to {moved:.3g}")  # fmt: skip
+    # our step runs in MaxText as PEFT's merge does; against torch, float32 rounding grows
+    # with the logits' size (up to 4.6 here): relative to it
+    assert same <= 1e-6 and moved > 0.01, (same, moved)
+    assert diff <= LOGITS_TOLERANCE * max(1.0, float(np.abs(peft).max())), diff
+
+
+def _copy(made, case_id: str, dst: Path) -> Path:
+    shutil.copytree(made[case_id][0] / "adapter", dst)
+    return dst
+
+
+def _edit_config(adapter: Path, **changes) -> None:
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _retensor(adapter: Path, fn) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file(fn(t), str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def _rename(t: dict, old: str, new: str) -> dict:
+    return {k.replace(old, new): v for k, v in t.items()}
+
+
+REFUSALS = {
+    # id: (base case, adapter, how it is changed, what the error must name)
+    "dora": ("llama31-attention", "llama31-dora", None, "use_dora"),
+    "other-type": ("llama31-attention", "llama31-attention", {"peft_type": "IA3"}, "peft_type 'IA3'"),
+    "rank-claim": ("llama31-attention", "llama31-attention", {"r": 8}, "rank 8"),
+    "unknown-setting": ("llama31-attention", "llama31-attention", {"future_variant": {"x": 1}}, "future_variant"),
+    "pissa": ("llama31-attention", "llama31-attention", {"init_lora_weights": "pissa"}, "init_lora_weights"),
+    "unknown-module": ("llama31-attention", "llama31-attention",
+                       lambda t: _rename(t, "layers.0.self_attn.q_proj", "layers.0.self_attn.qq_proj"),
+                       "layers.0.self_attn.qq_proj"),
+    "no-partner": ("llama31-attention", "llama31-attention",
+                   lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.k_proj.lora_B" not in k},
+                   "lora_A without lora_B"),
+    "other-model": ("llama31-attention", "qwen3-untied-attention", None, "the base's"),
+    "wrong-size": ("qwen3tied-all-linear", "llama31-all-linear", None, "needs lora_A"),
+    "tied-lm-head": ("qwen3tied-all-linear", "qwen3tied-all-linear",
+                     lambda t: t | {"base_model.model.lm_head.lora_A.weight": t[next(k for k in t if "q_proj.lora_A" in k)],
+                                    "base_model.model.lm_head.lora_B.weight": np.ones((64, 4), np.float32)},
+                     "lm_head"),
+    "untargeted": ("llama31-attention", "llama31-attention", {"target_modules": ["q_proj"]}, "does not target"),
+    "expert-rank": ("mixtral-experts", "mixtral-experts", {"rank_pattern": {"gate_up_proj": 3}}, "gate_up_proj"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_refused(made, tmp_path, refusal):
+    from orbax_maxtext_layout.lora.peft_adapter import AdapterRefusedError
+
+    base_case, adapter_case, change, named = REFUSALS[refusal]
+    adapter = _copy(made, adapter_case, tmp_path / "adapter")
+    if isinstance(change, dict):
+        _edit_config(adapter, **change)
+    elif change is not None:
+        _retensor(adapter, change)
+    out = tmp_path / "out"
+    with pytest.raises(AdapterRefusedError) as e:
+        _import(made[base_case][0] / "base", out, BY_ID[base_case], adapter=adapter)
+    text = str(e.value)
+    assert named in text, text
+    assert not out.exists()
+
+
+def test_cli_refusal(made, tmp_path):
+    case = BY_ID["llama31-attention"]
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, "-m", "orbax_maxtext_layout", "import-hf", str(made[case.id][0] / "base"),
+        "--out", str(out), "--adapter", str(made["llama31-dora"][0] / "adapter"),
+        "--save-dtype", "float32", "--maxtext-config", *_keys(case.family, case.scan),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=f"{H.REPO}{os.pathsep}{H.HERE}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "use_dora" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_dry_run_plans_the_adapter_from_metadata(made, tmp_path):
+    import orbax_maxtext_layout as oml
+
+    case = BY_ID["mixtral-experts"]
+    d, _ = made[case.id]
+    report = oml.import_hf(
+        d / "base", tmp_path / "out", maxtext_config=_keys(case.family, case.scan),
+        save_dtype="float32", adapter=d / "adapter", dry_run=True,
+    )  # fmt: skip
+    a = report.adapter
+    # 2 layers: q, k, v, o and the two fused expert parameters each; 4 experts, 3 tensors each
+    assert (a["modules"], a["tensors"], a["ranks"], a["scales"]) == (12, 2 * (4 + 12), [2], [2.0])
+    assert "merged the PEFT adapter" in str(report) and json.loads(report.to_json())["adapter"]
+    assert not (tmp_path / "out").exists()
