@@ -2,13 +2,14 @@
 
 The bench uses the public API (``import orbax_maxtext_layout as oml``,
 `orbax_maxtext_layout.training`) wherever one exists. What it measures sometimes lies below it:
-the restore engine's counters, the chunk reader a floor decodes with, the functions a profile
-wraps in timers. Each such need is one accessor here, with why, and no bench script imports
+the readers' counters, the chunk reader a floor decodes with, MaxText's abstract model, the
+functions a profile wraps in timers. Each such need is one accessor here, with why, and no bench script imports
 ``orbax_maxtext_layout.<room>...`` itself (tests/test_bench.py checks that), so a module moved
 or renamed in the package breaks this file, by name:
 
-- ``tests/test_bench.py`` calls `check` (every accessor, imported): the core suite fails;
-- ``bench/smoke.py`` calls it first, then runs every script at its smallest size.
+- ``tests/test_bench.py`` calls `check` (every module of `SURFACE` imported, each name looked
+  up): the core suite fails;
+- ``bench/smoke.py`` runs ``python bench/_internal.py`` (the same check) beside every script.
 
 Each accessor imports when called, not when this module is imported: a child that runs
 another checkout's package (``--before DIR``) imports only what it uses, and a script's

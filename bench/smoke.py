@@ -61,7 +61,8 @@ def _synth_step(shared: Path, python: str) -> None:
 
 
 # Modes: one of each kind of code path (a flag variant, e.g. convert --copy, is left to the
-# tests), each mode being a process of its own that imports the package.
+# tests), each mode being a process of its own that imports the package. lora.py checks its
+# memory bound against the baseline's RSS: without a baseline, the bound fails.
 RUN_MODES = "naive convert restore_tunix restore_stock_v1"
 LEAVES_MODES = "inspect convert verify restore_tunix_sharded restore_stock"
 SCRIPTS: dict[str, Script | str] = {
@@ -70,7 +71,8 @@ SCRIPTS: dict[str, Script | str] = {
     "run.py": Script("core", f"--sizes 2MiB --repeats 1 --budget 64MiB --modes {RUN_MODES}"),
     "leaves.py": Script("core", f"--layers 1 --repeats 1 --modes {LEAVES_MODES}"),
     "lora.py": Script(
-        "core", "--size 4MiB --layers 2 --rank 4 --budgets 64MiB --repeats 1 --modes naive merge"
+        "core",
+        "--size 4MiB --layers 2 --rank 4 --budgets 64MiB --repeats 1 --modes baseline naive merge",
     ),
     "restore.py": Script(
         "core", "--work {t} --params 2e5 --chunks 1 2 --devices 2 --rounds 1 --full-state 2e6"
