@@ -185,18 +185,14 @@ def _row(name, op, tag, runs, *, cp, size, one, base_rss, base_rchar, budget, fa
     return row
 
 
-def report(s: dict) -> None:
-    p = s["params"]
-    print(
-        f"\nllama3.1-8b at {p['layers']} layers, qwen3-30b-a3b at {p['moe_layers']} layers, "
-        f"--memory-budget {p['budget']}, {p['repeats']} repeat(s); medians (peak RSS: the largest)\n"
-    )
+def _steps_table(steps: dict) -> None:
+    """Each step: its size, build and the check by stock Orbax."""
     print(
         "| step | on disk GiB | built in s | builder peak RSS MiB | files (data files) "
         "| stored chunks per array | read back by stock Orbax |"
     )
     print("|---|---|---|---|---|---|---|")
-    for n, i in s["steps"].items():
+    for n, i in steps.items():
         b, c = i["build"], i["check"]
         keys = sorted({a.get("chunk_keys", 0) for a in b.get("arrays", {}).values()})
         if "arrays_checked" in c:
@@ -212,6 +208,41 @@ def report(s: dict) -> None:
             f"{b['wrapper']['peak_rss_kib'] / 1024:.0f} | {b['files']} ({b['data_files']}) | "
             f"{', '.join(map(str, keys))} | {check} |"
         )
+
+
+def _row_line(r: dict) -> str:
+    """One operation's row of the operations table."""
+    op = r["op"] + (" (before)" if r["package"] == "before" else "")
+    if r["wall_s"] is None:
+        return f"| {r['step']} | {op} | failed ({r['failed']}) |" + " |" * 10
+    goals = "; ".join(g["goal"] for g in r["goals"]) or "-"
+    held = (
+        "; ".join({True: "held", False: "**not held**", None: "?"}[g["held"]] for g in r["goals"])
+        or "-"
+    )
+    rss = (
+        r["peak_rss_mib"]
+        if len(r["rss_per_process_mib"] or []) < 2
+        else "/".join(map(str, r["rss_per_process_mib"]))
+    )
+    floor = f"{r['floor_s']} ({r['floor_x_cp']})" if r.get("floor_s") else ""
+    if r.get("x_one_process_floor"):
+        floor = f"{r['x_one_process_floor']} of 1 process (its CPU over 2 cores)"
+    return (
+        f"| {r['step']} | {op} | {r['wall_s']} | {r['x_cp'] or ''} | {r.get('cpu_s', '')} | "
+        f"{floor} | {r.get('x_floor', '')} | "
+        f"{r['rchar_gib']} ({r['rchar_over_imports_gib']}) | {r['x_step'] if r['x_step'] is not None else ''} | "
+        f"{rss} | {'' if r['rss_over_baseline_mib'] is None else r['rss_over_baseline_mib']} | {goals} | {held} |"
+    )
+
+
+def report(s: dict) -> None:
+    p = s["params"]
+    print(
+        f"\nllama3.1-8b at {p['layers']} layers, qwen3-30b-a3b at {p['moe_layers']} layers, "
+        f"--memory-budget {p['budget']}, {p['repeats']} repeat(s); medians (peak RSS: the largest)\n"
+    )
+    _steps_table(s["steps"])
     print(
         "\n| step | operation | wall s | x cp -r | CPU s | floor s (x cp -r) | x floor "
         "| rchar GiB (over imports) | x step on disk | peak RSS MiB | RSS over baseline MiB "
@@ -219,31 +250,7 @@ def report(s: dict) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in s["rows"]:
-        op = r["op"] + (" (before)" if r["package"] == "before" else "")
-        if r["wall_s"] is None:
-            print(f"| {r['step']} | {op} | failed ({r['failed']}) |" + " |" * 10)
-            continue
-        goals = "; ".join(g["goal"] for g in r["goals"]) or "-"
-        held = (
-            "; ".join(
-                {True: "held", False: "**not held**", None: "?"}[g["held"]] for g in r["goals"]
-            )
-            or "-"
-        )
-        rss = (
-            r["peak_rss_mib"]
-            if len(r["rss_per_process_mib"] or []) < 2
-            else "/".join(map(str, r["rss_per_process_mib"]))
-        )
-        floor = f"{r['floor_s']} ({r['floor_x_cp']})" if r.get("floor_s") else ""
-        if r.get("x_one_process_floor"):
-            floor = f"{r['x_one_process_floor']} of 1 process (its CPU over 2 cores)"
-        print(
-            f"| {r['step']} | {op} | {r['wall_s']} | {r['x_cp'] or ''} | {r.get('cpu_s', '')} | "
-            f"{floor} | {r.get('x_floor', '')} | "
-            f"{r['rchar_gib']} ({r['rchar_over_imports_gib']}) | {r['x_step'] if r['x_step'] is not None else ''} | "
-            f"{rss} | {'' if r['rss_over_baseline_mib'] is None else r['rss_over_baseline_mib']} | {goals} | {held} |"
-        )
+        print(_row_line(r))
     if s["problems"]:
         print("\nPROBLEMS:")
         for x in s["problems"]:
