@@ -10,95 +10,89 @@ from realsize_ops import Runner
 from realsize_steps import APPLICABLE, FLOOR_OF, GIB, MIB, STEPS
 
 
-def summarize(args, infos: dict, runner: Runner) -> dict:
-    budget = parse_size(args.budget)
-    ok = [r for r in runner.runs if r.get("rc") == 0]
+class _Runs:
+    """A run's measured operations, picked by step, operation and package (``this``, or
+    ``before``)."""
 
-    def pick(step, op, tag):
-        return [r for r in ok if r["step"] == step and r["op"] == op and r["package"] == tag]
+    def __init__(self, runs: list[dict]):
+        self.all = runs
+        self.ok = [r for r in runs if r.get("rc") == 0]
 
-    def med(xs, k):
-        return statistics.median(x[k] for x in xs) if xs else None
+    def pick(self, step: str, op: str, tag: str) -> list[dict]:
+        return [r for r in self.ok if r["step"] == step and r["op"] == op and r["package"] == tag]
 
-    rows = []
-    base = {tag: pick("-", "baseline", tag) for tag in ("this", "before")}
-    base_rss = {t: max((x["peak_rss_kib"] for x in v), default=0) for t, v in base.items()}
-    base_rchar = {t: med(v, "rchar") or 0 for t, v in base.items()}
-    cp_wall = {n: med(pick(n, "cp", "this"), "wall") for n in infos}
+    def failed(self, step: str, op: str, tag: str) -> list[dict]:
+        return [
+            r
+            for r in self.all
+            if r["step"] == step and r["op"] == op and r["package"] == tag and r.get("rc") != 0
+        ]
 
-    def floor_wall(name, op):
-        runs = pick(name, FLOOR_OF[op], "this") if op in FLOOR_OF else []
+    def floor_wall(self, name: str, op: str) -> float | None:
+        """The wall time of ``op``'s floor on step ``name`` (`FLOOR_OF`), if measured."""
+        runs = self.pick(name, FLOOR_OF[op], "this") if op in FLOOR_OF else []
         if not runs:
             return None
-        wall = med(runs, "wall")
+        wall = _med(runs, "wall")
         if op == "verify":  # both sides decoded: a second pass, without a second start
             wall += statistics.median(r["floor"]["wall_s"] for r in runs)
         return wall
 
+
+def _med(xs: list[dict], k: str) -> float | None:
+    return statistics.median(x[k] for x in xs) if xs else None
+
+
+def _params(args, runner: Runner) -> dict:
+    return {
+        "layers": args.layers,
+        "moe_layers": args.moe_layers,
+        "seed": args.seed,
+        "budget": args.budget,
+        "repeats": args.repeats,
+        "max_shard_size": args.max_shard_size,
+        "packages": {k or "this": str(v) for k, v in runner.packages.items()},
+    }
+
+
+def summarize(args, infos: dict, runner: Runner) -> dict:
+    budget = parse_size(args.budget)
+    runs = _Runs(runner.runs)
+    rows = []
+    base = {tag: runs.pick("-", "baseline", tag) for tag in ("this", "before")}
+    base_rss = {t: max((x["peak_rss_kib"] for x in v), default=0) for t, v in base.items()}
+    base_rchar = {t: _med(v, "rchar") or 0 for t, v in base.items()}
+    cp_wall = {n: _med(runs.pick(n, "cp", "this"), "wall") for n in infos}
     order = [(n, op) for n in STEPS for op in ("cp", *APPLICABLE[n])]
     for tag in ("this", "before"):
         if base[tag]:
             rows.append(
-                _row(
-                    "-",
-                    "baseline",
-                    tag,
-                    base[tag],
-                    cp=None,
-                    size=None,
-                    one=None,
-                    base_rss=0,
-                    base_rchar=0,
-                    budget=budget,
-                )
-            )
+                _row("-", "baseline", tag, base[tag], cp=None, size=None, one=None, base_rss=0,
+                     base_rchar=0, budget=budget)
+            )  # fmt: skip
     for name, op in order:
         if name not in infos:
             continue
         for tag in ("this", "before") if op != "cp" else ("this",):
-            runs = pick(name, op, tag)
-            failed = [
-                r
-                for r in runner.runs
-                if r["step"] == name and r["op"] == op and r["package"] == tag and r.get("rc") != 0
-            ]
-            if not runs and not failed:
+            ok, failed = runs.pick(name, op, tag), runs.failed(name, op, tag)
+            if not ok and not failed:
                 continue
             floor_step = "llama-fsdp" if op == "merge-lora" else name
             nproc = 2 if op == "export-hf-2p" else 1
             size = infos[name]["build"]["step_bytes"]
             if op == "merge-lora":
                 size += infos["llama-fsdp"]["build"]["step_bytes"]
-            one = med(pick(name, "export-hf", tag), "wall") if op == "export-hf-2p" else None
+            one_proc = runs.pick(name, "export-hf", tag) if op == "export-hf-2p" else []
             rows.append(
-                _row(
-                    name,
-                    op,
-                    tag,
-                    runs,
-                    cp=cp_wall.get(floor_step),
-                    size=size,
-                    one=one,
-                    base_rss=0 if op == "cp" else base_rss[tag],
-                    base_rchar=0 if op == "cp" else nproc * base_rchar[tag],
-                    budget=budget,
-                    failed=len(failed),
-                    floors=(
-                        floor_wall(name, op),
-                        _cpu(pick(name, "export-hf", tag)) if op == "export-hf-2p" else None,
-                    ),
-                )
-            )
+                _row(name, op, tag, ok, cp=cp_wall.get(floor_step), size=size,
+                     one=_med(one_proc, "wall"),
+                     base_rss=0 if op == "cp" else base_rss[tag],
+                     base_rchar=0 if op == "cp" else nproc * base_rchar[tag],
+                     budget=budget, failed=len(failed),
+                     floors=(runs.floor_wall(name, op), _cpu(one_proc)))
+            )  # fmt: skip
     return {
-        "params": {
-            "layers": args.layers,
-            "moe_layers": args.moe_layers,
-            "seed": args.seed,
-            "budget": args.budget,
-            "repeats": args.repeats,
-            "max_shard_size": args.max_shard_size,
-            "packages": {k or "this": str(v) for k, v in runner.packages.items()},
-        },
+        "params": _params(args, runner),
         "steps": infos,
         "rows": rows,
         "runs": runner.runs,
