@@ -5,7 +5,8 @@ figures it prints mean nothing.
     python bench/smoke.py [--only NAME...] [--maxtext-python PY] [--keep DIR]
 
 Each script runs in a fresh process from the repository root, with this checkout first on
-``PYTHONPATH``, writing under a temporary directory of its own (removed after). Printed per
+``PYTHONPATH``, writing under a temporary directory of its own (``{t}`` in its command line,
+and its ``TMPDIR``; removed after), two at a time (``--jobs``). Printed per
 script: ``ok``, ``FAILED`` (with the tail of its output) or ``skipped: <why>``, and its wall
 time; then the total. Exit status 1 if any script failed (a skip is not a failure).
 
@@ -17,9 +18,9 @@ found under its cache (``$ORBAX_MAXTEXT_LAYOUT_CACHE``, else
 or given with ``--maxtext-python``; without one they are skipped, saying so.
 
 ``SCRIPTS`` lists every ``bench/*.py``: a script with its smallest command line, or a module
-with the script that runs it (``tests/test_bench.py`` fails on a file missing from it). First
-of all, `_internal.check` imports every package internal the bench reaches (a rename fails
-there, by name).
+with the script that runs it (``tests/test_bench.py`` fails on a file missing from it). Among
+the scripts, ``bench/_internal.py`` imports every package internal the bench reaches (a rename
+fails there, by name).
 """
 
 from __future__ import annotations
@@ -139,10 +140,11 @@ def run_one(name: str, python: str, root: Path, keep: bool) -> tuple[bool, float
     tmp = Path(tempfile.mkdtemp(prefix=f"{name[:-3]}-", dir=root))
     argv = script.argv.format(t=tmp, shared=root / "shared").split()
     cmd = [python, str(HERE / name), *argv]
+    env = {**_env(), "TMPDIR": str(tmp)}  # the scripts' own temporary directories too
     t0 = time.perf_counter()
     try:
         done = subprocess.run(
-            cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S
+            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S
         )
         ok, out = done.returncode == 0, f"exit {done.returncode}\n{done.stdout}{done.stderr}"
     except subprocess.TimeoutExpired as e:
