@@ -34,13 +34,10 @@ from pathlib import Path
 
 import numpy as np
 import zstandard
+from _internal import chunk_reader
 from etils import epath
 
-from orbax_maxtext_layout.orbax_io import (
-    item_writer,
-    ocdbt,
-)
-from orbax_maxtext_layout.orbax_io.reader import ItemReader
+ts_context, keys_by_array, ItemReader = chunk_reader()  # the package's own reader
 
 PIECE = 64 << 20  # bytes per decoded piece (the streaming readers' order of size)
 
@@ -53,7 +50,7 @@ def items(step: Path) -> list[Path]:
 def arrays(src: ItemReader) -> list[tuple[int, str]]:
     """``(decoded bytes, name)`` of every array the item stores, largest first."""
     out = []
-    for name in ocdbt.keys_by_array(src.kv):
+    for name in keys_by_array(src.kv):
         lay = src.layout(name)
         if lay is not None:
             out.append((lay.nbytes, name))
@@ -72,7 +69,7 @@ def one(src: ItemReader, name: str, ctx, level: int | None) -> tuple[int, int]:
 
 
 def run(step: Path, level: int | None, threads: int) -> dict:
-    ctx = item_writer.ts_context()
+    ctx = ts_context()
     work = []
     for item in items(step):
         src = ItemReader.open(epath.Path(item), ctx)

@@ -31,9 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
+    from _internal import parse_size
     from gcs.emulator import GcsEmulator, invalidate_gcsfs_caches
-
-    from orbax_maxtext_layout.cli import parse_size
 
     emu = GcsEmulator().start()
     restore_env = emu.apply_env()

@@ -44,7 +44,10 @@ if reader == "safe_open":
     except Exception as e:
         refused, n = type(e).__name__, 0
 else:
-    from orbax_maxtext_layout.formats.safetensors_reader import HfDir, HfInputError
+    sys.path.append(sys.argv[3])  # this bench's _internal; last: PYTHONPATH's package wins
+    from _internal import hf_dir
+
+    HfDir, HfInputError = hf_dir()
     before, t = hwm(), time.perf_counter()
     try:
         with HfDir.open(hf) as d:
@@ -75,14 +78,17 @@ def _tensors(n: int, floats: int) -> tuple[bytes, bytes]:
     return json.dumps(head).encode(), bytes(4 * floats * n)
 
 
-def cases(root: Path) -> dict[str, Path]:
+def cases(root: Path, scale: float = 1.0) -> dict[str, Path]:
+    """The cases' directories under ``root``; ``scale`` below 1 shrinks every header (a smoke
+    run: the cases keep their kind and their names, not their size)."""
     out = {}
-    nested = b'{"w": {"dtype": "F32", "shape": [' + b"[]," * 33_000_000 + b'[]], "x": 1}}'
+    n = max(int(33_000_000 * scale), 1)
+    nested = b'{"w": {"dtype": "F32", "shape": [' + b"[]," * n + b'[]], "x": 1}}'
     _write(root / "nested", nested)
     out["nested"] = root / "nested"
-    _write(root / "tensors-20k", *_tensors(20_000, 1))
+    _write(root / "tensors-20k", *_tensors(max(int(20_000 * scale), 1), 1))
     out["tensors-20k"] = root / "tensors-20k"
-    _write(root / "tensors-1m", _tensors(1_000_000, 0)[0])
+    _write(root / "tensors-1m", _tensors(max(int(1_000_000 * scale), 1), 0)[0])
     out["tensors-1m"] = root / "tensors-1m"
     return out
 
@@ -93,32 +99,39 @@ def run(reader: str, hf: Path, pythonpath: str | None) -> dict:
         env["PYTHONPATH"] = pythonpath
     # cwd: not this checkout, which ``-c`` would put first on the path
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, reader, str(hf)],
+        [sys.executable, "-c", CHILD, reader, str(hf), str(REPO / "bench")],
         capture_output=True, text=True, env=env, timeout=900, cwd=hf,
     )  # fmt: skip
-    if done.returncode != 0:
+    if done.returncode != 0:  # a crash, not a refusal: shown, and the run exits 1
+        print(done.stderr[-2000:], file=sys.stderr)
         return {"s": float("nan"), "grew": 0, "n": 0, "refused": f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="another checkout's root, run as 'HfDir@before'")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="header sizes times this (smoke: 0.001)"
+    )
     args = ap.parse_args()
     readers = {"HfDir": str(REPO), "safe_open": None}
     if args.before:
         readers["HfDir@before"] = str(Path(args.before).resolve())
+    crashed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for case, hf in cases(Path(tmp)).items():
+        for case, hf in cases(Path(tmp), args.scale).items():
             for name, path in readers.items():
                 reader = "safe_open" if name == "safe_open" else "hfdir"
                 got = [run(reader, hf, path) for _ in range(args.repeats)]
                 s = statistics.median(g["s"] for g in got)
                 grew = statistics.median(g["grew"] for g in got)
                 what = got[0]["refused"] or f"{got[0]['n']} tensors"
+                crashed += sum(1 for g in got if str(g["refused"]).startswith("exit "))
                 print(f"{case:12} {name:13} {s:7.2f} s {grew / 2**20:8.0f} MiB  {what}", flush=True)
+    return 1 if crashed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,14 +16,14 @@ its time and memory go.
 
 Run it with the interop venv's Python (MaxText 0.2.5, Python 3.12); every child runs with the
 same interpreter, on JAX's CPU backend. The orchestrator imports the standard library only
-(and `bench/realsize.py`, which does too).
+(and `bench/realsize_*.py`, which do too).
 
 **The input**, built once in ``--work`` and reused while its marker records the same
 parameters:
 
 - the step: `bench/realsize.py`'s ``llama-onechunk`` (``<work>/llama-onechunk/0``): MaxText's
   unmodified ``llama3.1-8b``, ``weight_dtype=bfloat16``, ``scan_layers=true``, values drawn
-  from the seed, saved by stock Orbax as from one device (`realsize.ensure_step`: built,
+  from the seed, saved by stock Orbax as from one device (`realsize_ops.ensure_step`: built,
   then read back by stock Orbax and compared with the seed's values);
 - the Hugging Face directory (``<work>/hf``): ``orbax-maxtext-layout export-hf STEP --out HF
   --hf-model-path tests/fixtures/hf_tokenizer --memory-budget 2GiB --maxtext-config <base.yml>
@@ -56,7 +56,7 @@ after (then ``sync``):
   skip_jax_distributed_system=True --hf_model_path=HF --save_dtype=bfloat16
   --simulated_cpu_devices_count=2`` (no ``PYTHONPATH``), killed after ``--maxtext-timeout``.
 
-Each runs under `bench/realsize.py`'s wrapper: wall time from start to exit; peak RSS from
+Each runs under `bench/realsize_wrap.py`'s wrapper: wall time from start to exit; peak RSS from
 ``wait4``'s rusage (the VmHWM of the process and of any process it reaped); ``rchar``,
 ``read_bytes``, ``wchar``, ``write_bytes`` of ``/proc/<pid>/io`` read after it exited,
 before it is reaped. Around each, ``/proc/stat`` gives the CPU seconds every other process
@@ -88,7 +88,10 @@ import sys
 import time
 from pathlib import Path
 
-import realsize as rs  # bench/realsize.py (standard library only at its top)
+import realsize_build as rb  # bench/realsize_*.py: standard library only at their tops
+import realsize_ops as ro
+import realsize_steps as rs
+import realsize_wrap as rw
 from export_hf import parse_size  # bench/export_hf.py's
 
 HERE = Path(__file__).resolve().parent
@@ -117,12 +120,10 @@ CHECKED = (
 ULP_OK = {("decoder", "layers", "self_attention", "query", "kernel"): 1}
 
 
-def model_keys(layers: int) -> list[str]:
-    """import-hf's and to_maxtext's MaxText keys (after ``base.yml``)."""
-    keys = ["model_name=llama3.1-8b", "scan_layers=true"]
-    if layers != rs.LLAMA_LAYERS:
-        keys += ["override_model_config=true", f"base_num_decoder_layers={layers}"]
-    return keys
+def model_keys(params: dict) -> list[str]:
+    """import-hf's and to_maxtext's MaxText keys (after ``base.yml``): the step's, but its
+    ``weight_dtype`` (the import's own default)."""
+    return [k for k in params["model_keys"] if not k.startswith("weight_dtype=")]
 
 
 def _safetensors(hf: Path) -> list[Path]:
@@ -159,10 +160,11 @@ def floor(hf: Path, threads: int, level: int) -> dict:
     import zstandard
 
     try:  # the piece size must be import-hf's largest written chunk
-        from orbax_maxtext_layout.hf import import_hf as ih
+        from _internal import import_hf_rooms
 
+        ih = import_hf_rooms()["import_hf"]
         assert ih.CHUNK_BYTES == CHUNK_BYTES, (ih.CHUNK_BYTES, CHUNK_BYTES)
-    except ImportError:
+    except ImportError:  # a --package checkout without it
         pass
     t0 = time.perf_counter()
     tensors = _headers(hf)
@@ -241,13 +243,13 @@ def check(out_step: Path, step: Path, params: dict, out_json: Path) -> None:
     from etils import epath
 
     logging.getLogger("absl").setLevel(logging.ERROR)
-    flat, _aux, axes = rs._abstract(params["model_keys"])
+    flat, _aux, axes = rb.abstract(params["model_keys"])
     handler = ocp.PyTreeCheckpointHandler()
     problems, checked = [], []
     meta = json.loads((out_step / "_CHECKPOINT_METADATA").read_text())
     if (meta.get("custom_metadata") or {}).get("scan_layers") is not True:
         problems.append(f"_CHECKPOINT_METADATA: custom_metadata {meta.get('custom_metadata')}")
-    got = rs._flat(handler.metadata(epath.Path(out_step / "items")).tree)
+    got = rs.flat_tree(handler.metadata(epath.Path(out_step / "items")).tree)
     got_params = {p[2:]: m for p, m in got.items() if p[:2] == ("params", "params")}
     for path, x in flat.items():
         m = got_params.get(path)
@@ -264,12 +266,12 @@ def check(out_step: Path, step: Path, params: dict, out_json: Path) -> None:
             r = handler.restore(
                 epath.Path(item),
                 args=ocp.args.PyTreeRestore(
-                    item=rs._unflat({q: got[q]}),
-                    restore_args=rs._unflat({q: ocp.RestoreArgs(restore_type=np.ndarray)}),
+                    item=rs.unflat_tree({q: got[q]}),
+                    restore_args=rs.unflat_tree({q: ocp.RestoreArgs(restore_type=np.ndarray)}),
                     partial_restore=True,
                 ),
             )
-        return np.asarray(rs._flat(r)[q])
+        return np.asarray(rs.flat_tree(r)[q])
 
     for path in CHECKED:
         if path not in flat:
@@ -280,7 +282,7 @@ def check(out_step: Path, step: Path, params: dict, out_json: Path) -> None:
             want = restore(step / "items", path)
         else:
             x = flat[path]
-            v = rs.Values(path, x.shape, x.dtype, axes.get(path), params["seed"])
+            v = rb.Values(path, x.shape, x.dtype, axes.get(path), params["seed"])
             want = v.region(tuple(slice(0, n) for n in v.shape))
         name = "/".join(path)
         row = {"param": name, "shape": list(a.shape), "bytes": int(a.nbytes)}
@@ -333,12 +335,12 @@ def phases(argv: list[str]) -> None:
     ap.add_argument("config", nargs="+")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
+    from _internal import import_hf_rooms
     from maxtext.checkpoint_conversion.utils import tensor_handling as th
 
-    from orbax_maxtext_layout.formats import safetensors_reader as si
-    from orbax_maxtext_layout.hf import import_hf as ih
-    from orbax_maxtext_layout.model import hf_mapping
-    from orbax_maxtext_layout.orbax_io import stepdir
+    rooms = import_hf_rooms()
+    ih, hf_mapping = rooms["import_hf"], rooms["hf_mapping"]
+    si, stepdir = rooms["safetensors_in"], rooms["stepdir"]
 
     t_imported = time.perf_counter()
     lock = threading.Lock()
@@ -470,7 +472,7 @@ def phases(argv: list[str]) -> None:
                 "import_hf_s": round(wall, 2),
                 "user_s": round(ru.ru_utime, 1),
                 "sys_s": round(ru.ru_stime, 1),
-                "vm_hwm_mib": round(rs._vm_hwm_kib() / 1024),
+                "vm_hwm_mib": round(rs.vm_hwm_kib() / 1024),
                 "rss_peak_sampled": {
                     "at_s": round(peak[0], 1),
                     "mib": round(peak[1] / 1024),
@@ -550,7 +552,7 @@ class Bench:
         self.check: dict | None = None
 
     def _mt(self) -> list[str]:
-        return ["--maxtext-config", str(rs.base_yml()), *model_keys(self.params["layers"])]
+        return ["--maxtext-config", str(rs.base_yml()), *model_keys(self.params)]
 
     def commands(self, op: str, out: Path) -> tuple[list[str], dict]:
         a = self.args
@@ -568,7 +570,7 @@ class Bench:
             return [*cmd, *self._mt()], env
         if op == "to-maxtext":
             cmd = [py, "-m", "maxtext.checkpoint_conversion.to_maxtext", str(rs.base_yml())]
-            cmd += model_keys(self.params["layers"])
+            cmd += model_keys(self.params)
             cmd += [
                 f"base_output_directory={out}",
                 "hardware=cpu",
@@ -581,7 +583,7 @@ class Bench:
 
     def measure(self, op: str, repeat: int) -> dict:
         out = self.scratch / f"out-{op}"
-        rs._settle(out)
+        ro.settle(out)
         run = {"op": op, "repeat": repeat}
         writes = op in ("cp", "import-hf", "to-maxtext")
         free = shutil.disk_usage(self.work).free
@@ -591,13 +593,13 @@ class Bench:
             self.runs.append(run)
             return run
         cmd, env = self.commands(op, out)
-        rs._warm(self.hf)
+        ro.warm_cache(self.hf)
         label = f"{op}-{repeat}"
         log = self.logs / f"{label}.log"
         timeout = self.args.maxtext_timeout if op == "to-maxtext" else self.args.timeout
         print(f"[{label}] {' '.join(cmd[:8])} ...", file=sys.stderr, flush=True)
         load, (busy0, steal0) = _load(), _cpu_ticks()
-        res = rs._wrapped([cmd], env, self.scratch, [log], timeout)
+        res = rw.wrapped([cmd], env, self.scratch, [log], timeout)
         busy1, steal1 = _cpu_ticks()
         hz = os.sysconf("SC_CLK_TCK")
         p = res["procs"][0]
@@ -618,13 +620,13 @@ class Bench:
             run["report"] = _last_json(lines)
         if op == "to-maxtext" and p["rc"] != 0:
             # killed for memory shows as -9 (SIGKILL); record how far it got
-            run["error"] = rs._tail(log, 15)[-3000:]
-            run["output_bytes"] = rs._du(out) if out.exists() else 0
+            run["error"] = rw.tail(log, 15)[-3000:]
+            run["output_bytes"] = rs.du(out) if out.exists() else 0
         elif p["rc"] != 0:
-            run["error"] = rs._tail(log, 30)[-4000:]
+            run["error"] = rw.tail(log, 30)[-4000:]
             self.problems.append(f"{label}: exit {p['rc']} (log {log})\n{run['error']}")
         if op in ("import-hf", "to-maxtext", "cp") and out.exists():
-            run["output_bytes"] = rs._du(out)
+            run["output_bytes"] = rs.du(out)
         print(
             f"[{label}] rc {p['rc']}, {res['wall']:.1f} s, peak RSS {p['maxrss_kib'] / 1024:.0f} MiB, "
             f"rchar {p.get('rchar', 0) / GIB:.2f} GiB, CPU {p['user_s']} + {p['sys_s']} s, "
@@ -635,7 +637,7 @@ class Bench:
         self.runs.append(run)
         if op == "import-hf" and p["rc"] == 0 and self.check is None and not self.args.no_check:
             self.run_check(out)
-        rs._settle(out)
+        ro.settle(out)
         return run
 
     def run_check(self, out: Path) -> None:
@@ -646,12 +648,12 @@ class Bench:
         print(
             "[check] stock Orbax restores of the import's params ...", file=sys.stderr, flush=True
         )
-        res = rs._wrapped([cmd], rs.child_env([REPO]), self.scratch, [log], self.args.timeout)
+        res = rw.wrapped([cmd], rs.child_env([REPO]), self.scratch, [log], self.args.timeout)
         p = res["procs"][0]
         self.check = json.loads(out_json.read_text()) if out_json.exists() else {"problems": []}
         self.check.update(rc=p["rc"], wall=round(res["wall"], 1), peak_rss_kib=p["maxrss_kib"])
         if p["rc"] != 0:
-            self.problems.append(f"check: exit {p['rc']} (log {log})\n{rs._tail(log, 30)}")
+            self.problems.append(f"check: exit {p['rc']} (log {log})\n{rw.tail(log, 30)}")
         print(
             f"[check] rc {p['rc']} in {res['wall']:.0f} s: {self.check.get('problems')}",
             file=sys.stderr,
@@ -697,12 +699,12 @@ def ensure_hf(work: Path, params: dict, step: Path, budget: str, timeout: float)
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"exporting {step} to {hf} ...", file=sys.stderr, flush=True)
-    res = rs._wrapped([cmd], rs.child_env([REPO]), work, [logs / "export-hf.log"], timeout)
+    res = rw.wrapped([cmd], rs.child_env([REPO]), work, [logs / "export-hf.log"], timeout)
     p = res["procs"][0]
     if p["rc"] != 0:
         shutil.rmtree(hf, ignore_errors=True)
         raise SystemExit(
-            f"export-hf failed (exit {p['rc']}):\n{rs._tail(logs / 'export-hf.log', 40)}"
+            f"export-hf failed (exit {p['rc']}):\n{rw.tail(logs / 'export-hf.log', 40)}"
         )
     files = _safetensors(hf)
     info = {
@@ -712,7 +714,7 @@ def ensure_hf(work: Path, params: dict, step: Path, budget: str, timeout: float)
         "export_peak_rss_kib": p["maxrss_kib"],
         "safetensors_files": len(files),
         "safetensors_bytes": sum(f.stat().st_size for f in files),
-        "dir_bytes": rs._du(hf),
+        "dir_bytes": rs.du(hf),
     }
     marker.write_text(json.dumps(info, indent=1))
     print(
@@ -895,6 +897,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=rs.LLAMA_LAYERS, help="llama layers (default 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the model cut to a few MiB (realsize_steps.TINY): a smoke run, not a measure",
+    )
+    ap.add_argument(
         "--budget", default="2GiB", help="--memory-budget of import-hf (and of the export)"
     )
     ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
@@ -917,16 +924,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     parse_size(args.budget)
     args.package = args.package.resolve()
-    if rs._package_of(args.package) != args.package / PKG:
+    if ro.package_of(args.package) != args.package / PKG:
         raise SystemExit(f"{args.package}: the children import another {PKG}")
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    params = rs.step_params(STEP_NAME, args.layers, 4, args.seed)
+    params = rs.step_params(STEP_NAME, args.layers, 4, args.seed, args.tiny)
     step = rs.step_path(work, STEP_NAME)
     marker = json.loads((work / "hf.json").read_text()) if (work / "hf.json").exists() else {}
     hf_ok = marker.get("for") == {"step": params, "version": HF_VERSION} and (work / "hf").is_dir()
     if not hf_ok or (step.parent.exists() and not args.remove_step):
-        rs.ensure_step(work, STEP_NAME, params, args.timeout)
+        ro.ensure_step(work, STEP_NAME, params, args.timeout)
     hfinfo = ensure_hf(work, params, step, args.budget, args.timeout)
     if args.remove_step and step.parent.exists():
         shutil.rmtree(step.parent)
@@ -941,7 +948,7 @@ def main(argv=None) -> int:
             for op in args.ops:
                 b.measure(op, r)
     finally:
-        rs._settle(b.scratch)
+        ro.settle(b.scratch)
     s = summarize(b, hfinfo, quiet)
     report(s)
     if args.json:

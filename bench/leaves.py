@@ -103,10 +103,10 @@ def child(mode: str, step: Path, converted: Path) -> dict:
     with counts as io_counts:
         t = time.perf_counter()
         if mode == "inspect":
-            from orbax_maxtext_layout import cli
+            from _internal import run_cli
 
             with contextlib.redirect_stdout(io.StringIO()):
-                rc = cli.main(["inspect", str(step), "--target-from", str(converted)])
+                rc = run_cli(["inspect", str(step), "--target-from", str(converted)])
             assert rc == 0, rc
         elif mode == "dry_run":
             oml.convert_step(step, target, dry_run=True)
@@ -151,10 +151,8 @@ def child(mode: str, step: Path, converted: Path) -> dict:
 
 
 def _io_counts():
-    try:
-        from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
-    except ImportError:  # a --before tree without the seam
-        return contextlib.nullcontext()
+    from _internal import io_counts  # a --before tree without the seam counts nothing
+
     return io_counts()
 
 

@@ -308,7 +308,7 @@ def child(mode: str, work: Path, out: Path, budget: int) -> None:
 
 # -- the run -------------------------------------------------------------------------------
 def _size(text: str) -> int:
-    from orbax_maxtext_layout.cli import parse_size
+    from _internal import parse_size
 
     return parse_size(text)
 

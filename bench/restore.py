@@ -266,8 +266,7 @@ def _decode_all(frames: list[bytes]) -> list:
     from concurrent.futures import ThreadPoolExecutor
 
     import zstandard
-
-    from orbax_maxtext_layout.storage.scratch import small_pages
+    from _internal import small_pages
 
     def one(frame: bytes):
         n = zstandard.get_frame_parameters(frame).content_size

@@ -33,7 +33,7 @@ COMPARED = ("convert", "copy", "inplace", "restore_tunix")  # modes that run the
 
 
 def _size(text: str) -> int:
-    from orbax_maxtext_layout.cli import parse_size
+    from _internal import parse_size
 
     return parse_size(text)
 

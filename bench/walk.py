@@ -36,8 +36,9 @@ def _module(filename: str, root: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    from _internal import run_cli
+
     import orbax_maxtext_layout
-    from orbax_maxtext_layout import cli
 
     root = str(Path(orbax_maxtext_layout.__file__).parent) + "/"
     entered: set[str] = set()
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        code = cli.main(argv)
+        code = run_cli(argv)
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
