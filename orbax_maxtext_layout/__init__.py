@@ -42,10 +42,10 @@ from .model.target import KNOWN_INTERMEDIATES, Dest, Target, maxtext_opt_state
 from .orbax_io.layout import Layout, detect_layout, tunix_step_number
 from .orbax_io.spec import LeafSpec, read_specs
 from .orbax_io.stepmeta import TUNIX_STEP_KEY
-from .plan.moves import Drop, Move, Op
+from .plan.moves import Drop, Move, Op, Plan
 from .plan.ops import apply_op
 from .plan.rescan import maxtext_forms
-from .plan.step_plan import Plan, make_plan, narrow, plan_maxtext_step, plan_step
+from .plan.step_plan import make_plan, narrow, plan_maxtext_step, plan_step
 from .plan.steps import StepInfo, find_steps
 
 __all__ = [

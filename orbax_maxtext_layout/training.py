@@ -58,7 +58,7 @@ from orbax.checkpoint.experimental.v1._src.context import context as context_lib
 from orbax.checkpoint.experimental.v1._src.handlers import pytree_handler as v1_pytree
 from orbax.checkpoint.experimental.v1._src.path import step as path_step_lib
 
-from .base.names import MAXTEXT_ITEM
+from .base.step_entries import MAXTEXT_ITEM
 from .errors import UsageError
 from .execute.restore import restore_pytree
 from .integration.legacy_steps import LegacySteps, check_migrate, load_requested

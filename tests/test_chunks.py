@@ -78,7 +78,7 @@ def _restore(item_dir: Path) -> dict:
     return {tuple(norm_key(k) for k in p): np.asarray(v) for p, v in flat.items()}
 
 
-def _streamed(src: ItemReader) -> dict[str, zarr.Layout]:
+def _streamed(src: ItemReader) -> dict[str, zarr.ChunkLayout]:
     names = {
         k.decode().rsplit("/", 1)[0]
         for k in src.kv.list().result()

@@ -136,7 +136,7 @@ def test_values_stored_inline_are_read_from_the_b_tree(tmp_path):
     `ItemReader.small_value`): the bytes the kvstore reads, with no kvstore read."""
     import orbax.checkpoint as ocp
 
-    from orbax_maxtext_layout.orbax_io.values import InlineValue
+    from orbax_maxtext_layout.orbax_io.stored_values import InlineValue
 
     rng = np.random.default_rng(3)
     tree = {"a": np.arange(7, dtype=np.float32), "b": rng.normal(size=(3, 5)).astype(np.float32)}

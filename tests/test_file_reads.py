@@ -18,7 +18,7 @@ import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.errors import CheckpointReadError
 from orbax_maxtext_layout.formats.safetensors_reader import HfDir
 from orbax_maxtext_layout.hf import import_hf
-from orbax_maxtext_layout.orbax_io import values
+from orbax_maxtext_layout.orbax_io import stored_values
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
 
 NAME = "params.params.w"
@@ -52,10 +52,10 @@ def test_a_stored_value_is_read_not_mapped(tmp_path):
     x = _save(path)
     reader = ItemReader.open(path)
     value = _value(reader)
-    assert isinstance(value, values.FileValue)
+    assert isinstance(value, stored_values.FileValue)
     with open(value.path, "rb") as f:
         want = f.read()[value.pos : value.end]
-    assert len(want) > 3 * values.PIECE  # several pieces
+    assert len(want) > 3 * stored_values.PIECE  # several pieces
     got = []
     with value:
         while piece := value.read():
@@ -75,7 +75,7 @@ def test_an_imported_tensor_is_read_not_mapped(tmp_path):
     w = np.random.default_rng(1).standard_normal((512, 512), np.float32)
     save_file({"w": w}, str(hf / "model.safetensors"))
     with HfDir.open(hf) as d:
-        got = import_hf._read(d, "w", import_hf._Scratch())
+        got = import_hf._read(d, "w", import_hf._SliceScratch())
         assert np.array_equal(got, w)
         assert not _mapped(str((hf / "model.safetensors").resolve()))
 
@@ -109,4 +109,4 @@ def test_a_data_file_cut_short_while_a_value_is_open_is_reported_on_read(tmp_pat
         os.truncate(value.path, value.pos + 10)
         with pytest.raises(CheckpointReadError, match=os.path.basename(value.path)):
             value.read()
-    assert len(first) == values.FILE_PIECE
+    assert len(first) == stored_values.FILE_PIECE

@@ -39,7 +39,7 @@ from threadpoolctl import threadpool_info  # sets KMP_DUPLICATE_LIB_OK on import
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.base.treepaths import flatten, unflatten
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.execute import parallel_read
+from orbax_maxtext_layout.execute import restore_engine
 from orbax_maxtext_layout.integration import manager as manager_mod
 from orbax_maxtext_layout.model.scan_targets import unroll_target
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
@@ -221,27 +221,27 @@ def test_a_restore_that_fails_part_way_holds_nothing_it_placed(tmp_path):
     def reads() -> dict:
         reader = ItemReader.open(path)
         return {
-            k: (reader, parallel_read.ArrayRequest(f"params.params.{k}", v.shape, v.dtype, device))
+            k: (reader, restore_engine.ArrayRequest(f"params.params.{k}", v.shape, v.dtype, device))
             for k, v in flat.items()
         }
 
     with collector_off():
         buffers, objects = set(device_buffers()), package_objects()
         placed = []
-        real_place = parallel_read._Run._place
+        real_place = restore_engine._ReadCall._place
 
         def counting(self, box):  # counts what was placed before the failure
             real_place(self, box)
             placed.append(box.stop)
 
-        parallel_read._Run._place = counting
+        restore_engine._ReadCall._place = counting
         try:
             with pytest.raises(
                 CheckpointReadError, match=r"cannot read params\.params\.last"
             ) as err:
-                parallel_read.read_across(reads(), workers=1)
+                restore_engine.read_across(reads(), workers=1)
         finally:
-            parallel_read._Run._place = real_place
+            restore_engine._ReadCall._place = real_place
         assert len(placed) == len(flat) - 1  # the others were on the device when it failed
         assert not set(device_buffers()) - buffers  # freed while the error is still held
         del err

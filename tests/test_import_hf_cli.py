@@ -237,7 +237,7 @@ def test_a_transposed_copy_is_the_transpose_whatever_its_shape(monkeypatch, comp
         for rows, cols in shapes + [(136, 270)]:
             hf = rng.integers(0, 250, size=(cols, rows)).astype(dtype)  # HF [out, in]
             for src in (hf.T, hf.T[5 : rows - 3]):  # [in, out], rows of hf contiguous
-                for scratch in (None, ih._Scratch()):
+                for scratch in (None, ih._SliceScratch()):
                     out = np.full(src.shape, 255, dtype)
                     ih._copy(out, src, scratch)
                     want = np.ascontiguousarray(src)

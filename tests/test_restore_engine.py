@@ -1,4 +1,4 @@
-"""The restore engine (`execute.parallel_read`) against stock Orbax, bit for bit.
+"""The restore engine (`execute.restore_engine`) against stock Orbax, bit for bit.
 
 Real Orbax items (zarr2 and zarr3, one chunk and many per array) are restored with the same
 request through the engine and through stock `PyTreeCheckpointHandler`: the same values,
@@ -28,7 +28,7 @@ from etils import epath
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.errors import CheckpointReadError
-from orbax_maxtext_layout.execute import parallel_read
+from orbax_maxtext_layout.execute import restore_engine
 from orbax_maxtext_layout.execute.restore import restore_pytree
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
 from orbax_maxtext_layout.storage.scratch import Ahead, aligned
@@ -174,10 +174,10 @@ def test_what_the_engine_does_not_take_goes_the_stock_way(item, caplog, monkeypa
     assert got["params"]["tiny"].shape == (8,)
     assert "a shape other than the stored one: 1" in caplog.text
     # The switch: everything the stock way, the same result.
-    monkeypatch.setenv(parallel_read.ENV, "stock")
+    monkeypatch.setenv(restore_engine.ENV, "stock")
     rargs = _request(tree, lambda x: ocp.ArrayRestoreArgs(sharding=HOST, global_shape=x.shape))
     args = ocp.args.PyTreeRestore(item=rargs, restore_args=rargs)
-    assert not parallel_read.enabled()
+    assert not restore_engine.enabled()
     _same(restore_pytree(path, args, _stock), _stock(path, args))
 
 
@@ -237,12 +237,12 @@ def test_read_arrays_reads_exactly_the_stored_chunks(item):
     path, tree = item
     reader = ItemReader.open(path)
     reqs = {
-        k: parallel_read.ArrayRequest(f"params.{k}", v.shape, v.dtype, None)
+        k: restore_engine.ArrayRequest(f"params.{k}", v.shape, v.dtype, None)
         for k, v in tree["params"].items()
     }
-    assert all(parallel_read.why_not(reader, r) is None for r in reqs.values())
+    assert all(restore_engine.why_not(reader, r) is None for r in reqs.values())
     # A budget smaller than any box: boxes still complete (one at a time past the budget).
-    got = parallel_read.read_arrays(reader, reqs, workers=3, budget=1)
+    got = restore_engine.read_arrays(reader, reqs, workers=3, budget=1)
     for k, v in tree["params"].items():
         assert got[k].tobytes() == v.tobytes() and got[k].dtype == v.dtype
 
@@ -254,11 +254,11 @@ def test_read_across_two_items_in_one_run(tmp_path):
     trees = {z: _save(p, zarr3=z == "zarr3", negate=z == "zarr3") for z, p in paths.items()}
     readers = {z: ItemReader.open(p) for z, p in paths.items()}
     reads = {
-        (z, k): (readers[z], parallel_read.ArrayRequest(f"params.{k}", v.shape, v.dtype, HOST))
+        (z, k): (readers[z], restore_engine.ArrayRequest(f"params.{k}", v.shape, v.dtype, HOST))
         for z, tree in trees.items()
         for k, v in tree["params"].items()
     }
-    got = parallel_read.read_across(reads, workers=2)
+    got = restore_engine.read_across(reads, workers=2)
     assert set(got) == set(reads)
     for (z, k), x in got.items():
         want = trees[z]["params"][k]
@@ -267,7 +267,7 @@ def test_read_across_two_items_in_one_run(tmp_path):
     readers["zarr3"] = ItemReader.open(paths["zarr3"])
     reads = {k: (readers[k[0]], r) for k, (_, r) in reads.items()}
     with pytest.raises(CheckpointReadError, match=r"item-zarr3: cannot read params\.w"):
-        parallel_read.read_across(reads, workers=2)
+        restore_engine.read_across(reads, workers=2)
 
 
 def _cut_first_chunk(path: epath.Path, name: str) -> None:
@@ -300,11 +300,11 @@ def test_load_params_from_path_reads_a_maxtext_step_through_the_engine(tmp_path,
     with caplog.at_level(logging.DEBUG, LOGGER):
         got = oml.load_params_from_path(str(step / "items"), {"params": abstract})
     assert _engine_count(caplog) > 0
-    os.environ[parallel_read.ENV] = "stock"
+    os.environ[restore_engine.ENV] = "stock"
     try:
         want = oml.load_params_from_path(str(step / "items"), {"params": abstract})
     finally:
-        del os.environ[parallel_read.ENV]
+        del os.environ[restore_engine.ENV]
     _same(got, want)
 
 
@@ -369,7 +369,7 @@ def test_eight_devices_matching_resharded_and_replicated_targets(tmp_path):
 
 def test_host_buffers_are_reused_within_the_budget():
     """The staging pool of accelerator targets (CPU devices keep their buffers instead)."""
-    pool = parallel_read._Buffers(budget=3 << 20)
+    pool = restore_engine._Buffers(budget=3 << 20)
     a = pool.take(2 << 20)
     pool.started(1)  # a task runs: a take past the budget waits for a give
     got = []
@@ -468,11 +468,11 @@ def test_large_boxes_faulted_in_ahead_decode_bit_for_bit(tmp_path):
     reader = ItemReader.open(path)
     assert reader.layout("rows").chunk[0] < 2048 == reader.layout("rows").shape[0]
     reqs = {
-        "rows": parallel_read.ArrayRequest("rows", (2048, 8192), np.dtype(np.float32), HOST),
+        "rows": restore_engine.ArrayRequest("rows", (2048, 8192), np.dtype(np.float32), HOST),
         # a cast: never decoded in place, copied piece by piece into the claimed ranges
-        "cols": parallel_read.ArrayRequest("cols", (8192, 2048), np.dtype(np.float64)),
+        "cols": restore_engine.ArrayRequest("cols", (8192, 2048), np.dtype(np.float64)),
     }
-    assert all(r.nbytes >= parallel_read._POPULATE_FROM for r in reqs.values())
-    got = parallel_read.read_arrays(reader, reqs, workers=2)
+    assert all(r.nbytes >= restore_engine._POPULATE_FROM for r in reqs.values())
+    got = restore_engine.read_arrays(reader, reqs, workers=2)
     assert np.asarray(got["rows"]).tobytes() == tree["rows"].tobytes()
     assert got["cols"].tobytes() == tree["cols"].astype(np.float64).tobytes()

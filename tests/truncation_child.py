@@ -133,7 +133,7 @@ def _hf(copy: Path, want: dict) -> bool:
     from orbax_maxtext_layout.formats.safetensors_reader import HfDir
     from orbax_maxtext_layout.hf import import_hf
 
-    scratch = import_hf._Scratch()
+    scratch = import_hf._SliceScratch()
     ok = True
     with HfDir.open(copy) as hf:
         for name in sorted(want):

@@ -21,7 +21,8 @@ from ..model.target import Target
 from ..orbax_io.layout import Layout, maxtext_number, tunix_step_number
 from ..orbax_io.spec import read_specs
 from ..plan import renumbering, rescan
-from ..plan.step_plan import Plan, plan_step
+from ..plan.moves import Plan
+from ..plan.step_plan import plan_step
 from ..plan.steps import StepInfo, find_steps
 from ..storage.store import store_for
 from .common import (

@@ -1,4 +1,4 @@
-"""Plans carried out: into ``<step>/items`` (`write`, with `routing`; an op written its own way,
+"""Plans carried out: into ``<step>/items`` (`write`, with `source_walk`; an op written its own way,
 a LoRA merge, writes itself: its op's `write_rest`),
 into arrays (`restore`), and checked (`verify`); `convert` runs a step's plan end to end with
 its `options`, and `legacy_removal` removes a converted step's legacy items once verified.

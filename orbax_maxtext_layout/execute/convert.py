@@ -40,8 +40,9 @@ from ..orbax_io.layout import (
 from ..orbax_io.orbax_files import ItemFiles, reads_each_item_once
 from ..orbax_io.spec import spec_of
 from ..plan import renumbering
+from ..plan.moves import Plan
 from ..plan.provenance import record as provenance_record
-from ..plan.step_plan import OptimizerMode, Plan, make_plan, plan_maxtext_step, plan_step
+from ..plan.step_plan import OptimizerMode, make_plan, plan_maxtext_step, plan_step
 from ..plan.steps import find_steps
 from ..storage import placement
 from ..storage.lock import RENUMBER_LOCK_NAME, break_stale_lock, step_lock
@@ -241,7 +242,7 @@ def convert_step(
         report.notes = moved + report.notes
         return report
     numbering = _numbering(step_dir, o.renumber, meta)
-    job = _Job(
+    job = _StepJob(
         step_dir,
         dest,
         plan,
@@ -292,7 +293,7 @@ def _uncommitted(step_dir: epath.Path) -> StepReport:
 
 
 def _write_beside(
-    job: _Job, moved: list[str], removal: Callable | None, specs: dict, *, store: StepStore
+    job: _StepJob, moved: list[str], removal: Callable | None, specs: dict, *, store: StepStore
 ) -> StepReport:
     """`convert_step`'s write of ``items`` beside the legacy items, under the step's lock:
     skipped if another converter wrote it meanwhile; then the legacy items removed
@@ -396,7 +397,7 @@ def _rescan_maxtext(
     meta, dropped = _seeded_meta(stepmeta.read(step_dir))
     job = dict(use_zarr3=o.use_zarr3, budget=o.memory_budget, copy=o.copy)
     kw = dict(in_place=False, meta=meta, numbering={}, maxtext=True)
-    report = _convert_to(_Job(step_dir, dest, plan, optimizer, **job, **kw))
+    report = _convert_to(_StepJob(step_dir, dest, plan, optimizer, **job, **kw))
     report.notes += [
         f"{step_dir / n}/ not carried (item '{n}' of the step, not a MaxText items/ leaf): "
         "copy it beside the new items/ if it is needed"
@@ -417,7 +418,7 @@ def _seeded_meta(meta: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Job:
+class _StepJob:
     """One step's conversion once planned: what the writing helpers below share."""
 
     src: epath.Path
@@ -477,7 +478,7 @@ def convert_placed(
     return report
 
 
-def _convert_to(job: _Job) -> StepReport:
+def _convert_to(job: _StepJob) -> StepReport:
     """Converts into a separate destination step, which appears only once complete.
 
     Where the store builds it in place (an object store), one converter at a time, under
@@ -499,7 +500,7 @@ def _convert_to(job: _Job) -> StepReport:
         return StepReport(str(job.dest), "locked", Layout.TUNIX.value, notes=[str(e)])
 
 
-def _build_and_publish(job: _Job, *, store: StepStore) -> StepReport:
+def _build_and_publish(job: _StepJob, *, store: StepStore) -> StepReport:
     """``job`` built in a new step directory and published at its destination (whose
     store is ``store``)."""
     work = stepdir.new_step_dir(job.dest, store=store)
@@ -521,7 +522,7 @@ def _build_and_publish(job: _Job, *, store: StepStore) -> StepReport:
 _READ_FAILED = re.compile(r"Error reading .*(local )?file")
 
 
-def _write(job: _Job, dest: epath.Path) -> StepReport:
+def _write(job: _StepJob, dest: epath.Path) -> StepReport:
     """Writes ``dest/items`` for ``job`` (``dest``: the step itself, or where a separate
     destination is built); a tensorstore I/O failure becomes an `OSError` naming it, one
     reading a file a `CheckpointReadError`."""
@@ -543,7 +544,7 @@ def _write(job: _Job, dest: epath.Path) -> StepReport:
         ) from e
 
 
-def _write_items(job: _Job, dest: epath.Path) -> StepReport:
+def _write_items(job: _StepJob, dest: epath.Path) -> StepReport:
     src, plan = job.src, job.plan
     layout = Layout.MAXTEXT if job.maxtext else Layout.TUNIX
     report = StepReport.from_plan(dest, plan, "converted", job.optimizer, layout=layout)

@@ -13,7 +13,7 @@ import os
 
 from etils import epath
 
-from ..base.names import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
+from ..base.step_entries import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from ..orbax_io import item_writer, stepmeta
 from ..storage import placement
 from ..storage.store import StepStore, store_for

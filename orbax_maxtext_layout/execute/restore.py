@@ -27,7 +27,7 @@ from ..orbax_io.orbax_files import absolute, param_name, reads_only
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import Plan
 from ..plan.step_plan import OptimizerMode, narrow, plan_step
-from . import parallel_read
+from . import restore_engine
 
 logger = logging.getLogger(__name__)
 RestoreFn = Callable[[epath.Path, ocp.args.PyTreeRestore], Any]
@@ -53,7 +53,7 @@ def read_leaves(
     restore: RestoreFn | None = None,
 ) -> FlatTree:
     """Reads only ``paths`` of an item (a partial restore): through the restore engine
-    (`parallel_read`) where it takes a leaf, with Orbax for the rest.
+    (`restore_engine`) where it takes a leaf, with Orbax for the rest.
 
     Without an ``abstract`` leaf (``{src path: abstract leaf}``) a leaf comes back as
     a host numpy array in its stored form (PRNG keys as raw data), independent of
@@ -79,14 +79,14 @@ def read_items(
         name: {p: _request(abstract.get(p)) for p in paths}
         for name, (_, paths, abstract) in wanted.items()
     }
-    if parallel_read.enabled():
+    if restore_engine.enabled():
         readers = {name: ItemReader.open(absolute(d)) for name, (d, _, _) in wanted.items()}
         got, stock = _engine_reads_from(
             readers, {name: d for name, (d, _, _) in wanted.items()}, asked
         )
     else:
         for name, (d, _, _) in wanted.items():
-            _log_split(d, 0, 0, {parallel_read.ENV + "=stock": len(asked[name])})
+            _log_split(d, 0, 0, {restore_engine.ENV + "=stock": len(asked[name])})
         got, stock = {name: {} for name in wanted}, {name: set(a) for name, a in asked.items()}
     for name, (d, _, abstract) in wanted.items():
         if stock[name]:
@@ -115,7 +115,7 @@ def _engine_reads_from(
         requests, stock[item], why = _engine_requests(reader, asked[item])
         reads.update({(item, p): (reader, r) for p, r in requests.items()})
         _log_split(dirs[item], len(requests), sum(r.nbytes for r in requests.values()), why)
-    got = parallel_read.read_across(reads) if reads else {}
+    got = restore_engine.read_across(reads) if reads else {}
     out: dict[str, FlatTree] = {item: {} for item in readers}
     for (item, p), x in got.items():
         out[item][p] = x
@@ -124,7 +124,7 @@ def _engine_reads_from(
 
 def _engine_requests(
     reader: ItemReader, asked: Mapping[Path, tuple[Any, Any, Any]]
-) -> tuple[dict[Path, parallel_read.ArrayRequest], set[Path], dict[str, int]]:
+) -> tuple[dict[Path, restore_engine.ArrayRequest], set[Path], dict[str, int]]:
     """The engine's requests among ``asked``, the paths left to Orbax, and why (counted)."""
     requests, stock, why = {}, set(), {}
     for p, (shape, dtype, sharding) in asked.items():
@@ -134,13 +134,13 @@ def _engine_requests(
             stock.add(p)
             why["no zarr metadata"] = why.get("no zarr metadata", 0) + 1
             continue
-        req = parallel_read.ArrayRequest(
+        req = restore_engine.ArrayRequest(
             name,
             lay.shape if shape is None else shape,
             lay.dtype if dtype is None else dtype,
             sharding,
         )
-        reason = parallel_read.why_not(reader, req)
+        reason = restore_engine.why_not(reader, req)
         if reason is None:
             requests[p] = req
         else:
@@ -221,7 +221,7 @@ def restore_pytree(item_dir: epath.Path, args: ocp.args.PyTreeRestore, stock: Re
     A leaf goes to the engine when its restore args say where it goes: an
     ``ArrayRestoreArgs`` with a ``sharding`` (a jax.Array), or ``RestoreArgs`` with
     ``restore_type=np.ndarray`` (a host array), and the engine takes its stored array
-    (`parallel_read.why_not`). Everything else (scalars, PRNG keys, leaves placed from the
+    (`restore_engine.why_not`). Everything else (scalars, PRNG keys, leaves placed from the
     recorded sharding, transforms, items that do not match the stored tree) is read by
     ``stock``, with the engine's leaves skipped (``ocp.PLACEHOLDER``).
     """
@@ -232,7 +232,7 @@ def restore_pytree(item_dir: epath.Path, args: ocp.args.PyTreeRestore, stock: Re
         item is None
         or getattr(args, "legacy_transform_fn", None) is not None
         or transforms not in (None, {})
-        or not parallel_read.enabled()
+        or not restore_engine.enabled()
     ):
         return stock(item_dir, args)
     leaves = flatten(item, is_leaf=is_request_leaf)

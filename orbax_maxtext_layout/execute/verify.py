@@ -29,7 +29,7 @@ from ..orbax_io.stepmeta import read_provenance
 from ..plan.moves import Move, Plan
 from ..plan.ops import apply_op
 from ..plan.step_plan import plan_maxtext_step, plan_step
-from . import routing
+from . import source_walk
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ def _verify(
     res.problems += [f"{keystr(p)}: in items, but written by no move of the plan" for p in extra]
     res.checked = len(plan.moves)
     if not res.problems:
-        piece = prov.get("piece_bytes") or routing.PIECE
+        piece = prov.get("piece_bytes") or source_walk.PIECE
         res.problems += _compare(step_dir, plan, sources, quick, piece)
     res.ok = not res.problems
     return res
@@ -161,7 +161,7 @@ def _compare(
     plan: Plan,
     sources: Mapping[str, epath.Path],
     quick: bool,
-    piece: int = routing.PIECE,
+    piece: int = source_walk.PIECE,
 ) -> list[str]:
     """Each move's stored keys and values against its sources'.
 
@@ -196,7 +196,7 @@ def _compare(
     unequal |= _unequal_values(pairs, srcs, dst)
     copied = {id(m) for m in raw} - unequal
     rest = [m for m in plan.moves if id(m) not in copied]
-    walked = routing.routed([m for m in rest if not _fresh_layers(m)], srcs, piece)
+    walked = source_walk.routed([m for m in rest if not _fresh_layers(m)], srcs, piece)
     differ = _routed_differ(walked, srcs, dst, ctx, piece)
     problems += [f"{keystr(m.dst)}: value differs from {m.describe()}" for m in differ]
     ids = {id(m) for m in walked}
@@ -219,7 +219,7 @@ def _routed_differ(
     moves: list[Move], srcs: Mapping[str, ItemReader], dst: ItemReader, ctx, piece: int
 ) -> list[Move]:
     """The moves among ``moves`` (copies, casts, slices, stacks) whose written array
-    differs from their sources: each source array walked once (`routing.walk`), each
+    differs from their sources: each source array walked once (`source_walk.walk`), each
     piece compared with the written box it went to (the writer's chunks, when it wrote
     them: each decoded once too). A written array that cannot be read differs."""
     import tensorstore as ts
@@ -256,7 +256,7 @@ def _routed_differ(
         if not _same_bits(have, data):
             bad[id(m)] = m
 
-    routing.walk(routing.by_source(moves), srcs, visit, piece)
+    source_walk.walk(source_walk.by_source(moves), srcs, visit, piece)
     return [m for m in moves if id(m) in bad]
 
 

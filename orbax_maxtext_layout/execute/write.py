@@ -23,19 +23,19 @@ from typing import Any, NamedTuple
 
 from etils import epath
 
-from ..base.names import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
+from ..base.step_entries import MAXTEXT_ITEM, TUNIX_PARAMS_ITEM
 from ..errors import CheckpointReadError
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..orbax_io.ocdbt import damaged_value_files
 from ..orbax_io.reader import ItemReader
-from ..orbax_io.values import PIECE
+from ..orbax_io.stored_values import PIECE
 from ..plan.moves import Move, Op, Plan
 from ..plan.ops import apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
 from ..storage.memory import DEFAULT_BUDGET
 from ..storage.store import StepStore, store_for
-from . import routing
+from . import source_walk
 
 
 class Written(NamedTuple):
@@ -90,10 +90,10 @@ def write_items(
 
         # each source array decoded once, its pieces routed to every move reading it; the
         # new data files leave the page cache once written (nothing here reads them back)
-        piece = routing.piece_for(budget)
+        piece = source_walk.piece_for(budget)
         with store.drop_written(tmp / item_writer.DATA_DIR):
-            walked = routing.routed(decoded, sources, piece)
-            shapes = routing.write_routed(
+            walked = source_walk.routed(decoded, sources, piece)
+            shapes = source_walk.write_routed(
                 walked, sources, dst_json, zarr3=zarr3, ctx=ctx, piece=piece
             )
             # the rest each op writes its own way (a LoRA merge, layer by layer)
@@ -239,7 +239,7 @@ def _leaf_files(
     leaf = orbax_files.leaf_files(src, name, list(out.shape), out.key_impl)
     if decoded and src is not None:
         # Re-encoded (a cast, a scan change, a zarr format change): in the chunks of the
-        # pieces it was written in (`routing.dest_chunk`), or of its op's `chunk_shape`.
+        # pieces it was written in (`source_walk.dest_chunk`), or of its op's `chunk_shape`.
         shape = list(m.op.chunk_shape(m) if chunks is None else chunks)
         am = {**leaf.array_meta, "write_shape": shape, "chunk_shape": shape}
         leaf = orbax_files.LeafFiles(leaf.value_meta, leaf.sharding, am)

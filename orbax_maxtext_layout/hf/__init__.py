@@ -1,5 +1,5 @@
 """The Hugging Face side: MaxText's hooks (`model.hf_mapping`, its mapping read per layer)
-applied to boxes (`piecewise`), the memory budget of a streaming job (`budget`), and both directions:
+applied to boxes (`hooks_by_box`), the memory budget of a streaming job (`budget`), and both directions:
 
 - out: `export_hf` in front of its plan and report (`export_plan`), its streaming of params
   into the files (`export_stream`) and its processes (`export_processes`), and the adapter

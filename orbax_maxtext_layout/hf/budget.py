@@ -63,7 +63,7 @@ def slice_bytes(model: HfModel, m: Move, u: Unit) -> int:
 
 def piece_held(m: Move, fns: dict) -> float:
     """What a piece's job holds, in times the piece: the hooks' intermediates
-    (`piecewise.PieceFn.held`), and a merge's delta (float32) and its sum."""
+    (`hooks_by_box.PieceFn.held`), and a merge's delta (float32) and its sum."""
     held = max((f.held for f in fns.values()), default=1.0)
     return held + m.op.piece_overhead(m)
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from ..base.names import Dest
+from ..base.step_entries import Dest
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError, UsageError
 from ..formats.safetensors_writer import SafetensorsSink

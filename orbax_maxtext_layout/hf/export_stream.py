@@ -6,8 +6,8 @@ decoded whole once (`ItemReader.read_whole`), sliced into its units (`hf_mapping
 each unit put through MaxText's hooks (`hf_mapping.transform`) into its tensors, written
 whole (`PartWriter.write`). A param over the budget goes piece by piece
 (`_write_pieces`): each stored chunk decoded once (`ItemReader.pieces`), each piece's part of
-a layer put through the hooks (`piecewise`) and written at its place
-(`PartWriter.write_box`). `_Reader` hands out a param's layers in stored form, a LoRA
+a layer put through the hooks (`hooks_by_box`) and written at its place
+(`PartWriter.write_box`). `_ParamReader` hands out a param's layers in stored form, a LoRA
 merge's computed on the way.
 
 The caller opens the files (`formats.sink.Sink.open`) and says which tensor goes to which
@@ -31,7 +31,7 @@ from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import Move
 from ..storage.memory import Gate
-from . import piecewise
+from . import hooks_by_box
 from .budget import WORKERS, group_cost, largest_first, piece_bytes, piece_held, slice_bytes
 from .export_plan import ExportPlan
 
@@ -53,7 +53,7 @@ def run_groups(ep: ExportPlan, groups: dict, where: dict[str, PartWriter], budge
             factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in set(moves[0].lora))
             held = gate.take(int(size * per) + factors)
             try:
-                run = _Run(ep.model, sources, ctx, where)
+                run = _ExportShared(ep.model, sources, ctx, where)
                 _write_pieces(run, moves[0], units, fns, size)
             finally:
                 gate.give(held)
@@ -64,7 +64,7 @@ def run_groups(ep: ExportPlan, groups: dict, where: dict[str, PartWriter], budge
             cost if whole else 3 * max(slice_bytes(ep.model, moves[0], u) for u in units)
         )
         try:
-            reader = _Reader(sources, ctx, whole=whole)
+            reader = _ParamReader(sources, ctx, whole=whole)
             for u in units:
                 layers = [u.take_more(reader.layer(m, u.axis, u.index)) for m in moves]
                 _write_unit(ep.model, u, layers, where)
@@ -91,22 +91,22 @@ def _write_unit(model: HfModel, u: Unit, layers: list[np.ndarray], where: dict) 
 
 # -- a param piece by piece: its stored chunks decoded once --------------------------------
 def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | None:
-    """Each unit's hooks as a `piecewise.PieceFn` (one per distinct shape), or None where a
+    """Each unit's hooks as a `hooks_by_box.PieceFn` (one per distinct shape), or None where a
     param cannot go piece by piece: a fused or merged param, or a hook a box cannot
-    go through (`piecewise`)."""
+    go through (`hooks_by_box`)."""
     m = moves[0]
     if len(moves) != 1 or not m.op.by_box(m):
         return None
     if m.lora and any(u.more for u in units):  # a merge's layer is the first stacked axis
         return None
     shape = tuple(moves[0].out_spec.shape)
-    fns: dict[int, piecewise.PieceFn] = {}
-    traced: dict[tuple, piecewise.PieceFn | None] = {}
+    fns: dict[int, hooks_by_box.PieceFn] = {}
+    traced: dict[tuple, hooks_by_box.PieceFn | None] = {}
     for u in units:
         outs = tuple(hf_mapping.out_shapes(model, u).values())
         key = (u.hooks if callable(u.hooks) else tuple(u.hooks or ()), len(u.levels), outs)
         if key not in traced:
-            traced[key] = piecewise.PieceFn.trace(
+            traced[key] = hooks_by_box.PieceFn.trace(
                 lambda x, u=u: hf_mapping.hooked(model, u, [x]),
                 u.slice_shape(shape),
                 model.weight_dtype,
@@ -118,7 +118,7 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     return fns
 
 
-class _Run(NamedTuple):
+class _ExportShared(NamedTuple):
     """What every job of an export shares: the model, the opened sources, the files."""
 
     model: HfModel
@@ -127,9 +127,9 @@ class _Run(NamedTuple):
     where: dict
 
 
-def _write_pieces(run: _Run, m: Move, units: list[Unit], fns: dict, size: int) -> None:
+def _write_pieces(run: _ExportShared, m: Move, units: list[Unit], fns: dict, size: int) -> None:
     """Param ``m`` over the budget: each stored chunk decoded once (`ItemReader.pieces`), and
-    each piece's part of each layer put through the hooks (`piecewise`) and written at its
+    each piece's part of each layer put through the hooks (`hooks_by_box`) and written at its
     place in its HF tensors (`PartWriter.write_box`). A part the hooks cannot take alone
     leaves its unit to be read whole at the end (counted as ``layer decoded``)."""
     model, sources, ctx, where = run
@@ -137,7 +137,7 @@ def _write_pieces(run: _Run, m: Move, units: list[Unit], fns: dict, size: int) -
     wd = model.weight_dtype
     by_layer = {tuple(i for _, i in u.levels) or None: u for u in units}
     redo: dict[int, Unit] = {}
-    factors = _Reader(sources, ctx, whole=True)  # a merge's factors, read whole once
+    factors = _ParamReader(sources, ctx, whole=True)  # a merge's factors, read whole once
     for piece in src.pieces(param_name(m.src), max_bytes=size, reuse=True):
         for index, start, part in _layer_parts(piece, units[0].levels, by_layer):
             u = by_layer[index]
@@ -157,7 +157,7 @@ def _write_pieces(run: _Run, m: Move, units: list[Unit], fns: dict, size: int) -
                     where[name].write_box(name, at, data.astype(wd, copy=False))
         del piece
     factors.cache.clear()
-    reader = _Reader(sources, ctx, whole=False)
+    reader = _ParamReader(sources, ctx, whole=False)
     for u in redo.values():
         _write_unit(model, u, [u.take_more(reader.layer(m, u.axis, u.index))], where)
 
@@ -181,10 +181,10 @@ def _layer_parts(piece: chunks.Piece, levels: tuple, by_index: dict):
             yield idx, start, data
 
 
-class _Reader:
+class _ParamReader:
     """Layers of a param's move, in stored form: decoded whole once (``whole``: each
     stored chunk once, `ItemReader.read_whole`) and sliced, or read layer by layer from
-    storage (a merge over the budget; a layer `piecewise` cannot take)."""
+    storage (a merge over the budget; a layer `hooks_by_box` cannot take)."""
 
     def __init__(self, sources: dict, ctx: Any, *, whole: bool) -> None:
         self.sources, self.ctx, self.whole = sources, ctx, whole

@@ -680,7 +680,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     budget.
 
     What a real-size import spends its time on is memory traffic, so none of it goes to
-    fresh memory where it can be helped (`_Scratch`: a new page is zeroed by the kernel first,
+    fresh memory where it can be helped (`_SliceScratch`: a new page is zeroed by the kernel first,
     1 to 3 s a GiB on a VM): each worker reads its slices into a buffer of its own and copies
     their row blocks into another, which tensorstore references instead of copying
     (docs/performance.md, import-hf)."""
@@ -688,7 +688,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
     jobs.sort(key=lambda j: -_slice_bytes(plan, j[0], j[2]))  # the largest first
     gate = Gate(plan.budget, cap=True)  # a slice over the budget holds the budget, alone
     done, lock = [0], threading.Lock()
-    scratch = _Scratch()
+    scratch = _SliceScratch()
 
     def tick() -> None:
         if progress is not None:
@@ -726,7 +726,7 @@ def _run_slices(plan: ImportPlan, arrays: dict, chunks: dict, progress: Callable
         results(pool.submit(one, j) for j in jobs if j not in big)
 
 
-class _Scratch(threading.local):
+class _SliceScratch(threading.local):
     """Each thread's reused buffers (``"read"``: its slice's source bytes; ``"block"``: the
     row block it copies; ``"packed"``: `_transpose`'s words), grown to the largest asked for,
     kept until the import ends."""
@@ -776,14 +776,14 @@ def _write_slice(
     data,
     chunk: list[int],
     *,
-    scratch: _Scratch | None = None,
+    scratch: _SliceScratch | None = None,
     pool: tuple[ThreadPoolExecutor, int] | None = None,
 ) -> None:
     """``data`` written at index ``idx`` on ``axes`` of ``array`` (the whole array for none),
     a chunk's row block at a time: tensorstore holds one block's encoding, never a second copy
     of the slice. A block ``data`` holds contiguous is written from ``data`` itself; any other
     (a transposed view: MaxText's ``reshape_kernel``) is first copied into a buffer of this
-    thread (`_Scratch`, ``scratch``; else a new one). With ``pool`` (a pool and how many
+    thread (`_SliceScratch`, ``scratch``; else a new one). With ``pool`` (a pool and how many
     blocks may be in flight), its workers write the blocks."""
     box = [slice(None)] * array.rank
     for axis, i in zip(axes, idx, strict=True):
@@ -798,7 +798,7 @@ def _write_slice(
         parts = [(slice(None),) * cut + (slice(lo, min(lo + step, n)),) for lo in range(0, n, step)]
     if pool is not None and len(parts) > 1:
         executor, per = pool
-        local = _Scratch()
+        local = _SliceScratch()
         results(
             executor.submit(_write_blocks, array, data, parts[k::per], local) for k in range(per)
         )
@@ -806,7 +806,7 @@ def _write_slice(
     _write_blocks(array, data, parts, scratch)
 
 
-def _write_blocks(array: ts.TensorStore, data, parts: list[tuple], scratch: _Scratch | None):
+def _write_blocks(array: ts.TensorStore, data, parts: list[tuple], scratch: _SliceScratch | None):
     """`_write_slice`'s blocks ``parts`` of ``data``, in order, on this thread, one write in
     flight: a second (the next block copied while tensorstore encodes this one) held 0.3 GiB
     more at 8B, over the RSS goal's margin under load, for no time measurable here."""
@@ -831,7 +831,7 @@ WORD_STRIP = 32
 PACKED_BYTES = 16 << 20  # a transposing copy's packed rows (`_transpose`), at most
 
 
-def _copy(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None = None) -> None:
+def _copy(out: np.ndarray, src: np.ndarray, scratch: _SliceScratch | None = None) -> None:
     """``out[...] = src`` (``out`` C-contiguous), as unsigned integers of the same size: NumPy
     copies an ``ml_dtypes`` bfloat16 element by element through its dtype's functions. A
     transposed view (MaxText's ``reshape_kernel``: HF ``[out, in]`` as ``[in, out]``, maybe
@@ -850,7 +850,7 @@ def _copy(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None = None) -> 
         np.copyto(out, src)
 
 
-def _transpose(out: np.ndarray, src: np.ndarray, scratch: _Scratch | None) -> None:
+def _transpose(out: np.ndarray, src: np.ndarray, scratch: _SliceScratch | None) -> None:
     """``out[...] = src``, ``src`` a transposed view (``src.T``'s rows contiguous). NumPy
     copies a transposed 2-byte array at 0.25 GiB/s here, in strips of `STRIP` columns at 1.4,
     and as this does at 2.3 to 3.3: ``g`` elements of a row of ``src.T`` moved as one 8-byte
@@ -897,7 +897,7 @@ def _slice(
     plan: ImportPlan,
     leaf: Leaf,
     hf: Any,
-    scratch: _Scratch | None = None,
+    scratch: _SliceScratch | None = None,
     *,
     idx: tuple[int, ...] = (),
 ) -> list[np.ndarray]:
@@ -962,7 +962,7 @@ def _base_slice(plan: ImportPlan, leaf: Leaf, hf: Any, idx: tuple[int, ...]) -> 
     return out
 
 
-def _source(plan: ImportPlan, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
+def _source(plan: ImportPlan, name: str, scratch: _SliceScratch | None, at: int = 0) -> np.ndarray:
     """HF tensor ``name`` as the import takes it: read (`_read`), and with ``--adapter`` its
     delta added in float32 where the adapter changes it (before the cast, as PEFT merges into
     the float32 weights its ``merge_and_unload`` returns)."""
@@ -970,7 +970,7 @@ def _source(plan: ImportPlan, name: str, scratch: _Scratch | None, at: int = 0) 
     return x if plan.adapter is None else plan.adapter.merge(name, x)
 
 
-def _read(hf: HfDir, name: str, scratch: _Scratch | None, at: int = 0) -> np.ndarray:
+def _read(hf: HfDir, name: str, scratch: _SliceScratch | None, at: int = 0) -> np.ndarray:
     """Tensor ``name``, read into bytes ``[at, ...)`` of this thread's read buffer where
     ``scratch`` gives one (`HfDir.read_into`), else into a fresh array. Read, never mapped:
     a mapped page of a shard cut short meanwhile raises SIGBUS, where a read is refused

@@ -86,7 +86,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo
 
-from ..base.names import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
+from ..base.step_entries import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from ..errors import UsageError
 from ..execute.restore import restore_pytree
 from ..orbax_io.orbax_files import METADATA_FILE, absolute

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base.boxes import flat_run
+from ..base.array_boxes import flat_run
 from ..plan.moves import LayerReader, Move
 from ..storage.scratch import scratch_buffer
 

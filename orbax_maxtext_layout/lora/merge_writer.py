@@ -1,4 +1,4 @@
-"""Writes the merge_lora moves `routing` cannot take piece by piece (a box that does not split
+"""Writes the merge_lora moves `source_walk` cannot take piece by piece (a box that does not split
 onto the factors): each stored base kernel decoded once, its layers merged and encoded on
 both cores, within a memory bound.
 
@@ -107,7 +107,7 @@ def _raised(f) -> bool:
 
 
 @dataclasses.dataclass
-class _Task:
+class _LayerTask:
     """Layer ``i`` of ``move``: base layer ``index`` of its kernel, written to ``layer``
     (``(axis, i)``, or None: the whole array) of ``out``."""
 
@@ -132,7 +132,7 @@ class _Kernel:
     whole: bool
     sources: Mapping[str, ItemReader]
     ctx: object
-    tasks: list[_Task] = dataclasses.field(default_factory=list)
+    tasks: list[_LayerTask] = dataclasses.field(default_factory=list)
     layers: list | None = None
     factors: dict = dataclasses.field(default_factory=dict)
     own: bool = False  # its layers are buffers of their own (freed one by one)
@@ -173,7 +173,7 @@ class _Kernel:
             raise
         ledger.give(cost - factor_bytes - (self.nbytes if self.whole else 0))
 
-    def run(self, t: _Task, ledger: Gate) -> None:
+    def run(self, t: _LayerTask, ledger: Gate) -> None:
         """Merges ``t``'s layer and writes it; then gives back what it held."""
         freed = 0
         try:
@@ -186,7 +186,7 @@ class _Kernel:
             ledger.give(t.cost + freed)
             ledger.count(LAYERS, -1)
 
-    def _base(self, t: _Task) -> np.ndarray:
+    def _base(self, t: _LayerTask) -> np.ndarray:
         """The task's base layer: the kernel's own buffer where no later task reads it (the
         merge overwrites it), else a copy; or read from the source."""
         if self.layers is None:
@@ -199,7 +199,7 @@ class _Kernel:
             return layer
         return np.array(layer, order="C")  # a view of the whole kernel, or read again later
 
-    def _done(self, t: _Task) -> int:
+    def _done(self, t: _LayerTask) -> int:
         """Drops what no task still needs after ``t``: its layer of the kernel after that
         layer's last reader (a kernel of views: the kernel after the last task), and the
         factors after the last task. Returns the bytes freed."""
@@ -266,7 +266,7 @@ def _kernels(
         for i in range(count or 1):
             index = m.index if count is None else i
             layer = None if count is None else (m.axis, i)
-            k.tasks.append(_Task(m, i, index, layer, dst, _task_cost(m, k.whole)))
+            k.tasks.append(_LayerTask(m, i, index, layer, dst, _task_cost(m, k.whole)))
             if k.whole:
                 j = 0 if index is None else index
                 k.uses[j] = k.uses.get(j, 0) + 1

@@ -362,7 +362,7 @@ def plan_adapter(
     problems: list[str] = []
     pairs = _pairs(factors, problems)
     deltas: dict[str, Delta] = {}
-    job = _Job(s, base, model_type, problems)
+    job = _PairPlanning(s, base, model_type, problems)
     fused = FUSED_EXPERTS.get(model_type)
     for module, (a, b) in sorted(pairs.items()):
         pair = _Pair(a, b, tuple(factors[a][0]), tuple(factors[b][0]))
@@ -394,7 +394,7 @@ def plan_adapter(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Job:
+class _PairPlanning:
     """What planning each pair needs: the settings, the base tensors, the family, and the
     list every problem goes to."""
 
@@ -473,7 +473,7 @@ def _unwrap(module: str) -> tuple[str, int]:
     return module, depth
 
 
-def _plain(job: _Job, module: str, pair: _Pair) -> dict[str, Delta]:
+def _plain(job: _PairPlanning, module: str, pair: _Pair) -> dict[str, Delta]:
     """A module's pair onto its base tensor ``<module>.weight`` (as the files name it)."""
     s, base, problems = job.s, job.base, job.problems
     a, b, sa, sb = pair.a, pair.b, pair.sa, pair.sb
@@ -509,7 +509,9 @@ def _fused_targets(s: Settings, module: str, fused: tuple) -> list[str]:
     return out
 
 
-def _fused(job: _Job, module: str, depth: int, pair: _Pair, fused: tuple) -> dict[str, Delta]:
+def _fused(
+    job: _PairPlanning, module: str, depth: int, pair: _Pair, fused: tuple
+) -> dict[str, Delta]:
     """A fused experts parameter's pair onto each expert's tensors in the files."""
     s, base, problems = job.s, job.base, job.problems
     a, b, sa, sb = pair.a, pair.b, pair.sa, pair.sb

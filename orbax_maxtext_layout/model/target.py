@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from ..base.names import MAXTEXT_ITEM, Dest
+from ..base.step_entries import MAXTEXT_ITEM, Dest
 from ..base.treepaths import FlatTree, Path, flatten, keystr, unflatten
 from ..errors import LayoutMismatchError
 from ..orbax_io.spec import LeafSpec, read_specs, spec_of

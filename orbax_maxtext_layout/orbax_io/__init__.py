@@ -11,8 +11,8 @@ become arrays.
   in; every operation that reads array bytes reads through it (metadata, each stored
   chunk's pieces, whole values, stored bytes);
 - below it: `ocdbt` (the B-tree: where each value lies, every path checked, and the bytes
-  of the small values stored inline in it), `zarr` (an array's stored `Layout`, its
-  metadata checked), `values` (a stored value read piece by piece: from its data file,
+  of the small values stored inline in it), `zarr` (an array's stored `ChunkLayout`, its
+  metadata checked), `stored_values` (a stored value read piece by piece: from its data file,
   from the B-tree, or through the kvstore) and `chunks` (the decoder: each stored chunk
   decoded once, in pieces);
 - `item_writer`: a new item's arrays (grafts, chunk copies, tensorstore writes).

@@ -32,10 +32,10 @@ import tensorstore as ts
 
 from ..errors import CheckpointReadError
 from ..storage.scratch import scratch_buffer
-from . import values
+from . import stored_values
 from .orbax_files import CheckpointRefusedError, count, sub_kv
-from .values import Short, Stored, read_exactly
-from .zarr import MISSING, Layout, zstd
+from .stored_values import Short, Stored, read_exactly
+from .zarr import MISSING, ChunkLayout, zstd
 
 # A zstd frame header's content size when the frame does not declare one.
 _UNKNOWN_SIZE = (1 << 64) - 1
@@ -139,7 +139,7 @@ def read_chunk(
     return None
 
 
-def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratch=None):
+def _frames(src: Stored, name: str, lay: ChunkLayout, what: str, *, only=None, scratch=None):
     """``(origin, frame)`` of each stored chunk in storage order, each counted as decoded
     (``only``: the chunk at that grid cell alone), read into this thread's buffer
     ``<scratch>-read`` (None: each frame its own). A chunk, a shard or a shard's inner
@@ -204,17 +204,17 @@ def _frames(src: Stored, name: str, lay: Layout, what: str, *, only=None, scratc
                     yield origin, part
 
 
-def _inner_origin(lay: Layout, cell: tuple[int, ...], sub: tuple[int, ...]) -> tuple[int, ...]:
+def _inner_origin(lay: ChunkLayout, cell: tuple[int, ...], sub: tuple[int, ...]) -> tuple[int, ...]:
     """Where inner chunk ``sub`` of the shard at grid ``cell`` starts in the array."""
     return tuple(c * s + i * n for c, s, i, n in zip(cell, lay.shard, sub, lay.chunk, strict=False))
 
 
-def _shard_index(value, lay: Layout, where: str) -> bytes:
+def _shard_index(value, lay: ChunkLayout, where: str) -> bytes:
     """The index at the end of a shard (``value``), its crc32c checked where it has one
     (Orbax's index codecs), as tensorstore does (issue 46); else `CheckpointReadError`."""
     try:
         tail = value.suffix(lay.index_bytes)
-    except CheckpointReadError as e:  # its data file cut short (`values.FileValue`)
+    except CheckpointReadError as e:  # its data file cut short (`stored_values.FileValue`)
         raise CheckpointReadError(f"{where}: {e}") from e
     except ValueError:  # tensorstore's: the value is shorter than its index
         tail = None
@@ -244,7 +244,7 @@ def _crc32c(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piece]:
+def _tensorstore_pieces(src, name, lay: ChunkLayout, ctx, what: str) -> Iterator[Piece]:
     """Chunk by chunk through tensorstore (a box on the chunk grid decodes that chunk
     once): for small arrays, scalars and codecs zstandard does not take."""
     driver = "zarr3" if src.use_zarr3 else "zarr"
@@ -272,7 +272,7 @@ def _tensorstore_pieces(src, name, lay: Layout, ctx, what: str) -> Iterator[Piec
 def _decode(
     what: str,
     frame,
-    lay: Layout,
+    lay: ChunkLayout,
     origin,
     max_bytes: int,
     *,
@@ -293,14 +293,16 @@ def _decode(
     stream = _Framed(frame, lay.chunk_bytes)
     with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
         with zstd.ZstdDecompressor().stream_reader(
-            stream, read_size=values.PIECE, read_across_frames=True
+            stream, read_size=stored_values.PIECE, read_across_frames=True
         ) as r:
             yield from _runs(lay, origin, max_bytes, scratch_kind, lambda buf: read_exactly(r, buf))
             if r.read(1):
                 raise _Long
 
 
-def _runs(lay: Layout, origin, max_bytes: int, scratch_kind: str | None, put) -> Iterator[Piece]:
+def _runs(
+    lay: ChunkLayout, origin, max_bytes: int, scratch_kind: str | None, put
+) -> Iterator[Piece]:
     """The chunk at ``origin`` as pieces of runs of whole rows (`_decode`), each written by
     ``put(buf)``, cropped to the array."""
     chunk, item = lay.chunk, lay.dtype.itemsize
@@ -332,7 +334,7 @@ def _runs(lay: Layout, origin, max_bytes: int, scratch_kind: str | None, put) ->
 
 
 @contextlib.contextmanager
-def _decoding(where: str, lay: Layout) -> Iterator[None]:
+def _decoding(where: str, lay: ChunkLayout) -> Iterator[None]:
     """Every way a stored chunk fails to decode as a `CheckpointReadError` naming it."""
     try:
         yield
@@ -352,14 +354,16 @@ def _decoding(where: str, lay: Layout) -> Iterator[None]:
 
 
 # -- one stored chunk at a time (the restore engine's tasks) -----------------------------
-def cells(lay: Layout, start: tuple[int, ...], stop: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+def cells(
+    lay: ChunkLayout, start: tuple[int, ...], stop: tuple[int, ...]
+) -> Iterator[tuple[int, ...]]:
     """The grid cells of the stored chunks that hold any of the box ``[start, stop)``."""
     return itertools.product(
         *(range(a // c, -(-b // c)) for a, b, c in zip(start, stop, lay.chunk, strict=True))
     )
 
 
-def stored_key(lay: Layout, name: str, cell: tuple[int, ...]) -> str:
+def stored_key(lay: ChunkLayout, name: str, cell: tuple[int, ...]) -> str:
     """The key of the stored value holding the chunk at grid ``cell`` of array ``name``: the
     chunk's own, or its shard's (what `decode_cell` reads)."""
     if lay.shard is None:
@@ -368,7 +372,7 @@ def stored_key(lay: Layout, name: str, cell: tuple[int, ...]) -> str:
     return f"{name}/{lay.key(tuple(c // i for c, i in zip(cell, inner, strict=False)))}"
 
 
-def cell_origin(lay: Layout, cell: tuple[int, ...]) -> tuple[int, ...]:
+def cell_origin(lay: ChunkLayout, cell: tuple[int, ...]) -> tuple[int, ...]:
     """Where the stored chunk at grid ``cell`` starts in the array."""
     return tuple(c * n for c, n in zip(cell, lay.chunk, strict=False))
 
@@ -376,7 +380,7 @@ def cell_origin(lay: Layout, cell: tuple[int, ...]) -> tuple[int, ...]:
 def decode_cell(
     src: Stored, name: str, cell: tuple[int, ...], *, max_bytes: int
 ) -> Iterator[Piece]:
-    """The stored chunk at grid ``cell`` of a plain-zstd array (`Layout.plain`) decoded once,
+    """The stored chunk at grid ``cell`` of a plain-zstd array (`ChunkLayout.plain`) decoded once,
     as pieces of at most ``max_bytes`` in this thread's scratch buffer ``engine`` (valid
     until the next piece), cropped to the array."""
     lay = src.layout(name)
@@ -396,7 +400,7 @@ def decode_cell_into(
 ) -> None:
     """The stored chunk at grid ``cell`` decoded straight into ``out`` (C-contiguous, the
     chunk's whole stored shape and dtype): no piece is held, nothing copied. ``before(a, b)``
-    is called before bytes ``[a, b)`` of ``out`` are written (in steps of `values.PIECE`)."""
+    is called before bytes ``[a, b)`` of ``out`` are written (in steps of `stored_values.PIECE`)."""
     lay = src.layout(name)
     what = f"{src.dir}: cannot read {name}"
     flat = out.reshape(-1).view(np.uint8)
@@ -409,9 +413,9 @@ def decode_cell_into(
         with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
             stream = _Framed(frame, lay.chunk_bytes)
             with zstd.ZstdDecompressor().stream_reader(
-                stream, read_size=values.PIECE, read_across_frames=True
+                stream, read_size=stored_values.PIECE, read_across_frames=True
             ) as r:
-                step = flat.nbytes if before is None else 2 * values.PIECE
+                step = flat.nbytes if before is None else 2 * stored_values.PIECE
                 for start in range(0, flat.nbytes, step):
                     stop = min(start + step, flat.nbytes)
                     if before is not None:
@@ -451,7 +455,7 @@ class _Framed:
         return got
 
 
-def _chunk_name(lay: Layout, origin: tuple[int, ...]) -> str:
+def _chunk_name(lay: ChunkLayout, origin: tuple[int, ...]) -> str:
     """The stored key of the chunk at ``origin`` (a shard's: with the inner chunk's cell)."""
     cell = tuple(o // c for o, c in zip(origin, lay.chunk, strict=False))
     if lay.shard is None:
@@ -485,7 +489,7 @@ def read_whole(src: Stored, name: str, ctx: ts.Context) -> np.ndarray:
     _check_fits(what, lay.nbytes, f"the array {list(lay.shape)} {lay.dtype}")
     out: np.ndarray | None = None
     try:
-        for p in _pieces(src, name, ctx, values.PIECE * 4, "whole"):
+        for p in _pieces(src, name, ctx, stored_values.PIECE * 4, "whole"):
             if out is None:
                 out = np.empty(lay.shape, p.data.dtype)
             out[p.box] = p.data

@@ -12,7 +12,7 @@ from typing import Any
 
 from etils import epath
 
-from ..base.names import MAXTEXT_ITEM, ROLES, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
+from ..base.step_entries import MAXTEXT_ITEM, ROLES, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from ..storage.store import StepStore, store_for
 from . import stepmeta
 from .stepmeta import recorded_tunix_step

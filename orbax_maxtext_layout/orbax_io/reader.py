@@ -6,7 +6,7 @@ files, opens its key-value store, and, for an OCDBT item, walks the latest versi
 (`containment`). The store the item lives on (`storage.store`) is handed in by the caller,
 which decided it once for its root, or decided here once. After that, the reader gives:
 
-- metadata: ``files`` (`orbax_files.ItemFiles`), each array's stored `zarr.Layout`
+- metadata: ``files`` (`orbax_files.ItemFiles`), each array's stored `zarr.ChunkLayout`
   (`layout`, read once per array);
 - each stored chunk's pieces (`pieces`, `read_chunk`: the decoder in `chunks`);
 - whole values (`read_whole`, decoded by `chunks`; `read_array`, through tensorstore,
@@ -32,8 +32,8 @@ from ..storage.store import StepStore
 from . import chunks
 from .ocdbt import value_locations
 from .orbax_files import ItemFiles, count, open_kvstore, param_name, read_context, sub_kv
-from .values import FileValue, InlineValue, KvValue, same_pieces
-from .zarr import Layout, read_layout
+from .stored_values import FileValue, InlineValue, KvValue, same_pieces
+from .zarr import ChunkLayout, read_layout
 
 # What decoding a whole array holds at its peak, in times the array's bytes: tensorstore
 # holds the stored chunk (at most the array's size) and the array; `read_whole` holds the
@@ -109,7 +109,7 @@ class ItemReader:
 
     # -- metadata --------------------------------------------------------------------
 
-    def layout(self, name: str) -> Layout | None:
+    def layout(self, name: str) -> ChunkLayout | None:
         """The stored layout of array ``name`` from its zarr metadata (None: none is
         stored), read once: a writer, its routing and its walk all ask for it."""
         if name not in self._layouts:
@@ -303,7 +303,7 @@ class ItemReader:
         """The stored value ``key`` to read piece by piece: from its data file where it lies
         in one on a local disk (`value_file`; tensorstore's kvstore reads cost as much as
         the decode), read into this thread's buffer ``scratch`` (None: one of its own; never
-        mapped: `values.FileValue`); on an object store, what `fetch` read; else through the
+        mapped: `stored_values.FileValue`); on an object store, what `fetch` read; else through the
         kvstore; None if it is not stored."""
         fetched = self._take_fetched(key) if self._fetched else None
         if fetched is not None:

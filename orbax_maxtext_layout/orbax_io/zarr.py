@@ -1,5 +1,5 @@
 """What an array's zarr metadata says, checked before anything is allocated from it: its
-stored `Layout` (shape, dtype, chunk grid, zarr3 shards, whether a chunk is a plain zstd
+stored `ChunkLayout` (shape, dtype, chunk grid, zarr3 shards, whether a chunk is a plain zstd
 frame the decoder streams itself), zarr2 and zarr3 alike.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .orbax_files import CheckpointRefusedError, parse_zarr_metadata
-from .values import Stored
+from .stored_values import Stored
 
 try:  # decodes a stored chunk ~2.4x faster than tensorstore (`chunks`)
     import zstandard as zstd
@@ -82,7 +82,7 @@ def np_dtype(name: object) -> np.dtype | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ChunkLayout:
     """How an array is stored: its shape and dtype, its chunk grid, and whether
     zstandard can decode its chunks (``plain``: little-endian bytes, zstd, nothing else)."""
 
@@ -144,7 +144,7 @@ class Layout:
         return self.sep.join(map(str, cell)) or "0"
 
 
-def read_layout(src: Stored, name: str) -> Layout | None:
+def read_layout(src: Stored, name: str) -> ChunkLayout | None:
     meta_key = f"{name}/zarr.json" if src.use_zarr3 else f"{name}/.zarray"
     raw = src.small_value(meta_key)
     if raw is None:
@@ -171,7 +171,7 @@ def read_layout(src: Stored, name: str) -> Layout | None:
         and dtype is not None
         and dtype.byteorder != ">"
     )
-    return Layout(
+    return ChunkLayout(
         shape,
         np.dtype(dtype) if dtype is not None else np.dtype("V1"),
         tuple(meta.get("chunks", shape)),
@@ -183,7 +183,7 @@ def read_layout(src: Stored, name: str) -> Layout | None:
     )
 
 
-def _zarr3_layout(meta: dict, shape: tuple[int, ...]) -> Layout:
+def _zarr3_layout(meta: dict, shape: tuple[int, ...]) -> ChunkLayout:
     grid = tuple((meta.get("chunk_grid", {}).get("configuration") or {}).get("chunk_shape", shape))
     codecs = meta.get("codecs", [])
     enc = meta.get("chunk_key_encoding", {"name": "default"})
@@ -205,7 +205,7 @@ def _zarr3_layout(meta: dict, shape: tuple[int, ...]) -> Layout:
         and (shard is None or index > 0)
         and zstd is not None
     )
-    return Layout(
+    return ChunkLayout(
         shape,
         np.dtype(dtype) if dtype is not None else np.dtype("V1"),
         chunk,

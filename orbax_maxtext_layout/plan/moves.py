@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..base.names import Dest
+from ..base.step_entries import Dest
 from ..base.treepaths import Path, keystr
 from ..errors import LayoutMismatchError
 from ..orbax_io.spec import LeafSpec

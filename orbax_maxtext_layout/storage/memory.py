@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 # What a conversion, a merge, an export or an import holds at once unless told otherwise
 # (``memory_budget``, ``--memory-budget``). The restore engine sizes its own from the host
-# (`execute.parallel_read.BUDGET_SHARE`): a trainer's restore is not given one.
+# (`execute.restore_engine.BUDGET_SHARE`): a trainer's restore is not given one.
 DEFAULT_BUDGET = 1 << 30  # 1 GiB
 
 
@@ -57,7 +57,7 @@ MERGE = Workers(most=2)
 # `storage.placement`).
 COPY = Workers(most=4)
 # convert's source arrays walked at once: one more than the 2 cores measured on, as a
-# worker waits on its piece's commit (`execute.routing`); fixed, since the piece size it
+# worker waits on its piece's commit (`execute.source_walk`); fixed, since the piece size it
 # sets is recorded with the output (``piece_bytes``).
 CONVERT = Workers(fixed=3)
 # export-hf's params in flight: two (`hf.budget`), the pieces sized from it.

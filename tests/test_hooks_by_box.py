@@ -1,4 +1,4 @@
-"""`piecewise.PieceFn`: a function of a whole array applied to boxes of it, bit for bit.
+"""`hooks_by_box.PieceFn`: a function of a whole array applied to boxes of it, bit for bit.
 
 The functions are built like MaxText's Hugging Face hooks (llama's query chain: a float32
 scaling, the RoPE permutation by strided slices and a concatenation, the transposing
@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from orbax_maxtext_layout.hf.piecewise import PieceFn
+from orbax_maxtext_layout.hf.hooks_by_box import PieceFn
 
 
 def scale(x):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base.boxes import Box, flat_run
+from ..base.array_boxes import Box, flat_run
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 A box is how every streaming operation names a part of an array: a stored chunk, a piece
 of it, a layer of a stack, a LoRA factor's rows. Plans (`plan.moves`) and the Hugging Face
-hooks carried over boxes (`hf.piecewise`) both need to know when a box is one C-order run of
+hooks carried over boxes (`hf.hooks_by_box`) both need to know when a box is one C-order run of
 flat indices, so that it can be read or written as one range.
 """
 

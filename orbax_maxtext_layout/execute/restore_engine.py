@@ -57,8 +57,8 @@ import numpy as np
 from ..errors import CheckpointReadError, detached
 from ..orbax_io import casts, chunks
 from ..orbax_io.reader import ItemReader
-from ..orbax_io.values import PIECE
-from ..orbax_io.zarr import Layout, np_dtype
+from ..orbax_io.stored_values import PIECE
+from ..orbax_io.zarr import ChunkLayout, np_dtype
 from ..storage.memory import RESTORE, Gate
 from ..storage.scratch import Ahead, aligned
 
@@ -171,7 +171,7 @@ class _Array:
     key: Hashable
     reader: ItemReader
     req: ArrayRequest
-    lay: Layout
+    lay: ChunkLayout
     boxes: list[_Box] = dataclasses.field(default_factory=list)
     placed: list = dataclasses.field(default_factory=list)  # single-device jax arrays
 
@@ -196,7 +196,7 @@ def _boxes(arr: _Array) -> list[_Box]:
 
 
 @dataclasses.dataclass(eq=False)
-class _Task:
+class _ChunkTask:
     """One stored chunk of an array, and the boxes it fills."""
 
     array: _Array
@@ -204,13 +204,13 @@ class _Task:
     boxes: list[_Box]
 
 
-def _tasks(arrays: list[_Array]) -> list[_Task]:
+def _tasks(arrays: list[_Array]) -> list[_ChunkTask]:
     out = []
     for arr in arrays:
-        by_cell: dict[tuple, _Task] = {}
+        by_cell: dict[tuple, _ChunkTask] = {}
         for box in arr.boxes:
             for cell in chunks.cells(arr.lay, box.start, box.stop):
-                by_cell.setdefault(cell, _Task(arr, cell, [])).boxes.append(box)
+                by_cell.setdefault(cell, _ChunkTask(arr, cell, [])).boxes.append(box)
                 box.waiting += 1
         out.extend(by_cell.values())
     # Array by array, the largest first (fewest idle cores at the end), each array's chunks
@@ -324,7 +324,7 @@ def _read_all(
         return {}
     workers = workers or RESTORE.count()
     budget = chunks.host_memory() // BUDGET_SHARE if budget is None else budget
-    run = _Run(_Buffers(budget))
+    run = _ReadCall(_Buffers(budget))
     workers = max(1, min(workers, len(tasks)))
     # At most one task per worker is handed out: a box's buffer is taken only when its first
     # chunk is about to be decoded, so the buffers in use are what keeps the cores busy (a
@@ -369,7 +369,7 @@ class _Ahead:
     bytes is in flight (`ItemReader.fetch`: one batch of ranged reads, neighbours joined).
     Tasks on a local disk read their own data files (nothing to fetch)."""
 
-    def __init__(self, tasks: list[_Task], window: int) -> None:
+    def __init__(self, tasks: list[_ChunkTask], window: int) -> None:
         self.tasks, self.window, self.issued = tasks, window, 0
         self.sizes = [_stored_bytes(t) for t in tasks]
 
@@ -407,7 +407,7 @@ class _Ahead:
         return 0
 
 
-def _stored_bytes(task: _Task) -> int:
+def _stored_bytes(task: _ChunkTask) -> int:
     """The stored bytes of a task's chunk on an object store (0 on a local disk)."""
     reader = task.array.reader
     if reader.store.reads_files:
@@ -425,7 +425,7 @@ def _discard(arrays: list[_Array]) -> None:
             box.buf = box.ahead = None
 
 
-class _Run:
+class _ReadCall:
     """One `read_arrays` call: its tasks' shared state."""
 
     def __init__(self, buffers: _Buffers) -> None:
@@ -449,7 +449,7 @@ class _Run:
             for i in range(len(box.ahead.state)):
                 self.populating.submit(box.ahead.touch, i)
 
-    def task(self, task: _Task) -> None:
+    def task(self, task: _ChunkTask) -> None:
         try:
             if not self.failed.is_set():
                 self._fill(task)
@@ -461,7 +461,7 @@ class _Run:
         finally:
             self.buffers.started(-1)
 
-    def _fill(self, task: _Task) -> None:
+    def _fill(self, task: _ChunkTask) -> None:
         arr = task.array
         region = _direct(task)
         if region is not None:  # the chunk is one contiguous run of its box: decoded there
@@ -532,7 +532,7 @@ except ImportError:  # pragma: no cover - numpy 1
     _byte_bounds = np.byte_bounds
 
 
-def _direct(task: _Task) -> np.ndarray | None:
+def _direct(task: _ChunkTask) -> np.ndarray | None:
     """Where in its box the task's chunk can be decoded straight into: the chunk's region of
     its one box when that region is one C-contiguous run (a chunk of whole trailing rows),
     the chunk lies wholly inside the array (an edge chunk is stored past the array's end)
