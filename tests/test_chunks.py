@@ -30,7 +30,7 @@ from orbax_maxtext_layout.model.target import Target
 from orbax_maxtext_layout.orbax_io import (
     chunks,
     item_writer,
-    values,
+    stored_values,
     zarr,
 )
 from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
@@ -203,7 +203,7 @@ def test_a_stored_chunk_is_read_through_one_reused_buffer(step, monkeypatch):
     """zstandard's reader asks for a chunk's bytes piece by piece (64 KiB here): every read
     lands in one buffer of the thread (a fresh ``bytes`` per read took fresh pages, which
     the kernel zeroes), and the decoded pieces stay right."""
-    monkeypatch.setattr(values, "PIECE", 64 << 10)
+    monkeypatch.setattr(stored_values, "PIECE", 64 << 10)
     ctx = item_writer.ts_context()
     src = ItemReader.open(epath.Path(step / "model_params"), ctx)
     want = {".".join(map(str, p)): x for p, x in _restore(step / "model_params").items()}
@@ -215,6 +215,6 @@ def test_a_stored_chunk_is_read_through_one_reused_buffer(step, monkeypatch):
         frames = chunks._frames(src, name, lay, name, scratch="test")  # holds the file open
         _, frame = next(frames)
         first, second = frame.read(4096), frame.read(4096)
-        assert isinstance(frame, values.FileValue) and len(first) == len(second) == 4096
+        assert isinstance(frame, stored_values.FileValue) and len(first) == len(second) == 4096
         at = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] for v in (first, second)]
         assert at[0] == at[1], name  # the second read reused the first's buffer

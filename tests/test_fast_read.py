@@ -17,7 +17,7 @@ from orbax_maxtext_layout.orbax_io import (
     item_writer,
     orbax_files,
     reader,
-    values,
+    stored_values,
 )
 from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 from orbax_maxtext_layout.orbax_io.reader import ItemReader
@@ -116,15 +116,15 @@ def test_stored_values_compare_in_their_data_files_piece_by_piece(tmp_path):
     a, b, c = (_item(tmp_path / n, False, data, (data.size,)) for n in "abc")
     key = f"w/{a.layout('w').key((0,))}"
     path, offset, length = c.value_file(key)
-    assert length > values.PIECE + 100  # compressed, still over one piece
+    assert length > stored_values.PIECE + 100  # compressed, still over one piece
     with open(path, "r+b") as f:  # the stored bytes damaged, the length kept
-        f.seek(offset + values.PIECE + 100)
+        f.seek(offset + stored_values.PIECE + 100)
         byte = f.read(1)[0]
-        f.seek(offset + values.PIECE + 100)
+        f.seek(offset + stored_values.PIECE + 100)
         f.write(bytes([byte ^ 1]))
     assert reader.same_stored(a, key, b, key) is True
     assert reader.same_stored(a, key, c, key) is False
-    os.truncate(path, offset + values.PIECE)  # cut short: the kvstore's read reports it
+    os.truncate(path, offset + stored_values.PIECE)  # cut short: the kvstore's read reports it
     assert reader.same_stored(a, key, c, key) is None
     b._value_files = {}  # no data file known (as on an object store)
     assert reader.same_stored(a, key, b, key) is None
@@ -132,7 +132,7 @@ def test_stored_values_compare_in_their_data_files_piece_by_piece(tmp_path):
 
 def test_values_stored_inline_are_read_from_the_b_tree(tmp_path):
     """Small values (and the zarr metadata) that Orbax stores inline in the OCDBT B-tree are
-    read from the walk of the B-tree done when the item is opened (`values.InlineValue`,
+    read from the walk of the B-tree done when the item is opened (`stored_values.InlineValue`,
     `ItemReader.small_value`): the bytes the kvstore reads, with no kvstore read."""
     import orbax.checkpoint as ocp
 
