@@ -51,7 +51,7 @@ RESTORE = Workers()
 # slice (`hf.import_hf`: 1.95x the read-and-encode floor against 2.09x with one a core).
 IMPORT = Workers(per_core=2, most=8)
 # merge-lora's layers: one a core, at most 2 (numpy's merge and zstd's encode run without
-# the GIL; `execute.merge_writer`).
+# the GIL; `lora.merge_writer`).
 MERGE = Workers(most=2)
 # copies of data files: one a core, at most 4 (the copy runs in the kernel;
 # `storage.placement`).
