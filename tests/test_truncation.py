@@ -121,3 +121,27 @@ def test_an_untouched_copy_reads_the_pristine_values(tmp_path):
     got = ocp.PyTreeCheckpointer().restore(step / "items")
     for k, want in T.tree()["params"]["params"].items():
         assert np.array_equal(np.asarray(got["params"]["params"][k]), want)
+
+
+def test_a_tensorstore_read_of_a_cut_item_names_its_data_files(tmp_path):
+    """A read that fails inside tensorstore (its message may name only the key, or say
+    "Invalid JSON": the export campaign of tests/interop met that) names the data files
+    the item's B-tree references that are now missing or short."""
+    import shutil
+
+    from etils import epath
+
+    from orbax_maxtext_layout.errors import CheckpointReadError
+    from orbax_maxtext_layout.orbax_io.reader import ItemReader
+
+    pristine = _save_restore_step(tmp_path / "step") / "items"
+    for cut in ("delete", "half"):
+        items = shutil.copytree(pristine, tmp_path / cut)
+        reader = ItemReader.open(epath.Path(items))  # opened whole, then cut: as in a campaign
+        files = sorted((items / "d").iterdir())
+        T._cut(files, cut)
+        with pytest.raises(CheckpointReadError) as got:
+            reader.read_array(("params", "params", "a"))
+        msg = str(got.value)
+        assert "damaged data files" in msg, msg
+        assert any(f.name in msg.split("damaged data files")[1] for f in files), msg

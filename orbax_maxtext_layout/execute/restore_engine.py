@@ -555,7 +555,5 @@ def _named(e: BaseException, reader: ItemReader, name: str) -> BaseException:
     if isinstance(e, CheckpointReadError):
         return e
     if isinstance(e, Exception):
-        err = CheckpointReadError(f"{reader.dir}: cannot read {name}: {e}")
-        err.__cause__ = e
-        return err
+        return reader.read_error(name, e)
     return e

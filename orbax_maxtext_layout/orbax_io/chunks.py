@@ -266,7 +266,7 @@ def _tensorstore_pieces(src, name, lay: ChunkLayout, ctx, what: str) -> Iterator
             count("chunk decoded", f"{src.dir}/{name}/{lay.key(cell)}")
             yield Piece(start, np.asarray(store[box].read().result()))
     except ValueError as e:
-        raise CheckpointReadError(f"{what}: {e}") from e
+        raise src.read_error(name, e) from e
 
 
 def _decode(

@@ -30,7 +30,7 @@ from ..base.treepaths import Path
 from ..errors import CheckpointReadError
 from ..storage.store import StepStore
 from . import chunks
-from .ocdbt import value_locations
+from .ocdbt import damaged_value_files, value_locations
 from .orbax_files import ItemFiles, count, open_kvstore, param_name, read_context, sub_kv
 from .stored_values import FileValue, InlineValue, KvValue, same_pieces
 from .zarr import ChunkLayout, read_layout
@@ -107,6 +107,28 @@ class ItemReader:
     def is_ocdbt(self) -> bool:
         return self.files.use_ocdbt
 
+    def read_error(self, what: str, e: Exception) -> CheckpointReadError:
+        """A tensorstore error reading ``what`` as a `CheckpointReadError` that names the
+        item's data files now missing or shorter than its B-tree says, where there are any.
+
+        A step cut or deleted while it is read (another job's ``max_to_keep``, a copy still
+        landing) fails inside tensorstore with a message that may name only the key, or say
+        "Invalid JSON"; the user needs the file. Read on the error path only: the B-tree's
+        nodes and the files' sizes (`ocdbt.damaged_value_files`), never a value."""
+        msg = f"{self.dir}: cannot read {what}: {e}"
+        damaged: dict[str, str] = {}
+        if self.is_ocdbt:
+            try:
+                damaged = damaged_value_files(self.dir)
+            except Exception:  # the diagnosis must not hide the error it explains
+                damaged = {}
+        if damaged:
+            named = "; ".join(f"{self.dir / rel}: {why}" for rel, why in sorted(damaged.items()))
+            msg += f" -- damaged data files: {named} (a step cut or deleted while it was read?)"
+        err = CheckpointReadError(msg)
+        err.__cause__ = e
+        return err
+
     # -- metadata --------------------------------------------------------------------
 
     def layout(self, name: str) -> ChunkLayout | None:
@@ -127,7 +149,7 @@ class ItemReader:
             try:
                 store = ts.open(spec, open=True, context=self.context).result()
             except ValueError as e:
-                raise CheckpointReadError(f"{self.dir}: cannot read {name}: {e}") from e
+                raise self.read_error(name, e) from e
             fill = store.fill_value
             self._fills[name] = (
                 np.zeros((), store.dtype.numpy_dtype) if fill is None else np.asarray(fill)
@@ -170,7 +192,7 @@ class ItemReader:
                 array = array[ts.d[layer[0]][layer[1]]]
             return np.asarray(array.read().result())
         except ValueError as e:
-            raise CheckpointReadError(f"{self.dir}: cannot read {name}: {e}") from e
+            raise self.read_error(name, e) from e
 
     # -- stored bytes -------------------------------------------------------------------
 
@@ -212,7 +234,7 @@ class ItemReader:
         try:
             got = self.kv.read(key).result()
         except ValueError as e:  # tensorstore's I/O errors
-            raise CheckpointReadError(f"{self.dir}: cannot read {key}: {e}") from e
+            raise self.read_error(key, e) from e
         return bytes(got.value) if got.state == "value" else None
 
     def stored_length(self, key: str) -> int:
@@ -322,7 +344,7 @@ class ItemReader:
         try:
             return value if value.exists() else None
         except ValueError as e:  # e.g. a data file the kvstore cannot open (a name too long)
-            raise CheckpointReadError(f"{self.dir}: cannot read {key}: {e}") from e
+            raise self.read_error(key, e) from e
 
 
 def same_stored(a: ItemReader, a_key: str, b: ItemReader, b_key: str) -> bool | None:

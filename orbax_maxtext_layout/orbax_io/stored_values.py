@@ -43,6 +43,8 @@ class Stored(Protocol):
 
     def fill_value(self, name: str) -> np.ndarray: ...
 
+    def read_error(self, what: str, e: Exception) -> CheckpointReadError: ...
+
 
 class Short(Exception):
     """A stream ended before the bytes it should hold."""
