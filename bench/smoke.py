@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
+from inproc import ENV as SMOKE  # the scripts' switch: children in process, no measuring care
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -112,6 +117,7 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)])
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("XLA_FLAGS", None)
+    env[SMOKE] = "1"
     return env
 
 
@@ -133,26 +139,43 @@ def maxtext_python() -> tuple[str | None, str]:
     return str(newest / "bin" / "python"), ""
 
 
-def run_one(name: str, python: str, root: Path, keep: bool) -> tuple[bool, float, str]:
-    """Runs one script in a fresh directory under ``root``: ``(ok, wall s, output tail)``."""
+def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> tuple[str, float]:
+    """Runs ``cmd`` (output to ``log``) in a session of its own: ``(exit status words, CPU s)``,
+    the CPU seconds of it and of every process it waited for (``wait4``'s rusage). Past
+    ``TIMEOUT_S`` its whole session is killed."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    timer = threading.Timer(TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    rc = proc.returncode
+    why = f"exit {rc}" if rc != -signal.SIGKILL else f"killed: over {TIMEOUT_S} s, or the kernel"
+    return why if rc else "", usage.ru_utime + usage.ru_stime
+
+
+def run_one(name: str, python: str, root: Path, keep: bool) -> tuple[bool, float, float, str]:
+    """Runs one script in a fresh directory under ``root``: ``(ok, wall s, CPU s, output
+    tail)``."""
     script = SCRIPTS[name]
     assert isinstance(script, Script), name
     tmp = Path(tempfile.mkdtemp(prefix=f"{name[:-3]}-", dir=root))
     argv = script.argv.format(t=tmp, shared=root / "shared").split()
     cmd = [python, str(HERE / name), *argv]
     env = {**_env(), "TMPDIR": str(tmp)}  # the scripts' own temporary directories too
+    log = root / f"{name[:-3]}.log"
     t0 = time.perf_counter()
-    try:
-        done = subprocess.run(
-            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-        ok, out = done.returncode == 0, f"exit {done.returncode}\n{done.stdout}{done.stderr}"
-    except subprocess.TimeoutExpired as e:
-        ok, out = False, f"timed out after {TIMEOUT_S} s\n{e.stdout or ''}{e.stderr or ''}"
+    why, cpu = _spawn(cmd, env, log)
     wall = time.perf_counter() - t0
+    out = log.read_text(errors="replace")
     if not keep:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ok, wall, f"$ {' '.join(cmd)}\n{out[-4000:]}"
+    return not why, wall, cpu, f"$ {' '.join(cmd)}\n{why}\n{out[-4000:]}"
 
 
 def pythons(given: str | None) -> tuple[dict[str, str | None], dict[str, str]]:
@@ -188,8 +211,9 @@ def run_all(names: list[str], jobs: int, root: Path, given: str | None, *, keep:
     with ThreadPoolExecutor(max(jobs, 1)) as pool:
         futures = {pool.submit(run_one, n, py, root, keep): n for n, py in todo}
         for f in as_completed(futures):
-            ok, wall, out = f.result()
-            print(f"{futures[f]:16} {'ok' if ok else 'FAILED'} {wall:6.1f} s", flush=True)
+            ok, wall, cpu, out = f.result()
+            word = "ok" if ok else "FAILED"
+            print(f"{futures[f]:16} {word:6} {wall:6.1f} s  (CPU {cpu:6.1f} s)", flush=True)
             if not ok:
                 failed.append(futures[f])
                 print("    " + out.replace("\n", "\n    "), flush=True)
@@ -216,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     total = time.perf_counter() - t0
-    print(f"smoke run: {len(failed)} failed ({' '.join(failed) or '-'}), {total:.0f} s in all")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = usage.ru_utime + usage.ru_stime
+    names = " ".join(failed) or "-"
+    print(f"smoke run: {len(failed)} failed ({names}), {total:.0f} s in all (CPU {cpu:.0f} s)")
     return 1 if failed else 0
 
 
