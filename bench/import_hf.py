@@ -924,7 +924,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     parse_size(args.budget)
     args.package = args.package.resolve()
-    if ro.package_of(args.package) != args.package / PKG:
+    if rs.package_of(args.package) != args.package / PKG:
         raise SystemExit(f"{args.package}: the children import another {PKG}")
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

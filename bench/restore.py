@@ -339,10 +339,7 @@ def _full_state(a, devices) -> dict:
     if not (native / "items").exists():
         shutil.rmtree(root, ignore_errors=True)
         synth.make_step(root / "tunix", 2, int(a.full_state))
-        shutil.copytree(tunix.parent, native.parent)
-        oml.convert_step(native, synth.target_for(tunix), copy=True)
-        shutil.rmtree(native / "model_params")
-        shutil.rmtree(native / "optimizer_state")
+        synth.converted_copy(tunix, native)
     one = jax.sharding.SingleDeviceSharding(devices[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one),

@@ -26,6 +26,8 @@ fails there, by name).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import resource
 import shutil
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inproc import ENV as SMOKE  # the scripts' switch: children in process, no measuring care
+from inproc import python
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -50,20 +53,41 @@ TIMEOUT_S = 600  # per script: a hang fails the run instead of holding CI
 @dataclass(frozen=True)
 class Script:
     """A script's smallest run: ``argv`` after ``python bench/<name>`` (``{t}``: its own
-    temporary directory; ``{shared}``: the inputs ``prepare(shared, python)`` made, once for
-    every script that names the same ``prepare``, read only), with the ``venv`` (``core`` or
-    ``maxtext``) it needs."""
+    temporary directory; ``{shared}``: the inputs ``prepare(shared)`` made, once for every
+    script that names the same ``prepare``, read only), with the ``venv`` (``core`` or
+    ``maxtext``) it needs. ``together``: it runs in one process with the other such scripts,
+    one after another (`run_together`): their imports, not their work, would cost the most."""
 
     venv: str
     argv: str
-    prepare: Callable[[Path, str], None] | None = None
+    prepare: Callable[[Path], None] | None = None
+    together: bool = False
 
 
-def _synth_step(shared: Path, python: str) -> None:
-    """A synthetic Tunix step of 1 MiB at ``shared/src/actor/1`` (bench/synth.py): the input
-    of the scripts that read a step."""
-    code = "import sys, synth, pathlib; synth.make_step(pathlib.Path(sys.argv[1]), 1, 1 << 20)"
-    _run_checked([python, "-c", code, str(shared / "src")], env=_env(), cwd=HERE)
+@dataclass(frozen=True)
+class Result:
+    """How a script's run (or an input's making, ``(name)``) went."""
+
+    name: str
+    ok: bool
+    wall: float
+    cpu: float
+    tail: str = ""  # its command line and the end of its output
+
+
+def _synth_step(shared: Path) -> None:
+    """A synthetic Tunix step of 1 MiB at ``shared/src/actor/1`` (bench/synth.py), the input
+    of the scripts that read a step, and it converted at ``shared/target/actor/1`` (their
+    ``--target-from``). In a fresh interpreter, or in this one where it runs the scripts
+    `together` (`inproc.python`)."""
+    code = (
+        "import sys, synth, pathlib; root = pathlib.Path(sys.argv[1]); "
+        "src = synth.make_step(root / 'src', 1, 1 << 20); "
+        "synth.converted_copy(src, root / 'target' / 'actor' / '1')"
+    )
+    done = python(["-c", code, str(shared)], env=_env(), cwd=HERE, timeout=TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"synth.make_step: exit {done.returncode}\n{done.stderr[-3000:]}")
 
 
 # Modes: one of each kind of code path (a flag variant, e.g. convert --copy, is left to the
@@ -73,25 +97,33 @@ RUN_MODES = "naive convert restore_tunix restore_stock_v1"
 LEAVES_MODES = "inspect convert verify restore_tunix_sharded restore_stock"
 SCRIPTS: dict[str, Script | str] = {
     # -- the package's own venv -------------------------------------------------------------
-    "_internal.py": Script("core", ""),
-    "run.py": Script("core", f"--sizes 2MiB --repeats 1 --budget 64MiB --modes {RUN_MODES}"),
-    "leaves.py": Script("core", f"--layers 1 --repeats 1 --modes {LEAVES_MODES}"),
+    "_internal.py": Script("core", "", together=True),
+    "run.py": Script(
+        "core", f"--sizes 2MiB --repeats 1 --budget 64MiB --modes {RUN_MODES}", together=True
+    ),
+    "leaves.py": Script("core", f"--layers 1 --repeats 1 --modes {LEAVES_MODES}", together=True),
     "lora.py": Script(
         "core",
         "--size 4MiB --layers 2 --rank 4 --budgets 64MiB --repeats 1 --modes baseline naive merge",
+        together=True,
     ),
     "restore.py": Script(
         "core", "--work {t} --params 2e5 --chunks 1 2 --devices 2 --rounds 1 --full-state 2e6"
     ),
-    "floor.py": Script("core", "{shared}/src/actor/1 --encode 1", _synth_step),
-    "walk.py": Script("core", "-- convert {shared}/src --out {t}/walked -q", _synth_step),
-    "hf_headers.py": Script("core", "--scale 0.001 --repeats 1"),
+    "floor.py": Script("core", "{shared}/src/actor/1 --encode 1", _synth_step, together=True),
+    "walk.py": Script(
+        "core",
+        "-- convert {shared}/src --target-from {shared}/target/actor/1 --out {t}/walked -q",
+        _synth_step,
+        together=True,
+    ),
+    "hf_headers.py": Script("core", "--scale 0.001 --repeats 1", together=True),
     "gcs.py": Script("core", "--size 2MiB"),
     "gcs_restore.py": Script("core", "--work {t} --params 2e5 --chunks 1 2 --latency 0 --rounds 1"),
     # -- MaxText 0.2.5 (the interop venv) ---------------------------------------------------
     "export_hf.py": Script(
         "maxtext",
-        "--layers 1 --weight-dtype bfloat16 --repeats 1 --modes baseline ours --min-weights 0",
+        "--tiny --layers 1 --weight-dtype bfloat16 --repeats 1 --modes ours --min-weights 0",
     ),
     "realsize.py": Script(
         "maxtext", "--tiny --layers 1 --work {t} --only llama-fsdp --ops cp export-hf floor-decode"
@@ -102,6 +134,7 @@ SCRIPTS: dict[str, Script | str] = {
     # -- modules: run by the scripts named ---------------------------------------------------
     "smoke.py": "this driver",
     "child.py": "run.py (each mode's measured child)",
+    "inproc.py": "run.py, leaves.py, lora.py, hf_headers.py, gcs_restore.py (their children)",
     "synth.py": "run.py, leaves.py, restore.py, floor.py and walk.py (their steps)",
     "realsize_steps.py": "realsize.py, import_hf.py",
     "realsize_build.py": "realsize.py, import_hf.py (the step builder)",
@@ -119,12 +152,6 @@ def _env() -> dict[str, str]:
     env.pop("XLA_FLAGS", None)
     env[SMOKE] = "1"
     return env
-
-
-def _run_checked(cmd: list[str], *, env: dict[str, str], cwd: Path) -> None:
-    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} ... exit {done.returncode}\n{done.stderr[-3000:]}")
 
 
 def maxtext_python() -> tuple[str | None, str]:
@@ -159,23 +186,79 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> tuple[str, float]:
     return why if rc else "", usage.ru_utime + usage.ru_stime
 
 
-def run_one(name: str, python: str, root: Path, keep: bool) -> tuple[bool, float, float, str]:
-    """Runs one script in a fresh directory under ``root``: ``(ok, wall s, CPU s, output
-    tail)``."""
+def _argv(name: str, root: Path) -> tuple[list[str], Path]:
+    """``name``'s command line after ``python``, and its fresh directory under ``root``."""
     script = SCRIPTS[name]
     assert isinstance(script, Script), name
     tmp = Path(tempfile.mkdtemp(prefix=f"{name[:-3]}-", dir=root))
-    argv = script.argv.format(t=tmp, shared=root / "shared").split()
-    cmd = [python, str(HERE / name), *argv]
+    return [str(HERE / name), *script.argv.format(t=tmp, shared=root / "shared").split()], tmp
+
+
+def run_one(name: str, py: str, root: Path, keep: bool) -> list[Result]:
+    """Runs one script in a fresh process and directory under ``root``."""
+    argv, tmp = _argv(name, root)
     env = {**_env(), "TMPDIR": str(tmp)}  # the scripts' own temporary directories too
     log = root / f"{name[:-3]}.log"
     t0 = time.perf_counter()
-    why, cpu = _spawn(cmd, env, log)
+    why, cpu = _spawn([py, *argv], env, log)
     wall = time.perf_counter() - t0
     out = log.read_text(errors="replace")
     if not keep:
         shutil.rmtree(tmp, ignore_errors=True)
-    return not why, wall, cpu, f"$ {' '.join(cmd)}\n{why}\n{out[-4000:]}"
+    return [Result(name, not why, wall, cpu, f"$ {py} {' '.join(argv)}\n{why}\n{out[-4000:]}")]
+
+
+def run_group(names: list[str], py: str, root: Path, prepares: list[str]) -> list[Result]:
+    """Runs ``names`` `together` in one fresh process (after the ``prepares`` their inputs
+    need), each reported as `run_together` prints it."""
+    log = root / "together.log"
+    cmd = [py, str(HERE / "smoke.py"), "together", str(root), *names, "--prepare", *prepares]
+    t0 = time.perf_counter()
+    why, cpu = _spawn(cmd, _env(), log)
+    out = log.read_text(errors="replace")
+    got = [Result(**json.loads(x)) for x in out.splitlines() if x.startswith('{"name": ')]
+    missing = [n for n in [*(f"({p})" for p in prepares), *names] if n not in {r.name for r in got}]
+    if why or missing:  # died on the way: the rest of the group did not run
+        wall, spent = time.perf_counter() - t0 - sum(r.wall for r in got), sum(r.cpu for r in got)
+        got += [Result(n, False, wall, cpu - spent, f"{why}\n{out[-4000:]}") for n in missing]
+    return got
+
+
+def run_together(root: Path, names: list[str], prepares: list[str]) -> None:
+    """In the child of `run_group`: the ``prepares``, then ``names``, one after another in this
+    process (`inproc.python`: as ``python bench/NAME ARGV``), each printed as a JSON line."""
+    for p in prepares:
+        usage, t0 = _cpu_self(), time.perf_counter()
+        try:
+            _prepares()[p](root / "shared")
+            ok, tail = True, ""
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            ok, tail = False, str(e)
+        _print_result(Result(f"({p})", ok, time.perf_counter() - t0, _cpu_self() - usage, tail))
+        if not ok:
+            return
+    for name in names:
+        argv, tmp = _argv(name, root)
+        usage, t0 = _cpu_self(), time.perf_counter()
+        done = python(argv, env={**os.environ, "TMPDIR": str(tmp)}, cwd=REPO)
+        tail = f"$ python {' '.join(argv)}\nexit {done.returncode}\n{done.stdout}{done.stderr}"
+        wall, cpu = time.perf_counter() - t0, _cpu_self() - usage
+        _print_result(Result(name, done.returncode == 0, wall, cpu, tail[-4000:]))
+
+
+def _prepares() -> dict[str, Callable[[Path], None]]:
+    scripts = [s for s in SCRIPTS.values() if isinstance(s, Script) and s.prepare]
+    return {s.prepare.__name__: s.prepare for s in scripts}  # type: ignore[union-attr]
+
+
+def _print_result(r: Result) -> None:
+    print(json.dumps(dataclasses.asdict(r)), flush=True)
+
+
+def _cpu_self() -> float:
+    """CPU seconds of this process and of the children it waited for."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
 def pythons(given: str | None) -> tuple[dict[str, str | None], dict[str, str]]:
@@ -186,38 +269,64 @@ def pythons(given: str | None) -> tuple[dict[str, str | None], dict[str, str]]:
     return {"core": sys.executable, "maxtext": mt}, {"maxtext": why_not}
 
 
+def _script(name: str) -> Script:
+    script = SCRIPTS[name]
+    assert isinstance(script, Script), name
+    return script
+
+
+def _make_inputs(prepares: set[Callable[[Path], None]], root: Path) -> bool:
+    """Makes the inputs in this process (driver side); False if one failed."""
+    for prepare in prepares:
+        t0 = time.perf_counter()
+        try:
+            prepare(root / "shared")
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"input {prepare.__name__} FAILED\n{e}", flush=True)
+            return False
+        _report(Result(f"({prepare.__name__})", True, time.perf_counter() - t0, float("nan")))
+    return True
+
+
 def run_all(names: list[str], jobs: int, root: Path, given: str | None, *, keep: bool) -> list[str]:
-    """Prepares the shared inputs, then runs ``names``, ``jobs`` at a time, printing each
-    result as it comes; returns the names that failed."""
+    """Prepares the shared inputs, then runs ``names`` (MaxText's, the longest, first; the
+    `together` ones in one process), ``jobs`` at a time, printing each result as it comes;
+    returns the names that failed."""
     found, why = pythons(given)
     todo = []
     for name in names:
-        script = SCRIPTS[name]
-        assert isinstance(script, Script), name
-        if found[script.venv] is None:
-            print(f"{name:16} skipped: {why[script.venv]}", flush=True)
+        if found[_script(name).venv] is None:
+            print(f"{name:16} skipped: {why[_script(name).venv]}", flush=True)
         else:
-            todo.append((name, found[script.venv]))
+            todo.append(name)
+    group = [n for n in todo if _script(n).together]
+    group = group if len(group) > 1 else []
+    alone = sorted((n for n in todo if n not in group), key=lambda n: _script(n).venv != "maxtext")
+    outside = {p for n in alone if (p := _script(n).prepare)}
+    inside = sorted({p.__name__ for n in group if (p := _script(n).prepare) and p not in outside})
     (root / "shared").mkdir()
+    if not _make_inputs(outside, root):
+        return todo
     failed: list[str] = []
-    for prepare in {SCRIPTS[n].prepare for n, _ in todo} - {None}:  # type: ignore[union-attr]
-        t0 = time.perf_counter()
-        try:
-            prepare(root / "shared", sys.executable)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"input {prepare.__name__} FAILED\n{e}", flush=True)
-            return [n for n, _ in todo]
-        print(f"{'(' + prepare.__name__ + ')':16} ok {time.perf_counter() - t0:6.1f} s", flush=True)
     with ThreadPoolExecutor(max(jobs, 1)) as pool:
-        futures = {pool.submit(run_one, n, py, root, keep): n for n, py in todo}
+        first = [n for n in alone if _script(n).venv == "maxtext"]
+        futures = [pool.submit(run_one, n, found["maxtext"], root, keep) for n in first]
+        if group:
+            futures.append(pool.submit(run_group, group, sys.executable, root, inside))
+        rest = [n for n in alone if n not in first]
+        futures += [pool.submit(run_one, n, sys.executable, root, keep) for n in rest]
         for f in as_completed(futures):
-            ok, wall, cpu, out = f.result()
-            word = "ok" if ok else "FAILED"
-            print(f"{futures[f]:16} {word:6} {wall:6.1f} s  (CPU {cpu:6.1f} s)", flush=True)
-            if not ok:
-                failed.append(futures[f])
-                print("    " + out.replace("\n", "\n    "), flush=True)
+            for r in f.result():
+                _report(r)
+                failed += [] if r.ok else [r.name]
     return failed
+
+
+def _report(r: Result) -> None:
+    cpu = "" if r.cpu != r.cpu else f"  (CPU {r.cpu:6.1f} s)"  # nan: not measured
+    print(f"{r.name:16} {'ok' if r.ok else 'FAILED':6} {r.wall:6.1f} s{cpu}", flush=True)
+    if not r.ok:
+        print("    " + r.tail.replace("\n", "\n    "), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--maxtext-python", help="MaxText 0.2.5's python (default: the interop venv)")
     ap.add_argument("--jobs", type=int, default=2, help="scripts at a time (default 2)")
     ap.add_argument("--keep", type=Path, metavar="DIR", help="leave every script's files here")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["together"]:  # run_group's child
+        cut = argv.index("--prepare")
+        run_together(Path(argv[1]), argv[2:cut], argv[cut + 1 :])
+        return 0
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.keep:

@@ -113,6 +113,20 @@ def make_step(
     return Path(directory) / str(step)
 
 
+def converted_copy(src: Path, dst: Path) -> Path:
+    """``dst``: a copy of the Tunix step ``src`` converted to MaxText's layout (``convert_step``
+    with ``copy=True``), its legacy items removed: a stock manager's source, a target's."""
+    import shutil
+
+    from orbax_maxtext_layout import convert_step
+
+    shutil.copytree(src, dst)
+    convert_step(dst, target_for(src), copy=True)
+    for legacy in ("model_params", "optimizer_state"):
+        shutil.rmtree(dst / legacy)
+    return dst
+
+
 def target_for(step_dir: Path):
     """The MaxText-layout `Target` of the same model (RL optimizer kept, no adapter level)."""
     from orbax_maxtext_layout import Target, read_specs
