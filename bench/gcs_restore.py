@@ -78,12 +78,13 @@ def child(spec: dict) -> dict:
     from etils import epath
     from gcs.emulator import RemoteProxy, invalidate_gcsfs_caches
     from jax.sharding import SingleDeviceSharding
-    from restore import _nest, _shapes
+    from realsize_steps import unflat_tree
+    from restore import _shapes
 
     proxy = RemoteProxy(os.environ["STORAGE_EMULATOR_HOST"])
     shapes = _shapes(spec["params"])
     device = jax.devices()[0]
-    abstract = _nest(
+    abstract = unflat_tree(
         {
             p: jax.ShapeDtypeStruct(s, np.float32, sharding=SingleDeviceSharding(device))
             for p, s in shapes.items()

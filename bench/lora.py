@@ -47,20 +47,11 @@ sys.path.insert(0, str(HERE))
 
 from child import _du, _vm_hwm_kib  # noqa: E402  (the bench's one VmHWM reader)
 from inproc import python  # noqa: E402  (each child a fresh interpreter, but in a smoke run)
+from realsize_steps import LORA_MODULES as MODULES  # noqa: E402  (module -> contracting dims)
 
 HEAD_DIM, VOCAB = 128, 32000
 ALPHA = 32.0
 ADAPTER_STEP = 2
-# module -> number of leading contracting dims of its per-layer kernel (qwix's lora_a rows)
-MODULES = {
-    "self_attention/query": 1,
-    "self_attention/key": 1,
-    "self_attention/value": 1,
-    "self_attention/out": 2,
-    "mlp/wi_0": 1,
-    "mlp/wi_1": 1,
-    "mlp/wo": 1,
-}
 CHECKED = ("mlp/wi_0", "self_attention/out")  # merged kernels compared against numpy
 GRAFTED = ("decoder", "layers", "pre_self_attention_layer_norm", "scale")  # never decoded
 

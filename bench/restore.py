@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from inproc import smoke_run  # noqa: E402 - bench/ on the path first
-from synth import _nest  # noqa: E402
+from realsize_steps import unflat_tree  # noqa: E402
 
 
 def _args(argv):
@@ -148,11 +148,11 @@ def _write(root: Path, shapes, chunks: int, mesh) -> dict[str, Path]:
         else:
             save_args[path] = ocp.SaveArgs()
     items = {
-        "maxtext": ("items", {"params": _nest(flat)}, {"params": _nest(save_args)}),
+        "maxtext": ("items", {"params": unflat_tree(flat)}, {"params": unflat_tree(save_args)}),
         "tunix": (
             "model_params",
-            _nest({p[1:] + ("value",): v for p, v in flat.items()}),
-            _nest({p[1:] + ("value",): v for p, v in save_args.items()}),
+            unflat_tree({p[1:] + ("value",): v for p, v in flat.items()}),
+            unflat_tree({p[1:] + ("value",): v for p, v in save_args.items()}),
         ),
     }
     for layout, (item, tree, sargs) in items.items():
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
             fsdp_mesh = Mesh(np.array(devices[:n]), ("fsdp",))
             targets[f"{n}-device fsdp"] = lambda shape, m=fsdp_mesh: _fsdp(shape, m)
         for tname, place in targets.items():
-            abstract = _nest(
+            abstract = unflat_tree(
                 {
                     p: jax.ShapeDtypeStruct(s, np.float32, sharding=place(s))
                     for p, s in shapes.items()

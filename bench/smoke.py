@@ -2,13 +2,27 @@
 breaks silently (issue 59). A check that each still runs to its end, not a measure: the
 figures it prints mean nothing.
 
-    python bench/smoke.py [--only NAME...] [--maxtext-python PY] [--keep DIR]
+    python bench/smoke.py [--only NAME...] [--maxtext-python PY] [--jobs 2] [--keep DIR]
 
-Each script runs in a fresh process from the repository root, with this checkout first on
-``PYTHONPATH``, writing under a temporary directory of its own (``{t}`` in its command line,
-and its ``TMPDIR``; removed after), two at a time (``--jobs``). Printed per
-script: ``ok``, ``FAILED`` (with the tail of its output) or ``skipped: <why>``, and its wall
-time; then the total. Exit status 1 if any script failed (a skip is not a failure).
+Each script runs from the repository root, with this checkout first on ``PYTHONPATH``,
+writing under a temporary directory of its own (``{t}`` in its command line, and its
+``TMPDIR``; removed after), two at a time (``--jobs``), MaxText's (the longest) first. Printed
+per script: ``ok``, ``FAILED`` (with the tail of its output) or ``skipped: <why>``, its wall
+time and its CPU time (with every process it waited for); then the totals. A script past
+``TIMEOUT_S`` is killed with its whole session. Exit status 1 if any script failed (a skip is
+not a failure).
+
+What a smoke run spends is interpreters starting, each importing JAX, Orbax and the package
+(4 s of CPU; MaxText's scripts 10 to 15 s more), not the work at these sizes. So, with
+``OMTL_BENCH_SMOKE=1`` in every script's environment (`inproc.smoke_run`):
+
+- a script runs each of its Python children (its measured modes, its input builder) in its
+  own process, through `inproc.python`: the same command line, argument parsing and output,
+  without a new interpreter. Not MaxText's scripts, whose children need other environments
+  (a device count, no package on the path) and are measured from outside by a wrapper;
+- the scripts marked ``together`` run one after another in a single process (``smoke.py
+  together``, the same `inproc.python`), each still reported on its own, after the inputs
+  they need.
 
 Interpreters: ``core`` scripts run with this Python (the project's own venv, with the test
 extra: the GCS scripts start the fake-gcs-server emulator of ``tests/gcs``). ``maxtext``
@@ -90,21 +104,21 @@ def _synth_step(shared: Path) -> None:
         raise RuntimeError(f"synth.make_step: exit {done.returncode}\n{done.stderr[-3000:]}")
 
 
-# Modes: one of each kind of code path (a flag variant, e.g. convert --copy, is left to the
-# tests), each mode being a process of its own that imports the package. lora.py checks its
-# memory bound against the baseline's RSS: without a baseline, the bound fails.
-RUN_MODES = "naive convert restore_tunix restore_stock_v1"
-LEAVES_MODES = "inspect convert verify restore_tunix_sharded restore_stock"
+# Modes: every mode of run.py and leaves.py (in their own process, a mode costs a fraction of
+# a second at these sizes). lora.py checks its memory bound against the baseline's RSS:
+# without a baseline, the bound fails.
+RUN_MODES = "baseline cp naive convert copy inplace"
+RUN_MODES += " restore_tunix restore_stock restore_tunix_v1 restore_stock_v1"
 SCRIPTS: dict[str, Script | str] = {
     # -- the package's own venv -------------------------------------------------------------
     "_internal.py": Script("core", "", together=True),
     "run.py": Script(
         "core", f"--sizes 2MiB --repeats 1 --budget 64MiB --modes {RUN_MODES}", together=True
     ),
-    "leaves.py": Script("core", f"--layers 1 --repeats 1 --modes {LEAVES_MODES}", together=True),
+    "leaves.py": Script("core", "--layers 1 --repeats 1", together=True),  # every mode
     "lora.py": Script(
         "core",
-        "--size 4MiB --layers 2 --rank 4 --budgets 64MiB --repeats 1 --modes baseline naive merge",
+        "--size 4MiB --layers 2 --rank 4 --budgets 64MiB --repeats 1",  # every mode
         together=True,
     ),
     "restore.py": Script(
@@ -134,9 +148,9 @@ SCRIPTS: dict[str, Script | str] = {
     # -- modules: run by the scripts named ---------------------------------------------------
     "smoke.py": "this driver",
     "child.py": "run.py (each mode's measured child)",
-    "inproc.py": "run.py, leaves.py, lora.py, hf_headers.py, gcs_restore.py (their children)",
+    "inproc.py": "run.py, leaves.py, lora.py, hf_headers.py, gcs_restore.py, smoke.py (children)",
     "synth.py": "run.py, leaves.py, restore.py, floor.py and walk.py (their steps)",
-    "realsize_steps.py": "realsize.py, import_hf.py",
+    "realsize_steps.py": "realsize.py, import_hf.py, export_hf.py, lora.py, synth.py (shared helpers)",
     "realsize_build.py": "realsize.py, import_hf.py (the step builder)",
     "realsize_ops.py": "realsize.py, import_hf.py",
     "realsize_wrap.py": "realsize.py, import_hf.py (the measuring wrapper)",
