@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,14 +67,14 @@ TIMEOUT_S = 600  # per script: a hang fails the run instead of holding CI
 @dataclass(frozen=True)
 class Script:
     """A script's smallest run: ``argv`` after ``python bench/<name>`` (``{t}``: its own
-    temporary directory; ``{shared}``: the inputs ``prepare(shared)`` made, once for every
-    script that names the same ``prepare``, read only), with the ``venv`` (``core`` or
+    temporary directory; ``{shared}``: the inputs ``prepare(shared, python)`` made, once for
+    every script that names the same ``prepare``, before them), with the ``venv`` (``core`` or
     ``maxtext``) it needs. ``together``: it runs in one process with the other such scripts,
     one after another (`run_together`): their imports, not their work, would cost the most."""
 
     venv: str
     argv: str
-    prepare: Callable[[Path], None] | None = None
+    prepare: Callable[[Path, str], float] | None = None  # its CPU seconds (nan: not known)
     together: bool = False
 
 
@@ -89,11 +89,11 @@ class Result:
     tail: str = ""  # its command line and the end of its output
 
 
-def _synth_step(shared: Path) -> None:
+def _synth_step(shared: Path, python: str) -> float:
     """A synthetic Tunix step of 1 MiB at ``shared/src/actor/1`` (bench/synth.py), the input
     of the scripts that read a step, and it converted at ``shared/target/actor/1`` (their
     ``--target-from``). In a fresh interpreter, or in this one where it runs the scripts
-    `together` (`inproc.python`)."""
+    `together` (`inproc.python`; ``python`` is this one's)."""
     code = (
         "import sys, synth, pathlib; root = pathlib.Path(sys.argv[1]); "
         "src = synth.make_step(root / 'src', 1, 1 << 20); "
@@ -102,6 +102,30 @@ def _synth_step(shared: Path) -> None:
     done = python(["-c", code, str(shared)], env=_env(), cwd=HERE, timeout=TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"synth.make_step: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return float("nan")
+
+
+def _llama_step(shared: Path, python: str) -> float:
+    """realsize.py's tiny ``llama-fsdp`` (``--tiny --layers 1``), built and checked once
+    (`realsize_ops.ensure_step`) under ``shared/llama``, and a work directory for each script
+    that reuses it: ``shared/realsize.py`` and ``shared/import_hf.py``, each with the step (a
+    link) and its marker. Its CPU seconds."""
+    name, work = "llama-fsdp", shared / "llama"
+    code = (
+        "import sys, pathlib, realsize_ops as ro, realsize_steps as rs; "
+        f"ro.ensure_step(pathlib.Path(sys.argv[1]), {name!r}, "
+        f"rs.step_params({name!r}, 1, 4, 0, True), {TIMEOUT_S})"
+    )
+    work.mkdir()
+    why, cpu = _spawn([python, "-c", code, str(work)], _env(), shared / "llama.log", cwd=HERE)
+    if why:
+        log = (shared / "llama.log").read_text(errors="replace")
+        raise RuntimeError(f"realsize_ops.ensure_step: {why}\n{log[-3000:]}")
+    for script in ("realsize.py", "import_hf.py"):
+        (shared / script).mkdir()
+        (shared / script / name).symlink_to(work / name, target_is_directory=True)
+        shutil.copy(work / f"{name}.step.json", shared / script)
+    return cpu
 
 
 # Modes: every mode of run.py and leaves.py (in their own process, a mode costs a fraction of
@@ -140,10 +164,16 @@ SCRIPTS: dict[str, Script | str] = {
         "--tiny --layers 1 --weight-dtype bfloat16 --repeats 1 --modes ours --min-weights 0",
     ),
     "realsize.py": Script(
-        "maxtext", "--tiny --layers 1 --work {t} --only llama-fsdp --ops cp export-hf floor-decode"
+        "maxtext",
+        "--tiny --layers 1 --work {shared}/realsize.py --only llama-fsdp"
+        " --ops cp export-hf floor-decode",
+        _llama_step,
     ),
     "import_hf.py": Script(
-        "maxtext", "--tiny --layers 1 --work {t} --ops cp floor import-hf --quiet-wait 0"
+        "maxtext",
+        "--tiny --layers 1 --work {shared}/import_hf.py --step llama-fsdp"
+        " --ops cp floor import-hf --quiet-wait 0",
+        _llama_step,
     ),
     # -- modules: run by the scripts named ---------------------------------------------------
     "smoke.py": "this driver",
@@ -180,13 +210,13 @@ def maxtext_python() -> tuple[str | None, str]:
     return str(newest / "bin" / "python"), ""
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> tuple[str, float]:
+def _spawn(cmd: list[str], env: dict[str, str], log: Path, cwd: Path = REPO) -> tuple[str, float]:
     """Runs ``cmd`` (output to ``log``) in a session of its own: ``(exit status words, CPU s)``,
     the CPU seconds of it and of every process it waited for (``wait4``'s rusage). Past
     ``TIMEOUT_S`` its whole session is killed."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     timer = threading.Timer(TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))
     timer.start()
@@ -244,7 +274,7 @@ def run_together(root: Path, names: list[str], prepares: list[str]) -> None:
     for p in prepares:
         usage, t0 = _cpu_self(), time.perf_counter()
         try:
-            _prepares()[p](root / "shared")
+            _prepares()[p](root / "shared", sys.executable)
             ok, tail = True, ""
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             ok, tail = False, str(e)
@@ -260,7 +290,7 @@ def run_together(root: Path, names: list[str], prepares: list[str]) -> None:
         _print_result(Result(name, done.returncode == 0, wall, cpu, tail[-4000:]))
 
 
-def _prepares() -> dict[str, Callable[[Path], None]]:
+def _prepares() -> dict[str, Callable[[Path, str], float]]:
     scripts = [s for s in SCRIPTS.values() if isinstance(s, Script) and s.prepare]
     return {s.prepare.__name__: s.prepare for s in scripts}  # type: ignore[union-attr]
 
@@ -289,22 +319,26 @@ def _script(name: str) -> Script:
     return script
 
 
-def _make_inputs(prepares: set[Callable[[Path], None]], root: Path) -> bool:
-    """Makes the inputs in this process (driver side); False if one failed."""
-    for prepare in prepares:
-        t0 = time.perf_counter()
-        try:
-            prepare(root / "shared")
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"input {prepare.__name__} FAILED\n{e}", flush=True)
-            return False
-        _report(Result(f"({prepare.__name__})", True, time.perf_counter() - t0, float("nan")))
-    return True
+def make_input(prepare: Callable[[Path, str], float], root: Path, py: str) -> list[Result]:
+    """Makes an input of the scripts (``prepare``) in this process's turn of the pool."""
+    t0 = time.perf_counter()
+    try:
+        cpu, ok, tail = prepare(root / "shared", py), True, ""
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        cpu, ok, tail = float("nan"), False, str(e)
+    return [Result(f"({prepare.__name__})", ok, time.perf_counter() - t0, cpu, tail)]
+
+
+def after(made: Future | None, run: Callable[..., list[Result]], name: str, *a) -> list[Result]:
+    """``run(name, *a)`` once its input is ``made`` (a failed input fails it, not run)."""
+    if made is not None and not all(r.ok for r in made.result()):
+        return [Result(name, False, 0.0, 0.0, "not run: its input failed")]
+    return run(name, *a)
 
 
 def run_all(names: list[str], jobs: int, root: Path, given: str | None, *, keep: bool) -> list[str]:
-    """Prepares the shared inputs, then runs ``names`` (MaxText's, the longest, first; the
-    `together` ones in one process), ``jobs`` at a time, printing each result as it comes;
+    """Runs ``names`` ``jobs`` at a time (the inputs they share first, then MaxText's scripts,
+    the longest; the `together` ones in one process), printing each result as it comes;
     returns the names that failed."""
     found, why = pythons(given)
     todo = []
@@ -316,19 +350,23 @@ def run_all(names: list[str], jobs: int, root: Path, given: str | None, *, keep:
     group = [n for n in todo if _script(n).together]
     group = group if len(group) > 1 else []
     alone = sorted((n for n in todo if n not in group), key=lambda n: _script(n).venv != "maxtext")
-    outside = {p for n in alone if (p := _script(n).prepare)}
-    inside = sorted({p.__name__ for n in group if (p := _script(n).prepare) and p not in outside})
+    first = {p: found[_script(n).venv] for n in alone if (p := _script(n).prepare)}
+    inside = sorted({p.__name__ for n in group if (p := _script(n).prepare) and p not in first})
     (root / "shared").mkdir()
-    if not _make_inputs(outside, root):
-        return todo
     failed: list[str] = []
     with ThreadPoolExecutor(max(jobs, 1)) as pool:
-        first = [n for n in alone if _script(n).venv == "maxtext"]
-        futures = [pool.submit(run_one, n, found["maxtext"], root, keep) for n in first]
+        made = {p: pool.submit(make_input, p, root, py) for p, py in first.items()}
+        futures = list(made.values())
+        for n in alone:  # the group after MaxText's scripts, before the others
+            if group and _script(n).venv != "maxtext":
+                futures.append(pool.submit(run_group, group, sys.executable, root, inside))
+                group = []
+            py = found[_script(n).venv]
+            futures.append(
+                pool.submit(after, made.get(_script(n).prepare), run_one, n, py, root, keep)
+            )  # type: ignore[arg-type]
         if group:
             futures.append(pool.submit(run_group, group, sys.executable, root, inside))
-        rest = [n for n in alone if n not in first]
-        futures += [pool.submit(run_one, n, sys.executable, root, keep) for n in rest]
         for f in as_completed(futures):
             for r in f.result():
                 _report(r)
