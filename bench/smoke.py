@@ -89,11 +89,11 @@ class Result:
     tail: str = ""  # its command line and the end of its output
 
 
-def _synth_step(shared: Path, python: str) -> float:
+def _synth_step(shared: Path, py: str) -> float:
     """A synthetic Tunix step of 1 MiB at ``shared/src/actor/1`` (bench/synth.py), the input
     of the scripts that read a step, and it converted at ``shared/target/actor/1`` (their
     ``--target-from``). In a fresh interpreter, or in this one where it runs the scripts
-    `together` (`inproc.python`; ``python`` is this one's)."""
+    `together` (`inproc.python`; ``py`` is this one's)."""
     code = (
         "import sys, synth, pathlib; root = pathlib.Path(sys.argv[1]); "
         "src = synth.make_step(root / 'src', 1, 1 << 20); "
@@ -105,7 +105,7 @@ def _synth_step(shared: Path, python: str) -> float:
     return float("nan")
 
 
-def _llama_step(shared: Path, python: str) -> float:
+def _llama_step(shared: Path, py: str) -> float:
     """realsize.py's tiny ``llama-fsdp`` (``--tiny --layers 1``), built and checked once
     (`realsize_ops.ensure_step`) under ``shared/llama``, and a work directory for each script
     that reuses it: ``shared/realsize.py`` and ``shared/import_hf.py``, each with the step (a
@@ -117,7 +117,7 @@ def _llama_step(shared: Path, python: str) -> float:
         f"rs.step_params({name!r}, 1, 4, 0, True), {TIMEOUT_S})"
     )
     work.mkdir()
-    why, cpu = _spawn([python, "-c", code, str(work)], _env(), shared / "llama.log", cwd=HERE)
+    why, cpu = _spawn([py, "-c", code, str(work)], _env(), shared / "llama.log", cwd=HERE)
     if why:
         log = (shared / "llama.log").read_text(errors="replace")
         raise RuntimeError(f"realsize_ops.ensure_step: {why}\n{log[-3000:]}")
@@ -158,21 +158,21 @@ SCRIPTS: dict[str, Script | str] = {
     "hf_headers.py": Script("core", "--scale 0.001 --repeats 1", together=True),
     "gcs.py": Script("core", "--size 2MiB"),
     "gcs_restore.py": Script("core", "--work {t} --params 2e5 --chunks 1 2 --latency 0 --rounds 1"),
-    # -- MaxText 0.2.5 (the interop venv) ---------------------------------------------------
+    # -- MaxText 0.2.5 (the interop venv); the pool starts them first, in this order -----------
     "export_hf.py": Script(
         "maxtext",
         "--tiny --layers 1 --weight-dtype bfloat16 --repeats 1 --modes ours --min-weights 0",
-    ),
-    "realsize.py": Script(
-        "maxtext",
-        "--tiny --layers 1 --work {shared}/realsize.py --only llama-fsdp"
-        " --ops cp export-hf floor-decode",
-        _llama_step,
     ),
     "import_hf.py": Script(
         "maxtext",
         "--tiny --layers 1 --work {shared}/import_hf.py --step llama-fsdp"
         " --ops cp floor import-hf --quiet-wait 0",
+        _llama_step,
+    ),
+    "realsize.py": Script(
+        "maxtext",
+        "--tiny --layers 1 --work {shared}/realsize.py --only llama-fsdp"
+        " --ops cp export-hf floor-decode",
         _llama_step,
     ),
     # -- modules: run by the scripts named ---------------------------------------------------
@@ -276,8 +276,8 @@ def run_together(root: Path, names: list[str], prepares: list[str]) -> None:
         try:
             _prepares()[p](root / "shared", sys.executable)
             ok, tail = True, ""
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            ok, tail = False, str(e)
+        except Exception as e:  # reported as the input's failure
+            ok, tail = False, f"{type(e).__name__}: {e}"
         _print_result(Result(f"({p})", ok, time.perf_counter() - t0, _cpu_self() - usage, tail))
         if not ok:
             return
@@ -324,8 +324,8 @@ def make_input(prepare: Callable[[Path, str], float], root: Path, py: str) -> li
     t0 = time.perf_counter()
     try:
         cpu, ok, tail = prepare(root / "shared", py), True, ""
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        cpu, ok, tail = float("nan"), False, str(e)
+    except Exception as e:  # reported as the input's failure
+        cpu, ok, tail = float("nan"), False, f"{type(e).__name__}: {e}"
     return [Result(f"({prepare.__name__})", ok, time.perf_counter() - t0, cpu, tail)]
 
 
