@@ -156,8 +156,10 @@ SCRIPTS: dict[str, Script | str] = {
         together=True,
     ),
     "hf_headers.py": Script("core", "--scale 0.001 --repeats 1", together=True),
-    "gcs.py": Script("core", "--size 2MiB"),
-    "gcs_restore.py": Script("core", "--work {t} --params 2e5 --chunks 1 2 --latency 0 --rounds 1"),
+    "gcs.py": Script("core", "--size 2MiB", together=True),
+    "gcs_restore.py": Script(
+        "core", "--work {t} --params 2e5 --chunks 1 2 --latency 0 --rounds 1", together=True
+    ),
     # -- MaxText 0.2.5 (the interop venv); the pool starts them first, in this order -----------
     "export_hf.py": Script(
         "maxtext",
