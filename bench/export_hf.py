@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -67,7 +66,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Standard library only at the top: the orchestrator and the wrapper must stay small.
+from realsize_steps import TINY, TINY_COMMON, child_env, package_of
+
+# Standard library only at the top (realsize_steps too): the orchestrator and the wrapper
+# must stay small.
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 STEP = 0
@@ -82,14 +84,19 @@ SIZES = {
     "head_dim": 64,
     "vocab_size": 32768,
 }
+# ``--tiny``: realsize.py's tiny llama (a few MiB: the smoke run's model), every other key as above
+TINY_SIZES = {
+    **SIZES,
+    **{k: int(v) for k, v in (x.split("=") for x in TINY["llama"] + TINY_COMMON)},
+}
 
 
-def model_keys(layers: int, weight_dtype: str) -> list[str]:
+def model_keys(layers: int, weight_dtype: str, sizes: dict[str, int] = SIZES) -> list[str]:
     """MaxText's config overrides of the benchmarked model (after ``base.yml``)."""
     return [
         "model_name=llama3.1-8b",
         "override_model_config=true",
-        *(f"{k}={v}" for k, v in SIZES.items()),
+        *(f"{k}={v}" for k, v in sizes.items()),
         f"base_num_decoder_layers={layers}",
         f"weight_dtype={weight_dtype}",
         "scan_layers=true",
@@ -114,23 +121,6 @@ def _du(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def child_env(pythonpath: list[Path] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    env.update(
-        {
-            "JAX_PLATFORMS": "cpu",
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONHASHSEED": "0",
-        }
-    )
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
-    return env
-
-
 # -- the input (its own process) -------------------------------------------------------------
 def base_yml() -> Path:
     import importlib.util
@@ -138,7 +128,7 @@ def base_yml() -> Path:
     return Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "base.yml"
 
 
-def build(work: Path, layers: int, weight_dtype: str, seed: int = 0) -> None:
+def build(work: Path, layers: int, weight_dtype: str, sizes: dict[str, int] = SIZES) -> None:
     """Writes ``work/ckpt/<STEP>`` (the step), ``work/tokenizer`` and ``work/inputs.json``."""
     import contextlib
     import math
@@ -152,9 +142,9 @@ def build(work: Path, layers: int, weight_dtype: str, seed: int = 0) -> None:
 
     t0 = time.perf_counter()
     yml = base_yml()
-    keys = model_keys(layers, weight_dtype)
+    keys = model_keys(layers, weight_dtype, sizes)
     abstract = abstract_items([str(yml), *keys])["params"]  # {"params": {"decoder": ..., ...}}
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     weight_bytes, slice_bytes, largest = 0, 0, ("", 0)
     out_itemsize = np.dtype(ml_dtypes.bfloat16 if weight_dtype == "bfloat16" else weight_dtype)
     out_itemsize = out_itemsize.itemsize
@@ -208,7 +198,7 @@ def build(work: Path, layers: int, weight_dtype: str, seed: int = 0) -> None:
     info = {
         "layers": layers,
         "weight_dtype": weight_dtype,
-        **SIZES,
+        **sizes,
         "base_yml": str(yml),
         "model_keys": keys,
         "step": str(work / "ckpt" / str(STEP)),
@@ -409,19 +399,6 @@ def _tail(log: Path, n: int = 25) -> str:
     return "\n".join("    " + x for x in lines[-n:])
 
 
-def _package_of(package: Path) -> Path:
-    code = "import orbax_maxtext_layout as m; print(m.__file__)"
-    res = subprocess.run(
-        [sys.executable, "-c", code],
-        env=child_env([package]),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tempfile.gettempdir(),
-    )
-    return Path(res.stdout.strip().splitlines()[-1]).resolve().parent
-
-
 def _checked(got: Path, ref: Path, work: Path) -> list[str]:
     """`check` in a fresh process (the orchestrator stays small)."""
     res = subprocess.run(
@@ -436,14 +413,14 @@ def _checked(got: Path, ref: Path, work: Path) -> list[str]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _inputs(work: Path, layers: int, weight_dtype: str) -> tuple[dict, float | None]:
+def _inputs(work: Path, layers: int, weight_dtype: str, tiny: bool) -> tuple[dict, float | None]:
     """The inputs under ``work``, built in a child unless ``work`` already holds them."""
     info_path = work / "inputs.json"
+    sizes = TINY_SIZES if tiny else SIZES
     if info_path.exists():
         info = json.loads(info_path.read_text())
-        if (info["layers"], info["weight_dtype"]) == (layers, weight_dtype) and Path(
-            info["step"]
-        ).is_dir():
+        same = (info["layers"], info["weight_dtype"]) == (layers, weight_dtype)
+        if same and all(info.get(k) == v for k, v in sizes.items()) and Path(info["step"]).is_dir():
             return info, None
         raise SystemExit(f"{work} holds inputs of another size; give an empty --inputs DIR")
     work.mkdir(parents=True, exist_ok=True)
@@ -453,7 +430,8 @@ def _inputs(work: Path, layers: int, weight_dtype: str) -> tuple[dict, float | N
     log = work / "build.log"
     with open(log, "wb") as f:
         rc = subprocess.run(
-            [sys.executable, str(Path(__file__)), "build", str(work), str(layers), weight_dtype],
+            [sys.executable, str(Path(__file__)), "build", str(work), str(layers), weight_dtype]
+            + (["tiny"] if tiny else []),
             stdout=f,
             stderr=subprocess.STDOUT,
             env=child_env([REPO]),
@@ -468,6 +446,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (default 8: 688 MiB)")
     ap.add_argument("--weight-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="realsize.py's tiny llama, a few MiB (with --min-weights 0): a smoke run, not a measure",
+    )
     ap.add_argument("--budgets", nargs="+", default=["512MiB"], help="ours' --memory-budget")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=["baseline", "maxtext", "ours"])
@@ -501,14 +484,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="omtl-bench-export-hf-") as tmp:
         tmp = Path(tmp)
         work = args.inputs.resolve() if args.inputs else tmp
-        info, build_s = _inputs(work, args.layers, args.weight_dtype)
+        info, build_s = _inputs(work, args.layers, args.weight_dtype, args.tiny)
         if info["weight_bytes"] < args.min_weights:
             raise SystemExit(
                 f"{_mib(info['weight_bytes']):.0f} MiB of weights, below --min-weights "
                 f"{_mib(args.min_weights):.0f} MiB: give more --layers"
             )
         if "ours" in args.modes or "baseline" in args.modes:
-            imported = _package_of(package)
+            imported = package_of(package)
             if imported != package / "orbax_maxtext_layout":
                 raise SystemExit(f"--package {package}: the children import {imported}")
         cwd, logs = tmp / "cwd", tmp / "logs"
@@ -555,7 +538,7 @@ def main(argv=None) -> int:
                         settle(mode, len(runs[mode]) - 1, out)
         for mode, _i, out in pending:  # MaxText never succeeded: nothing to compare against
             shutil.rmtree(out, ignore_errors=True)
-            if "maxtext" in modes:  # else not asked for (a smoke run: --modes baseline ours)
+            if "maxtext" in modes:  # else not asked for (a smoke run: --modes ours)
                 diffs[mode].append("not checked: MaxText's exporter produced no output")
 
     summary = summarize(args, info, build_s, modes, runs, failures, diffs)
@@ -617,6 +600,8 @@ def summarize(args, info, build_s, modes, runs, failures, diffs) -> dict:
                 row["bound_holds"] = None
                 if not failures[mode]:
                     problems.append(f"{mode}: no run")
+            elif "baseline" not in modes:  # not checked: no floor to measure it over
+                row["bound_holds"] = None
             else:
                 row["bound_holds"] = row["rss_over_baseline_mib"] <= row["bound_mib"]
                 if not row["bound_holds"]:
@@ -693,7 +678,8 @@ def report(s: dict) -> None:
 if __name__ == "__main__":
     verb = sys.argv[1:2]
     if verb == ["build"]:
-        build(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        tiny = sys.argv[5:6] == ["tiny"]
+        build(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], TINY_SIZES if tiny else SIZES)
     elif verb == ["baseline"]:
         baseline()
     elif verb == ["wrap"]:

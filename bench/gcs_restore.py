@@ -41,6 +41,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from inproc import python  # noqa: E402  (each child a fresh interpreter, but in a smoke run)
+
 OPS = ("stock", "oml maxtext", "oml tunix")
 
 
@@ -76,12 +78,13 @@ def child(spec: dict) -> dict:
     from etils import epath
     from gcs.emulator import RemoteProxy, invalidate_gcsfs_caches
     from jax.sharding import SingleDeviceSharding
-    from restore import _nest, _shapes
+    from realsize_steps import unflat_tree
+    from restore import _shapes
 
     proxy = RemoteProxy(os.environ["STORAGE_EMULATOR_HOST"])
     shapes = _shapes(spec["params"])
     device = jax.devices()[0]
-    abstract = _nest(
+    abstract = unflat_tree(
         {
             p: jax.ShapeDtypeStruct(s, np.float32, sharding=SingleDeviceSharding(device))
             for p, s in shapes.items()
@@ -169,13 +172,8 @@ def _run_child(spec: dict, env: dict, before: Path | None) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        res = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "child", f.name],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=str(before or ROOT),
+        res = python(
+            [str(Path(__file__).resolve()), "child", f.name], env=env, cwd=str(before or ROOT)
         )
     finally:
         os.unlink(f.name)

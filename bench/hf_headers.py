@@ -21,12 +21,14 @@ import json
 import os
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from inproc import python  # noqa: E402  (each child a fresh interpreter, but in a smoke run)
 
 CHILD = r"""
 import json, sys, time
@@ -98,10 +100,7 @@ def run(reader: str, hf: Path, pythonpath: str | None) -> dict:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     # cwd: not this checkout, which ``-c`` would put first on the path
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, reader, str(hf), str(REPO / "bench")],
-        capture_output=True, text=True, env=env, timeout=900, cwd=hf,
-    )  # fmt: skip
+    done = python(["-c", CHILD, reader, str(hf), str(REPO / "bench")], env=env, timeout=900, cwd=hf)
     if done.returncode != 0:  # a crash, not a refusal: shown, and the run exits 1
         print(done.stderr[-2000:], file=sys.stderr)
         return {"s": float("nan"), "grew": 0, "n": 0, "refused": f"exit {done.returncode}"}

@@ -24,7 +24,9 @@ parameters:
 - the step: `bench/realsize.py`'s ``llama-onechunk`` (``<work>/llama-onechunk/0``): MaxText's
   unmodified ``llama3.1-8b``, ``weight_dtype=bfloat16``, ``scan_layers=true``, values drawn
   from the seed, saved by stock Orbax as from one device (`realsize_ops.ensure_step`: built,
-  then read back by stock Orbax and compared with the seed's values);
+  then read back by stock Orbax and compared with the seed's values); ``--step llama-fsdp``
+  takes realsize.py's ``llama-fsdp`` instead (the same values in 8 chunks a param: the same
+  export, byte for byte; the smoke run shares that step with realsize.py);
 - the Hugging Face directory (``<work>/hf``): ``orbax-maxtext-layout export-hf STEP --out HF
   --hf-model-path tests/fixtures/hf_tokenizer --memory-budget 2GiB --maxtext-config <base.yml>
   model_name=llama3.1-8b weight_dtype=bfloat16 scan_layers=true``: bf16, sharded safetensors
@@ -897,6 +899,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=rs.LLAMA_LAYERS, help="llama layers (default 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--step",
+        default=STEP_NAME,
+        choices=[STEP_NAME, "llama-fsdp"],
+        help=f"the realsize.py step exported to the input (default {STEP_NAME})",
+    )
+    ap.add_argument(
         "--tiny",
         action="store_true",
         help="the model cut to a few MiB (realsize_steps.TINY): a smoke run, not a measure",
@@ -924,20 +932,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     parse_size(args.budget)
     args.package = args.package.resolve()
-    if ro.package_of(args.package) != args.package / PKG:
+    if rs.package_of(args.package) != args.package / PKG:
         raise SystemExit(f"{args.package}: the children import another {PKG}")
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    params = rs.step_params(STEP_NAME, args.layers, 4, args.seed, args.tiny)
-    step = rs.step_path(work, STEP_NAME)
+    params = rs.step_params(args.step, args.layers, 4, args.seed, args.tiny)
+    step = rs.step_path(work, args.step)
     marker = json.loads((work / "hf.json").read_text()) if (work / "hf.json").exists() else {}
     hf_ok = marker.get("for") == {"step": params, "version": HF_VERSION} and (work / "hf").is_dir()
     if not hf_ok or (step.parent.exists() and not args.remove_step):
-        ro.ensure_step(work, STEP_NAME, params, args.timeout)
+        ro.ensure_step(work, args.step, params, args.timeout)
     hfinfo = ensure_hf(work, params, step, args.budget, args.timeout)
     if args.remove_step and step.parent.exists():
         shutil.rmtree(step.parent)
-        (work / f"{STEP_NAME}.step.json").unlink(missing_ok=True)
+        (work / f"{args.step}.step.json").unlink(missing_ok=True)
         os.sync()
     if args.prepare_only:
         return 0

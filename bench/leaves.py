@@ -37,11 +37,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from inproc import python  # each child a fresh interpreter, but in a smoke run
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -184,13 +185,7 @@ def run_once(mode: str, work: Path, before: Path | None) -> dict:
         step = work / f"{mode}{tag}" / "actor" / str(STEP)
         shutil.rmtree(step.parent.parent, ignore_errors=True)
         shutil.copytree(work / "src" / "actor" / str(STEP), step)
-    res = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "child", mode, str(step), str(converted)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    res = python([str(Path(__file__).resolve()), "child", mode, str(step), str(converted)], env=env)
     if res.returncode != 0:
         raise RuntimeError(f"{mode}@{tag or 'this tree'} failed:\n{res.stderr[-3000:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -227,11 +222,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="omtl-leaves-") as tmp:
             work = Path(tmp)
             t = time.perf_counter()
-            subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "build", str(work), str(layers)],
-                check=True,
-                capture_output=True,
-            )
+            python([str(Path(__file__).resolve()), "build", str(work), str(layers)], check=True)
             leaves = _leaves(work / "src" / "actor" / str(STEP))
             print(f"{layers} layers: {leaves} leaves, built in {time.perf_counter() - t:.0f} s")
             modes = list(args.modes)

@@ -46,20 +46,12 @@ if not os.environ.get("OMTL_BENCH_BEFORE"):  # a MODE@before child imports from 
 sys.path.insert(0, str(HERE))
 
 from child import _du, _vm_hwm_kib  # noqa: E402  (the bench's one VmHWM reader)
+from inproc import python  # noqa: E402  (each child a fresh interpreter, but in a smoke run)
+from realsize_steps import LORA_MODULES as MODULES  # noqa: E402  (module -> contracting dims)
 
 HEAD_DIM, VOCAB = 128, 32000
 ALPHA = 32.0
 ADAPTER_STEP = 2
-# module -> number of leading contracting dims of its per-layer kernel (qwix's lora_a rows)
-MODULES = {
-    "self_attention/query": 1,
-    "self_attention/key": 1,
-    "self_attention/value": 1,
-    "self_attention/out": 2,
-    "mlp/wi_0": 1,
-    "mlp/wi_1": 1,
-    "mlp/wo": 1,
-}
 CHECKED = ("mlp/wi_0", "self_attention/out")  # merged kernels compared against numpy
 GRAFTED = ("decoder", "layers", "pre_self_attention_layer_norm", "scale")  # never decoded
 
@@ -325,10 +317,10 @@ def run_once(mode: str, work: Path, before: Path | None = None) -> dict:
     if tag:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
         env["OMTL_BENCH_BEFORE"] = "1"
-    cmd = [sys.executable, __file__, "child", op, str(work), str(out)]
+    cmd = [__file__, "child", op, str(work), str(out)]
     cmd.append(str(_size(budget)) if budget else "0")
     try:
-        res = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        res = python(cmd, check=True, env=env)
     except subprocess.CalledProcessError as e:
         sys.stderr.write(e.stderr)
         raise
@@ -366,12 +358,13 @@ def main(argv=None) -> int:
         work = Path(tmp)
         t = time.perf_counter()
         # Built in a child: a process that held the arrays would not be a fair baseline.
-        subprocess.run(
-            [sys.executable, __file__, "build", str(work), str(_size(args.size))]
-            + [str(args.layers), str(args.rank)],
-            check=True,
+        built = python(
+            [__file__, "build", str(work), str(_size(args.size)), str(args.layers), str(args.rank)],
             env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
         )
+        sys.stdout.write(built.stdout)
+        sys.stderr.write(built.stderr)
+        built.check_returncode()
         build_s = time.perf_counter() - t
         info = json.loads((work / "inputs.json").read_text())
         step_bytes = _du(work / "base" / "0")

@@ -120,7 +120,7 @@ from pathlib import Path
 
 from export_hf import parse_size  # bench/export_hf.py's (standard library only at its top)
 from realsize_build import build, check_step
-from realsize_ops import Runner, baseline, ensure_step, package_of, settle
+from realsize_ops import Runner, baseline, ensure_step, settle
 from realsize_prove import prove, stock_save
 from realsize_report import report, summarize
 from realsize_steps import (
@@ -131,6 +131,7 @@ from realsize_steps import (
     REPO,
     STEPS,
     TOKENIZER,
+    package_of,
     step_params,
 )
 from realsize_wrap import wrap

@@ -80,19 +80,6 @@ def settle(*dirs: Path) -> None:
     os.sync()
 
 
-def package_of(package: Path) -> Path:
-    code = f"import {PKG} as m; print(m.__file__)"
-    res = subprocess.run(
-        [sys.executable, "-c", code],
-        env=child_env([package]),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-    )
-    return Path(res.stdout.strip().splitlines()[-1]).resolve().parent
-
-
 # == each operation's command lines =============================================================
 class Op:
     """What an operation's command lines are made of: the run's options, the step, the output."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -89,6 +91,21 @@ def child_env(pythonpath: list[Path] | None, devices: int | None = None) -> dict
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
     return env
+
+
+def package_of(package: Path) -> Path:
+    """The package directory a child with ``package`` first on its path imports: found as the
+    import would find it, without importing it (MaxText's config with it, seconds of CPU)."""
+    code = f"import importlib.util as u; print(u.find_spec({PKG!r}).origin)"
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env([package]),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",  # not this checkout, which ``-c`` would put first on the path
+    )
+    return Path(res.stdout.strip().splitlines()[-1]).resolve().parent
 
 
 def base_yml() -> Path:

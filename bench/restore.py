@@ -49,7 +49,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from synth import _nest  # noqa: E402 - bench/ on the path first
+from inproc import smoke_run  # noqa: E402 - bench/ on the path first
+from realsize_steps import unflat_tree  # noqa: E402
 
 
 def _args(argv):
@@ -147,11 +148,11 @@ def _write(root: Path, shapes, chunks: int, mesh) -> dict[str, Path]:
         else:
             save_args[path] = ocp.SaveArgs()
     items = {
-        "maxtext": ("items", {"params": _nest(flat)}, {"params": _nest(save_args)}),
+        "maxtext": ("items", {"params": unflat_tree(flat)}, {"params": unflat_tree(save_args)}),
         "tunix": (
             "model_params",
-            _nest({p[1:] + ("value",): v for p, v in flat.items()}),
-            _nest({p[1:] + ("value",): v for p, v in save_args.items()}),
+            unflat_tree({p[1:] + ("value",): v for p, v in flat.items()}),
+            unflat_tree({p[1:] + ("value",): v for p, v in save_args.items()}),
         ),
     }
     for layout, (item, tree, sargs) in items.items():
@@ -338,10 +339,7 @@ def _full_state(a, devices) -> dict:
     if not (native / "items").exists():
         shutil.rmtree(root, ignore_errors=True)
         synth.make_step(root / "tunix", 2, int(a.full_state))
-        shutil.copytree(tunix.parent, native.parent)
-        oml.convert_step(native, synth.target_for(tunix), copy=True)
-        shutil.rmtree(native / "model_params")
-        shutil.rmtree(native / "optimizer_state")
+        synth.converted_copy(tunix, native)
     one = jax.sharding.SingleDeviceSharding(devices[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one),
@@ -391,6 +389,8 @@ def main(argv=None) -> int:
     import orbax_maxtext_layout as oml
 
     devices = jax.devices()
+    if smoke_run():  # the collections around each operation then skip what the imports made
+        gc.freeze()
     shapes = _shapes(a.params, a.model)
     n_params = sum(math.prod(s) for s in shapes.values())
     print(
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
             fsdp_mesh = Mesh(np.array(devices[:n]), ("fsdp",))
             targets[f"{n}-device fsdp"] = lambda shape, m=fsdp_mesh: _fsdp(shape, m)
         for tname, place in targets.items():
-            abstract = _nest(
+            abstract = unflat_tree(
                 {
                     p: jax.ShapeDtypeStruct(s, np.float32, sharding=place(s))
                     for p, s in shapes.items()

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+from inproc import python  # noqa: E402  (each child a fresh interpreter, but in a smoke run)
 
 MODES = ("baseline", "cp", "naive", "convert", "copy", "inplace")
 RESTORE_MODES = ("restore_tunix", "restore_stock", "restore_tunix_v1", "restore_stock_v1")
@@ -67,17 +68,8 @@ def run_once(
         converted = work / "converted" / "actor" / src.name
         if not converted.exists():  # a converted copy for the stock manager (not timed)
             shutil.copytree(src, converted)
-            subprocess.run(
-                [
-                    sys.executable,
-                    str(HERE / "child.py"),
-                    "convert",
-                    str(converted),
-                    "-",
-                    str(budget),
-                ],
-                check=True,
-                capture_output=True,
+            python(
+                [str(HERE / "child.py"), "convert", str(converted), "-", str(budget)], check=True
             )
             for legacy in ("model_params", "optimizer_state"):
                 shutil.rmtree(converted / legacy)
@@ -99,12 +91,8 @@ def run_once(
     # Every timed child starts with nothing dirty: the untimed preparation (a fresh legacy
     # step is a full copy) and earlier modes would otherwise throttle its writes by theirs.
     os.sync()
-    res = subprocess.run(
-        [sys.executable, str(HERE / "child.py"), *args, *(["sync"] if durable else [])],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
+    res = python(
+        [str(HERE / "child.py"), *args, *(["sync"] if durable else [])], check=True, env=env
     )
     out = json.loads(res.stdout.strip().splitlines()[-1])
     want = Path(before if tag else HERE.parent).resolve() / "orbax_maxtext_layout"
@@ -141,15 +129,13 @@ def main(argv=None) -> int:
             work = Path(tmp)
             # Built in a child: a parent that held the arrays would hand its RSS
             # high-water mark to every measured child (ru_maxrss survives exec).
-            subprocess.run(
+            python(
                 [
-                    sys.executable,
                     "-c",
                     f"import sys; sys.path.insert(0, {str(HERE)!r}); import synth; "
                     f"synth.make_step(__import__('pathlib').Path({str(work / 'src')!r}), 3, {_size(size)})",
                 ],
                 check=True,
-                capture_output=True,
             )
             src = work / "src" / "actor" / "3"
             step_bytes = _du(src)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from realsize_steps import unflat_tree  # {path tuple: leaf} -> nested dicts
 
 LAYERS = 4
 
@@ -42,16 +43,6 @@ def emb_for_size(total_bytes: int, layers: int = LAYERS) -> int:
     # Per emb^2: embed 8 + logits 8 + L*(3*4 + 4) = 16 + 16L elements; 2 + 4 + 4 bytes each.
     per = (16 + 16 * layers) * 10
     return max(8, int(math.sqrt(total_bytes / per)) // 8 * 8)
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
 
 
 def make_step(
@@ -102,8 +93,8 @@ def make_step(
     mngr.save(
         step,
         args=ocp.args.Composite(
-            model_params=ocp.args.PyTreeSave(_nest(params)),
-            optimizer_state=ocp.args.PyTreeSave(_nest(opt)),
+            model_params=ocp.args.PyTreeSave(unflat_tree(params)),
+            optimizer_state=ocp.args.PyTreeSave(unflat_tree(opt)),
         ),
         custom_metadata={"global_step": step, "role": "actor"},
         force=True,
@@ -111,6 +102,20 @@ def make_step(
     mngr.wait_until_finished()
     mngr.close()
     return Path(directory) / str(step)
+
+
+def converted_copy(src: Path, dst: Path) -> Path:
+    """``dst``: a copy of the Tunix step ``src`` converted to MaxText's layout (``convert_step``
+    with ``copy=True``), its legacy items removed: a stock manager's source, a target's."""
+    import shutil
+
+    from orbax_maxtext_layout import convert_step
+
+    shutil.copytree(src, dst)
+    convert_step(dst, target_for(src), copy=True)
+    for legacy in ("model_params", "optimizer_state"):
+        shutil.rmtree(dst / legacy)
+    return dst
 
 
 def target_for(step_dir: Path):
@@ -125,7 +130,7 @@ def target_for(step_dir: Path):
     for p, s in read_specs(epath.Path(step_dir) / "optimizer_state").items():
         p = tuple(k for k in p[:-1] if k != "base")
         items[p] = jax.ShapeDtypeStruct(s.shape, np.int32) if p == ("step",) else s.abstract()
-    return Target.from_items(_nest(items))
+    return Target.from_items(unflat_tree(items))
 
 
 def target_from_env():

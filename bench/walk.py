@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
             }
         )
     )
-    return 0
+    return code  # the command's own exit status: a walk of a failed command fails
 
 
 if __name__ == "__main__":

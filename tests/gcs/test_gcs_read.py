@@ -22,6 +22,7 @@ from conftest import stock_restore
 from etils import epath
 
 import orbax_maxtext_layout as oml
+from orbax_maxtext_layout.base.treepaths import unflatten as _nest
 from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 
 from .emulator import invalidate_gcsfs_caches
@@ -353,16 +354,6 @@ _PARAMS = {  # a small MaxText-like params tree: 2-D and 3-D (scanned) arrays, a
     ("decoder", "layers", "mlp", "kernel"): (64, 4, 128),
     ("decoder", "decoder_norm", "scale"): (64,),
 }
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
 
 
 def _save_steps(root: Path, chunks: int) -> dict[str, Path]:
