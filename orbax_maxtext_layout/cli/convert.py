@@ -120,8 +120,9 @@ def _skip_outside_links(
     """The reports of steps that are links leading outside ROOT (skipped unless
     ``--follow-symlinks``), and the steps to convert."""
     reports, inside = [], []
+    store = store_for(root)  # decided once for ROOT, handed down
     for info in steps:
-        if args.follow_symlinks or not _outside(root, info.path):
+        if args.follow_symlinks or not store.is_outside(root, info.path):
             inside.append(info)
             continue
         note = (
@@ -248,11 +249,6 @@ def _dest(
     if renumber and rel != "." and tunix_step is not None and tunix_step >= 1:
         dest = dest.parent / str(maxtext_number(tunix_step))
     return dest
-
-
-def _outside(root: epath.Path, step: epath.Path) -> bool:
-    """A step reached through a symbolic link that leads outside ROOT (local paths only)."""
-    return store_for(root).is_outside(root, step)
 
 
 def add_convert(sub: Subparsers) -> None:
