@@ -207,11 +207,11 @@ def convert_step(
     check_options(o, step_dir)  # before anything is read or moved
     if o.rescan is not None:
         check_rescan_destination([step_dir], o.out)
+    store = store_for(step_dir)
     if o.renumber and o.out is None:  # a one-step run: moved under the run's lock, then converted
-        return _renumbered(step_dir, target, o)
+        return _renumbered(step_dir, target, o, store=store)
     dest = epath.Path(o.out) if o.out is not None else step_dir
     moved: list[str] = []  # a killed renumbering into this directory, finished first
-    store = store_for(step_dir)
     if not o.dry_run and store.relocation_in_progress(step_dir):
         with step_lock(step_dir.parent, store=store, name=RENUMBER_LOCK_NAME, wait=60.0):
             moved += [n for n in [store.finish_relocation(step_dir)] if n]
@@ -267,13 +267,19 @@ def _plan_options(o: ConvertOptions) -> dict[str, Any]:
     return dict(optimizer=o.optimizer, ignore=o.ignore, scan=o.rescan, plain_scan=o.plain_scan)
 
 
-def _renumbered(step_dir: epath.Path, target: Target, o: ConvertOptions) -> StepReport:
+def _renumbered(
+    step_dir: epath.Path, target: Target, o: ConvertOptions, *, store: StepStore
+) -> StepReport:
     """`convert_step` of a one-step run with ``renumber``: the step moved to MaxText's number
     under the run's lock (`renumbering`), then converted there."""
     opts = _plan_options(o)
-    [placed] = renumbering.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
+
+    def plan_of(d: epath.Path) -> Plan:
+        return plan_step(d, target, **opts)
+
+    [placed] = renumbering.plan_run(find_steps(step_dir), plan_of, store=store)
     if not o.dry_run:
-        [placed] = renumbering.apply_renumbering([placed], lambda d: plan_step(d, target, **opts))
+        [placed] = renumbering.apply_renumbering([placed], plan_of, store=store)
     # Converted where it landed with the same options, the renumbering done: the optimizer
     # mode too, which the report and the provenance record (verify replays it); the
     # planning options go with the plan, made with them.
