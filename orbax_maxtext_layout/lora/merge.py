@@ -158,7 +158,9 @@ def _publish_merge(dest, plan, sources, prov, budget, *, store: StepStore) -> in
     a merge that fails or is killed leaves no listable step."""
     work = stepdir.new_step_dir(dest, store=store)
     try:
-        written = write_items(work, plan, sources, provenance=prov, budget=budget).bytes_written
+        written = write_items(
+            work, plan, sources, provenance=prov, budget=budget, store=store
+        ).bytes_written
         if not stepdir.publish_step(work, dest, store=store):
             raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
     except BaseException:
