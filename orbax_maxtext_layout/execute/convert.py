@@ -221,7 +221,9 @@ def convert_step(
     layout = detect_layout(step_dir, store=store)
     if layout is Layout.MAXTEXT and o.rescan is not None and o.out is not None:
         if detect_layout(dest, store=dest_store) is not Layout.MAXTEXT:  # else written earlier
-            return _rescan_maxtext(step_dir, target, dest, plan, o, dest_store=dest_store)
+            return _rescan_maxtext(
+                step_dir, target, dest, plan, o, store=store, dest_store=dest_store
+            )
     if layout is Layout.MAXTEXT or detect_layout(dest, store=dest_store) is Layout.MAXTEXT:
         return _already_converted(
             step_dir,
@@ -255,6 +257,7 @@ def convert_step(
         o.in_place,
         meta,
         numbering,
+        store,
     )
     if o.out is not None:
         return _convert_to(job, store=dest_store)
@@ -336,7 +339,7 @@ def _already_converted(
     with ``finish_removal`` finishes a run killed between its commit and its legacy removal,
     under the step lock (which also clears a dead run's lock). ``store``: ``step_dir``'s;
     ``dest_store``: ``dest``'s (``--out`` may be elsewhere)."""
-    done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
+    done = dest if detect_layout(dest, store=dest_store) is Layout.MAXTEXT else step_dir
     report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
     if dry_run:
         return report
@@ -400,21 +403,22 @@ def _rescan_maxtext(
     plan: Plan | None,
     o: ConvertOptions,
     *,
+    store: StepStore,
     dest_store: StepStore,
 ) -> StepReport:
     """A MaxText-layout step in the other scan form, into the separate step ``dest``: planned
     from its items' metadata (`plan.plan_maxtext_step`: identity moves over every leaf,
     transformed by `rescan` exactly as a Tunix step's), then written by the one writer,
     streaming, and published only once complete (`_convert_to`); the source is only read.
-    ``dest_store``: ``dest``'s."""
+    ``store``: ``step_dir``'s; ``dest_store``: ``dest``'s."""
     change = dict(scan=o.rescan, optimizer=o.optimizer, plain_scan=o.plain_scan)
     plan = plan or plan_maxtext_step(step_dir, target, **change)
     optimizer = o.optimizer
     if o.dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer, layout=Layout.MAXTEXT)
-    meta, dropped = _seeded_meta(stepmeta.read(step_dir))
+    meta, dropped = _seeded_meta(stepmeta.read(step_dir, store=store))
     job = dict(use_zarr3=o.use_zarr3, budget=o.memory_budget, copy=o.copy)
-    kw = dict(in_place=False, meta=meta, numbering={}, maxtext=True)
+    kw = dict(in_place=False, meta=meta, numbering={}, src_store=store, maxtext=True)
     report = _convert_to(_StepJob(step_dir, dest, plan, optimizer, **job, **kw), store=dest_store)
     report.notes += [
         f"{step_dir / n}/ not carried (item '{n}' of the step, not a MaxText items/ leaf): "
@@ -449,6 +453,7 @@ class _StepJob:
     in_place: bool
     meta: dict  # the source's step metadata, as read for the plan
     numbering: dict  # what the provenance records of the step's numbering (`_numbering`)
+    src_store: StepStore  # ``src``'s, as the entry point decided it (``dest`` may be elsewhere)
     # A MaxText-layout source (a scan change of its items/, `_rescan_maxtext`), not a Tunix one.
     maxtext: bool = False
 
@@ -567,15 +572,16 @@ def _write_items(job: _StepJob, dest: epath.Path, *, store: StepStore) -> StepRe
     report = StepReport.from_plan(dest, plan, "converted", job.optimizer, layout=layout)
     if job.maxtext:
         sources = {MAXTEXT_ITEM: src / MAXTEXT_ITEM}
-        prov = rescan_provenance(plan, job.optimizer, src)
+        prov = rescan_provenance(plan, job.optimizer, src, store=job.src_store)
     else:
-        sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
+        items = tunix_items(src, store=job.src_store)
+        sources = {n: d for n, d in items.items() if plan.moves_from(n)}
         sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
         prov = provenance(plan, job.optimizer) | job.numbering
         prov |= {"source": str(src)} if src != dest else {}
     zarr3 = job.use_zarr3
     main = sources.get(TUNIX_PARAMS_ITEM) or sources[MAXTEXT_ITEM]
-    if zarr3 is not None and zarr3 != ItemFiles.read(main).use_zarr3:
+    if zarr3 is not None and zarr3 != ItemFiles.read(main, store=job.src_store).use_zarr3:
         report.notes.append(f"re-encoded as {'zarr3' if zarr3 else 'zarr2'}")
     written = write_items(
         dest,
@@ -601,15 +607,17 @@ def provenance(plan: Plan, optimizer: str) -> dict[str, Any]:
     )
 
 
-def rescan_provenance(plan: Plan, optimizer: str, source: epath.Path) -> dict[str, Any]:
+def rescan_provenance(
+    plan: Plan, optimizer: str, source: epath.Path, *, store: StepStore
+) -> dict[str, Any]:
     """What a scan change of a MaxText step records (`_rescan_maxtext`): its source step,
     absolute (the output is a separate step), and the plan's scan change and layer axes,
-    for `verify` to replay it (`verify.replay_rescan`)."""
+    for `verify` to replay it (`verify.replay_rescan`). ``store``: ``source``'s."""
     return provenance_record(
         plan,
         Layout.MAXTEXT.value,
         optimizer=optimizer,
-        source=store_for(source).absolute(source),
+        source=store.absolute(source),
         scan=plan.scan,
         scan_axes=dict(plan.scan_axes),
     )
