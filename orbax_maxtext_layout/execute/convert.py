@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Unpack
@@ -16,6 +15,7 @@ from typing import Any, Unpack
 import jax
 from etils import epath
 
+from ..base.reports import Report
 from ..base.treepaths import flatten, keystr, norm_key
 from ..errors import (
     CheckpointReadError,
@@ -62,7 +62,7 @@ from .write import write_items
 
 
 @dataclasses.dataclass
-class StepReport:
+class StepReport(Report):
     """What a conversion did (or, for a dry run, would do) to one step."""
 
     step_dir: str
@@ -106,12 +106,6 @@ class StepReport:
             rules=list(plan.rules),
             notes=list(plan.notes),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         lines = [f"{self.step_dir}: {self.status} ({self.layout})"]

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from ..base.reports import Report
 from ..base.treepaths import keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
 from ..formats.safetensors_writer import SafetensorsSink
@@ -56,7 +57,7 @@ PEFT_PREFIX = "base_model.model."  # PEFT's names: the model wrapped once (``Pef
 
 
 @dataclasses.dataclass
-class AdapterReport:
+class AdapterReport(Report):
     """What ``export-hf --adapter`` wrote (or, with ``dry_run``, would write)."""
 
     step: str
@@ -79,12 +80,6 @@ class AdapterReport:
     tensor_list: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     files: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         lines = [

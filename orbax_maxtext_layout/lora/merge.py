@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from typing import Any, Unpack
 
 from etils import epath
 
+from ..base.reports import Report
 from ..base.treepaths import keystr
 from ..errors import StepExistsError
 from ..execute.options import MergeKeywords, MergeOptions, resolve
@@ -23,7 +23,7 @@ from .merge_plan import NOT_PARAMS, adapter_item, merge_provenance, merge_source
 
 
 @dataclasses.dataclass
-class MergeReport:
+class MergeReport(Report):
     """What a merge did (or, for a dry run, would do)."""
 
     out: str
@@ -41,12 +41,6 @@ class MergeReport:
     dropped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     bytes_written: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         params = self.destinations.get("params", {})
