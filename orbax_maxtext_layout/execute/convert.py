@@ -239,7 +239,6 @@ def convert_step(
         report = StepReport.from_plan(step_dir, plan, "dry-run", o.optimizer)
         report.notes = moved + report.notes
         return report
-    numbering = _numbering(step_dir, o.renumber, meta)
     job = _StepJob(
         step_dir,
         dest,
@@ -250,7 +249,7 @@ def convert_step(
         o.copy,
         o.in_place,
         meta,
-        numbering,
+        _numbering(step_dir, o.renumber, meta),
         store,
     )
     if o.out is not None:
