@@ -113,7 +113,7 @@ class _Module:
 
     @property
     def factor(self) -> LoraFactor:
-        return self.move.lora[0]
+        return self.move.op.factors(self.move)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +317,7 @@ def _modules(
         by_key.setdefault(u.keys[0], []).append(u)
     modules, problems = [], []
     for key, m in keyed.items():
-        us, f = by_key.get(key, []), m.lora[0]
+        us, f = by_key.get(key, []), m.op.factors(m)[0]
         name = keystr(m.dst[2:])  # the adapted weight
         if not us or any(len(u.keys) != 1 or not isinstance(u.hf_path, str) for u in us):
             problems.append(f"{name}: MaxText's mapping writes it fused with other weights")

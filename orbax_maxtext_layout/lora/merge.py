@@ -101,7 +101,7 @@ def merge_lora(
         plain_scan=o.plain_scan,
     )
     dest = epath.Path(out) / "0"
-    axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
+    axis = next((m.args.axis for m in plan.moves if m.op.factors(m)), None)  # a merge's
     report = MergeReport(
         out=str(dest),
         status="dry-run" if o.dry_run else "merged",
@@ -113,7 +113,7 @@ def merge_lora(
         layer_axis=axis if adapters.scanned else None,
         scan=o.scan,
         modules=adapters.modules,
-        merged=[keystr(m.dst) for m in plan.moves if m.lora],
+        merged=[keystr(m.dst) for m in plan.moves if m.op.factors(m)],
         destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
         dropped=[
             {"item": d.item, "path": keystr(d.src), "bytes": d.spec.nbytes, "reason": d.reason}
