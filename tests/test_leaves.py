@@ -33,6 +33,7 @@ from orbax_maxtext_layout import (
 )
 from orbax_maxtext_layout.orbax_io.orbax_files import ItemFiles, io_counts, reads_each_item_once
 from orbax_maxtext_layout.orbax_io.spec import orbax_specs
+from orbax_maxtext_layout.storage.store import store_for
 
 REPO = Path(__file__).parent.parent
 EXAMPLES = REPO / "orbax_maxtext_layout" / "examples"
@@ -46,7 +47,7 @@ def test_read_specs_is_orbax_metadata(item):
     fixture (zarr2 and zarr3, OCDBT and Pathways-style, typed keys, None gaps)."""
     with io_counts() as counts:
         fast = read_specs(item)
-    assert list(fast.items()) == list(orbax_specs(item).items())
+    assert list(fast.items()) == list(orbax_specs(item, store=store_for(item)).items())
     # One batch of zarr metadata reads, one parse of the item's files and no listing: it
     # did not fall back to Orbax's.
     assert sorted(k for k, _ in counts) == ["item files", "zarr metadata"], counts
@@ -60,7 +61,7 @@ def test_read_specs_of_unsorted_metadata_is_in_orbax_order(tmp_path):
     entries = list(meta["tree_metadata"].items())
     meta["tree_metadata"] = dict(entries[::-1])
     (item / "_METADATA").write_text(json.dumps(meta))
-    assert list(read_specs(item).items()) == list(orbax_specs(item).items())
+    assert list(read_specs(item).items()) == list(orbax_specs(item, store=store_for(item)).items())
 
 
 def test_read_specs_of_numpy_scalar_and_string_leaves_is_orbax_metadata(tmp_path):
@@ -71,7 +72,7 @@ def test_read_specs_of_numpy_scalar_and_string_leaves_is_orbax_metadata(tmp_path
     h.finalize(item)
     with io_counts() as counts:
         fast = read_specs(item)
-    assert list(fast.items()) == list(orbax_specs(item).items())
+    assert list(fast.items()) == list(orbax_specs(item, store=store_for(item)).items())
     assert sorted(fast) == [("a",), ("n",), ("s",), ("x",)]
     assert sorted(k for k, _ in counts) == ["item files", "zarr metadata"], counts
 

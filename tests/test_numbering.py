@@ -360,7 +360,7 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
         return plan
 
     infos = oml.find_steps(root)
-    placed = renumbering.plan_run(infos, plan_of)
+    placed = renumbering.plan_run(infos, plan_of, store=store_for(root))
     # Outside the lock, 1's move sees 0 taken (by 1 itself) and 2 is gone: both are planned
     # again under the lock, by their update counts.
     assert [type(p.error).__name__ for p in placed] == [
@@ -369,7 +369,7 @@ def test_a_step_moved_by_another_converter_while_the_run_is_planned(tmp_path):
         "NoneType",
     ]
     assert [p.tunix for p in placed] == [1, 2, 3]
-    made = renumbering.apply_renumbering(placed, plan_of)
+    made = renumbering.apply_renumbering(placed, plan_of, store=store_for(root))
     assert [(p.error, p.locked) for p in made] == [(None, None)] * 3
     assert [p.path.name for p in made] == ["0", "1", "2"]
     assert (

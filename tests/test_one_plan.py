@@ -22,6 +22,7 @@ from etils import epath
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.base.treepaths import flatten, norm_key, unflatten
+from orbax_maxtext_layout.storage.store import store_for
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]  # scanned, inject(chain(clip, adamw)), actor/2
 DPO = "tunix017/dpo_run/checkpoints/1"  # unscanned, base/ adapter
@@ -122,7 +123,7 @@ def test_a_removal_killed_between_the_two_set_asides_is_finished_by_a_rerun(tmp_
     step = copy_fixture(RL, tmp_path)
     oml.convert_step(step, oml.unroll_target(_scanned()), rescan="unroll", optimizer="drop")
     (step / "model_params").rename(step / f"model_params{REMOVING}")  # the kill's state
-    notes = remove_legacy(epath.Path(step))
+    notes = remove_legacy(epath.Path(step), store=store_for(step))
     assert not (step / "optimizer_state").exists(), notes
     assert not any(p.name.endswith(REMOVING) for p in step.iterdir())
     assert any("removed legacy optimizer_state" in n for n in notes), notes

@@ -21,6 +21,7 @@ from etils import epath
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.execute import legacy_removal
 from orbax_maxtext_layout.storage import placement
+from orbax_maxtext_layout.storage.store import store_for
 
 RL = RL_ACTOR_STEPS["tunix017_rl"]
 ROOT = Path(__file__).parent.parent
@@ -84,7 +85,7 @@ def test_default_shares_every_data_file_and_leaves_the_legacy_items_identical(ta
     prov = oml.converted_provenance(step)
     assert prov["data_files"] == report.data_files
     assert prov["arrays_written"] == {"chunks_copied": 0, "computed": {"cast": 1}}
-    assert legacy_removal.removal_check(step) == (
+    assert legacy_removal.removal_check(step, store=store_for(step)) == (
         True,
         "every data file is shared with the legacy items",
     )
@@ -106,7 +107,7 @@ def test_copy_writes_private_copies(target, tmp_path):
     assert report.bytes_written >= _source_bytes(step)  # every data byte, plus the B-tree
     assert oml.verify_step(step).ok
     assert (
-        legacy_removal.removal_check(step)[0] is False
+        legacy_removal.removal_check(step, store=store_for(step))[0] is False
     )  # copied bytes are compared value by value
     with pytest.raises(oml.UsageError, match="in_place"):
         oml.convert_step(copy_fixture(RL, tmp_path / "again"), target, in_place=True, copy=True)
@@ -197,9 +198,9 @@ def test_a_copied_file_makes_the_removal_verify_every_value(target, tmp_path):
             and files["hardlink"]["files"] + files["reflink"]["files"] > 0
         ), files
         assert set(files["copy"]["why"]) == {"EXDEV: another file system"}
-        ok, why = legacy_removal.removal_check(step)
+        ok, why = legacy_removal.removal_check(step, store=store_for(step))
         assert not ok and "copied, not shared" in why
-        notes = legacy_removal.remove_legacy(epath.Path(step))
+        notes = legacy_removal.remove_legacy(epath.Path(step), store=store_for(step))
         assert any("full verification" in n for n in notes), notes
         assert not (step / "model_params").exists() and not (step / "optimizer_state").exists()
         assert tree_digest(shm / "model_params") == before  # only the link was removed
@@ -215,7 +216,7 @@ def test_a_replaced_hard_link_is_no_longer_trusted(target, tmp_path):
     data = new.read_bytes()
     new.unlink()
     new.write_bytes(data)  # the same bytes, another inode: a copy nothing verified
-    ok, why = legacy_removal.removal_check(step)
+    ok, why = legacy_removal.removal_check(step, store=store_for(step))
     assert not ok and "no longer the legacy files" in why
     assert oml.verify_step(step).ok  # and the full verification that follows passes
 
@@ -266,7 +267,7 @@ def test_reflinks_where_the_file_system_has_them(target, tmp_path):
             f.write(b"\xff" * 16)
         assert new.read_bytes() == kept
         old.write_bytes(kept)  # undo, in place
-        assert legacy_removal.removal_check(step)[0]
+        assert legacy_removal.removal_check(step, store=store_for(step))[0]
         report = oml.convert_step(step, target, remove_legacy=True)  # finishes the removal
         assert any("quick verification" in n for n in report.notes), report.notes
         assert not any((step / n).exists() for n in LEGACY)

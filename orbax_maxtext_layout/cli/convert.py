@@ -24,7 +24,7 @@ from ..plan import renumbering, rescan
 from ..plan.moves import Plan
 from ..plan.step_plan import plan_step
 from ..plan.steps import StepInfo, find_steps
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .common import (
     Subparsers,
     add_json,
@@ -51,8 +51,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         rescan.check_plain_stack(target, plain_scan=args.plain_scan, where=args.root)
     if args.rescan is not None:  # a usage error (exit 2), before any step is written
         check_rescan_destination([s.path for s in steps], args.out, FLAGS)
-    reports, inside = _skip_outside_links(args, root, steps)
-    failures = _convert_all(args, target, root, _plan_run(args, target, inside), reports)
+    store = store_for(root)  # decided once for ROOT, handed down
+    reports, inside = _skip_outside_links(args, root, steps, store=store)
+    planned = _plan_run(args, target, inside, store=store)
+    failures = _convert_all(args, target, root, planned, reports)
     _print_run_report(args, reports)
     if failures:
         _print_failures(failures)
@@ -115,13 +117,13 @@ def _convert_target(args: argparse.Namespace) -> Target:
 
 
 def _skip_outside_links(
-    args: argparse.Namespace, root: epath.Path, steps: list[StepInfo]
+    args: argparse.Namespace, root: epath.Path, steps: list[StepInfo], *, store: StepStore
 ) -> tuple[list[StepReport], list[StepInfo]]:
     """The reports of steps that are links leading outside ROOT (skipped unless
     ``--follow-symlinks``), and the steps to convert."""
     reports, inside = [], []
     for info in steps:
-        if args.follow_symlinks or not _outside(root, info.path):
+        if args.follow_symlinks or not store.is_outside(root, info.path):
             inside.append(info)
             continue
         note = (
@@ -135,11 +137,12 @@ def _skip_outside_links(
 
 
 def _plan_run(
-    args: argparse.Namespace, target: Target, steps: list[StepInfo]
+    args: argparse.Namespace, target: Target, steps: list[StepInfo], *, store: StepStore
 ) -> list[renumbering.PlannedStep]:
     """The run plan: every step's conversion plan, then the renumbering moves, in the order
     the real run makes them; the dry run reports it, the real run makes the moves under each
-    directory's lock (planning them again there) and converts each step where it lands."""
+    directory's lock (planning them again there) and converts each step where it lands.
+    ``store``: ROOT's."""
     moves = not args.keep_step_numbers and args.out is None
 
     def plan_of(step_dir: epath.Path) -> Plan:
@@ -152,9 +155,9 @@ def _plan_run(
             plain_scan=args.plain_scan,
         )
 
-    placed = renumbering.plan_run(steps, plan_of, renumber=moves)
+    placed = renumbering.plan_run(steps, plan_of, store=store, renumber=moves)
     if moves and not args.dry_run:
-        placed = renumbering.apply_renumbering(placed, plan_of)
+        placed = renumbering.apply_renumbering(placed, plan_of, store=store)
     return placed
 
 
@@ -248,11 +251,6 @@ def _dest(
     if renumber and rel != "." and tunix_step is not None and tunix_step >= 1:
         dest = dest.parent / str(maxtext_number(tunix_step))
     return dest
-
-
-def _outside(root: epath.Path, step: epath.Path) -> bool:
-    """A step reached through a symbolic link that leads outside ROOT (local paths only)."""
-    return store_for(root).is_outside(root, step)
 
 
 def add_convert(sub: Subparsers) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Unpack
@@ -16,6 +15,7 @@ from typing import Any, Unpack
 import jax
 from etils import epath
 
+from ..base.reports import Report
 from ..base.treepaths import flatten, keystr, norm_key
 from ..errors import (
     CheckpointReadError,
@@ -62,7 +62,7 @@ from .write import write_items
 
 
 @dataclasses.dataclass
-class StepReport:
+class StepReport(Report):
     """What a conversion did (or, for a dry run, would do) to one step."""
 
     step_dir: str
@@ -106,12 +106,6 @@ class StepReport:
             rules=list(plan.rules),
             notes=list(plan.notes),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         lines = [f"{self.step_dir}: {self.status} ({self.layout})"]
@@ -207,30 +201,34 @@ def convert_step(
     check_options(o, step_dir)  # before anything is read or moved
     if o.rescan is not None:
         check_rescan_destination([step_dir], o.out)
+    store = store_for(step_dir)
     if o.renumber and o.out is None:  # a one-step run: moved under the run's lock, then converted
-        return _renumbered(step_dir, target, o)
+        return _renumbered(step_dir, target, o, store=store)
     dest = epath.Path(o.out) if o.out is not None else step_dir
     moved: list[str] = []  # a killed renumbering into this directory, finished first
-    store = store_for(step_dir)
     if not o.dry_run and store.relocation_in_progress(step_dir):
         with step_lock(step_dir.parent, store=store, name=RENUMBER_LOCK_NAME, wait=60.0):
             moved += [n for n in [store.finish_relocation(step_dir)] if n]
     if not step_dir.exists():  # listed, then renumbered or removed by another converter
         return StepReport(str(step_dir), "skipped", "gone", notes=[*moved, "no longer exists"])
+    dest_store = store if o.out is None else store_for(dest)  # ``--out`` may be elsewhere
     layout = detect_layout(step_dir, store=store)
     if layout is Layout.MAXTEXT and o.rescan is not None and o.out is not None:
-        if detect_layout(dest) is not Layout.MAXTEXT:  # else written by an earlier run
-            return _rescan_maxtext(step_dir, target, dest, plan, o)
-    if layout is Layout.MAXTEXT or detect_layout(dest) is Layout.MAXTEXT:
+        if detect_layout(dest, store=dest_store) is not Layout.MAXTEXT:  # else written earlier
+            return _rescan_maxtext(
+                step_dir, target, dest, plan, o, store=store, dest_store=dest_store
+            )
+    if layout is Layout.MAXTEXT or detect_layout(dest, store=dest_store) is Layout.MAXTEXT:
         return _already_converted(
             step_dir,
             dest,
             store=store,
+            dest_store=dest_store,
             dry_run=o.dry_run,
             finish_removal=o.in_place or o.remove_legacy,
         )
     if layout is Layout.UNKNOWN:
-        return _uncommitted(step_dir)
+        return _uncommitted(step_dir, store=store)
     meta = stepmeta.read(step_dir, store=store)  # read once: numbering, the plan, the commit
     if o.renumber and (tunix_step_number(step_dir, meta) or 0) < 1 and step_dir.name.isdigit():
         return StepReport(str(step_dir), "skipped", layout.value, notes=[renumbering.TUNIX_ZERO])
@@ -241,7 +239,6 @@ def convert_step(
         report = StepReport.from_plan(step_dir, plan, "dry-run", o.optimizer)
         report.notes = moved + report.notes
         return report
-    numbering = _numbering(step_dir, o.renumber, meta)
     job = _StepJob(
         step_dir,
         dest,
@@ -252,10 +249,11 @@ def convert_step(
         o.copy,
         o.in_place,
         meta,
-        numbering,
+        _numbering(step_dir, o.renumber, meta),
+        store,
     )
     if o.out is not None:
-        return _convert_to(job)
+        return _convert_to(job, store=dest_store)
     removal = legacy_removal.remove_legacy if o.in_place or o.remove_legacy else None
     return _write_beside(job, moved, removal, specs, store=store)
 
@@ -265,23 +263,30 @@ def _plan_options(o: ConvertOptions) -> dict[str, Any]:
     return dict(optimizer=o.optimizer, ignore=o.ignore, scan=o.rescan, plain_scan=o.plain_scan)
 
 
-def _renumbered(step_dir: epath.Path, target: Target, o: ConvertOptions) -> StepReport:
+def _renumbered(
+    step_dir: epath.Path, target: Target, o: ConvertOptions, *, store: StepStore
+) -> StepReport:
     """`convert_step` of a one-step run with ``renumber``: the step moved to MaxText's number
     under the run's lock (`renumbering`), then converted there."""
     opts = _plan_options(o)
-    [placed] = renumbering.plan_run(find_steps(step_dir), lambda d: plan_step(d, target, **opts))
+
+    def plan_of(d: epath.Path) -> Plan:
+        return plan_step(d, target, **opts)
+
+    [placed] = renumbering.plan_run(find_steps(step_dir), plan_of, store=store)
     if not o.dry_run:
-        [placed] = renumbering.apply_renumbering([placed], lambda d: plan_step(d, target, **opts))
+        [placed] = renumbering.apply_renumbering([placed], plan_of, store=store)
     # Converted where it landed with the same options, the renumbering done: the optimizer
     # mode too, which the report and the provenance record (verify replays it); the
     # planning options go with the plan, made with them.
     return convert_placed(placed, target, dataclasses.replace(o, renumber=False))
 
 
-def _uncommitted(step_dir: epath.Path) -> StepReport:
+def _uncommitted(step_dir: epath.Path, *, store: StepStore) -> StepReport:
     """A step with neither layout's items: skipped while uncommitted (a save, move or
-    conversion in progress or dead), else refused as not a checkpoint step."""
-    if not is_committed(step_dir):
+    conversion in progress or dead), else refused as not a checkpoint step. ``store``: the
+    step's."""
+    if not is_committed(step_dir, store=store):
         note = (
             f"no {COMMIT_MARKER}: a save, move or conversion to it is in progress or "
             "died; Orbax does not list it either"
@@ -304,7 +309,7 @@ def _write_beside(
             if detect_layout(dest, store=store) is Layout.MAXTEXT:  # converted while we waited
                 return StepReport(str(dest), "skipped", "maxtext", notes=["already has items/"])
             stepdir.clean_stale_tmp(dest, store=store)
-            report = _write(job, dest)
+            report = _write(job, dest, store=store)
             report.notes = moved + report.notes
             if removal is not None:
                 report.notes += removal(job.src, store=store, specs=specs)
@@ -318,18 +323,20 @@ def _already_converted(
     dest: epath.Path,
     *,
     store: StepStore,
+    dest_store: StepStore,
     dry_run: bool,
     finish_removal: bool,
 ) -> StepReport:
     """The report of a step that already has ``items/`` (at ``dest`` or in place). A real
     run also clears what dead runs left there (their lock, a half-built destination), and
     with ``finish_removal`` finishes a run killed between its commit and its legacy removal,
-    under the step lock (which also clears a dead run's lock). ``store``: ``step_dir``'s."""
-    done = dest if detect_layout(dest) is Layout.MAXTEXT else step_dir
+    under the step lock (which also clears a dead run's lock). ``store``: ``step_dir``'s;
+    ``dest_store``: ``dest``'s (``--out`` may be elsewhere)."""
+    done = dest if detect_layout(dest, store=dest_store) is Layout.MAXTEXT else step_dir
     report = StepReport(str(done), "skipped", "maxtext", notes=["already has items/"])
     if dry_run:
         return report
-    done_store = store if done == step_dir else store_for(done)  # ``--out`` may be elsewhere
+    done_store = store if done == step_dir else dest_store
     if break_stale_lock(done, store=done_store):
         report.notes.append("removed the lock of a dead run")
     report.notes += stepdir.sweep_dead_work(done, store=done_store)
@@ -383,21 +390,29 @@ def check_rescan_destination(
 
 
 def _rescan_maxtext(
-    step_dir: epath.Path, target: Target, dest: epath.Path, plan: Plan | None, o: ConvertOptions
+    step_dir: epath.Path,
+    target: Target,
+    dest: epath.Path,
+    plan: Plan | None,
+    o: ConvertOptions,
+    *,
+    store: StepStore,
+    dest_store: StepStore,
 ) -> StepReport:
     """A MaxText-layout step in the other scan form, into the separate step ``dest``: planned
     from its items' metadata (`plan.plan_maxtext_step`: identity moves over every leaf,
     transformed by `rescan` exactly as a Tunix step's), then written by the one writer,
-    streaming, and published only once complete (`_convert_to`); the source is only read."""
+    streaming, and published only once complete (`_convert_to`); the source is only read.
+    ``store``: ``step_dir``'s; ``dest_store``: ``dest``'s."""
     change = dict(scan=o.rescan, optimizer=o.optimizer, plain_scan=o.plain_scan)
     plan = plan or plan_maxtext_step(step_dir, target, **change)
     optimizer = o.optimizer
     if o.dry_run:
         return StepReport.from_plan(step_dir, plan, "dry-run", optimizer, layout=Layout.MAXTEXT)
-    meta, dropped = _seeded_meta(stepmeta.read(step_dir))
+    meta, dropped = _seeded_meta(stepmeta.read(step_dir, store=store))
     job = dict(use_zarr3=o.use_zarr3, budget=o.memory_budget, copy=o.copy)
-    kw = dict(in_place=False, meta=meta, numbering={}, maxtext=True)
-    report = _convert_to(_StepJob(step_dir, dest, plan, optimizer, **job, **kw))
+    kw = dict(in_place=False, meta=meta, numbering={}, src_store=store, maxtext=True)
+    report = _convert_to(_StepJob(step_dir, dest, plan, optimizer, **job, **kw), store=dest_store)
     report.notes += [
         f"{step_dir / n}/ not carried (item '{n}' of the step, not a MaxText items/ leaf): "
         "copy it beside the new items/ if it is needed"
@@ -431,6 +446,7 @@ class _StepJob:
     in_place: bool
     meta: dict  # the source's step metadata, as read for the plan
     numbering: dict  # what the provenance records of the step's numbering (`_numbering`)
+    src_store: StepStore  # ``src``'s, as the entry point decided it (``dest`` may be elsewhere)
     # A MaxText-layout source (a scan change of its items/, `_rescan_maxtext`), not a Tunix one.
     maxtext: bool = False
 
@@ -478,12 +494,11 @@ def convert_placed(
     return report
 
 
-def _convert_to(job: _StepJob) -> StepReport:
+def _convert_to(job: _StepJob, *, store: StepStore) -> StepReport:
     """Converts into a separate destination step, which appears only once complete.
 
     Where the store builds it in place (an object store), one converter at a time, under
-    the destination's lock."""
-    store = store_for(job.dest)
+    the destination's lock. ``store``: the destination's, as `convert_step` decided it."""
     if not store.builds_in_place:
         if store.dest_taken(job.dest):
             raise StepExistsError(
@@ -507,7 +522,7 @@ def _build_and_publish(job: _StepJob, *, store: StepStore) -> StepReport:
     try:
         tunix_step = tunix_step_number(job.src, job.meta) if job.numbering else None
         stepdir.seed_destination(job.src, work, tunix_step, store=store, meta=job.meta)
-        report = _write(job, work)
+        report = _write(job, work, store=store)
         if not stepdir.publish_step(work, job.dest, store=store):
             return StepReport(str(job.dest), "skipped", "maxtext", notes=["converted meanwhile"])
     except BaseException:
@@ -522,12 +537,12 @@ def _build_and_publish(job: _StepJob, *, store: StepStore) -> StepReport:
 _READ_FAILED = re.compile(r"Error reading .*(local )?file")
 
 
-def _write(job: _StepJob, dest: epath.Path) -> StepReport:
+def _write(job: _StepJob, dest: epath.Path, *, store: StepStore) -> StepReport:
     """Writes ``dest/items`` for ``job`` (``dest``: the step itself, or where a separate
     destination is built); a tensorstore I/O failure becomes an `OSError` naming it, one
-    reading a file a `CheckpointReadError`."""
+    reading a file a `CheckpointReadError`. ``store``: ``dest``'s."""
     try:
-        return _write_items(job, dest)
+        return _write_items(job, dest, store=store)
     except (LayoutMismatchError, CheckpointReadError):
         raise
     except ValueError as e:  # tensorstore reports I/O failures as ValueError
@@ -544,21 +559,22 @@ def _write(job: _StepJob, dest: epath.Path) -> StepReport:
         ) from e
 
 
-def _write_items(job: _StepJob, dest: epath.Path) -> StepReport:
+def _write_items(job: _StepJob, dest: epath.Path, *, store: StepStore) -> StepReport:
     src, plan = job.src, job.plan
     layout = Layout.MAXTEXT if job.maxtext else Layout.TUNIX
     report = StepReport.from_plan(dest, plan, "converted", job.optimizer, layout=layout)
     if job.maxtext:
         sources = {MAXTEXT_ITEM: src / MAXTEXT_ITEM}
-        prov = rescan_provenance(plan, job.optimizer, src)
+        prov = rescan_provenance(plan, job.optimizer, src, store=job.src_store)
     else:
-        sources = {n: d for n, d in tunix_items(src).items() if plan.moves_from(n)}
+        items = tunix_items(src, store=job.src_store)
+        sources = {n: d for n, d in items.items() if plan.moves_from(n)}
         sources.setdefault(TUNIX_PARAMS_ITEM, src / TUNIX_PARAMS_ITEM)
         prov = provenance(plan, job.optimizer) | job.numbering
         prov |= {"source": str(src)} if src != dest else {}
     zarr3 = job.use_zarr3
     main = sources.get(TUNIX_PARAMS_ITEM) or sources[MAXTEXT_ITEM]
-    if zarr3 is not None and zarr3 != ItemFiles.read(main).use_zarr3:
+    if zarr3 is not None and zarr3 != ItemFiles.read(main, store=job.src_store).use_zarr3:
         report.notes.append(f"re-encoded as {'zarr3' if zarr3 else 'zarr2'}")
     written = write_items(
         dest,
@@ -570,6 +586,7 @@ def _write_items(job: _StepJob, dest: epath.Path) -> StepReport:
         use_zarr3=zarr3,
         copy=job.copy,
         step_meta=job.meta if src == dest else None,
+        store=store,
     )
     report.bytes_written, report.data_files = written
     return report
@@ -583,15 +600,17 @@ def provenance(plan: Plan, optimizer: str) -> dict[str, Any]:
     )
 
 
-def rescan_provenance(plan: Plan, optimizer: str, source: epath.Path) -> dict[str, Any]:
+def rescan_provenance(
+    plan: Plan, optimizer: str, source: epath.Path, *, store: StepStore
+) -> dict[str, Any]:
     """What a scan change of a MaxText step records (`_rescan_maxtext`): its source step,
     absolute (the output is a separate step), and the plan's scan change and layer axes,
-    for `verify` to replay it (`verify.replay_rescan`)."""
+    for `verify` to replay it (`verify.replay_rescan`). ``store``: ``source``'s."""
     return provenance_record(
         plan,
         Layout.MAXTEXT.value,
         optimizer=optimizer,
-        source=store_for(source).absolute(source),
+        source=store.absolute(source),
         scan=plan.scan,
         scan_axes=dict(plan.scan_axes),
     )

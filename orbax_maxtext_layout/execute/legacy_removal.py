@@ -16,7 +16,7 @@ from etils import epath
 from ..base.step_entries import MAXTEXT_ITEM, TUNIX_OPT_ITEM, TUNIX_PARAMS_ITEM
 from ..orbax_io import item_writer, stepmeta
 from ..storage import placement
-from ..storage.store import StepStore, store_for
+from ..storage.store import StepStore
 from .verify import verify_step
 
 REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being deleted
@@ -27,7 +27,7 @@ REMOVING = ".orbax-maxtext-layout-removing"  # a verified legacy item being dele
 SCALAR_OPS = frozenset({"cast", "constant", "fresh"})
 
 
-def removal_check(step_dir: epath.Path, *, store: StepStore | None = None) -> tuple[bool, str]:
+def removal_check(step_dir: epath.Path, *, store: StepStore) -> tuple[bool, str]:
     """Whether a quick verification (metadata and stored-data presence) is enough before
     the legacy items of a converted step are deleted, and why.
 
@@ -42,7 +42,7 @@ def removal_check(step_dir: epath.Path, *, store: StepStore | None = None) -> tu
     """
     prov = stepmeta.read_provenance(step_dir) or {}
     files = prov.get("data_files")
-    if not (store or store_for(step_dir)).shares_files or not isinstance(files, dict):
+    if not store.shares_files or not isinstance(files, dict):
         if prov.get("in_place"):
             return True, "converted in place"
         return False, "converted by copying"
@@ -92,7 +92,7 @@ def _not_shared_now(step_dir: epath.Path, reflinks: int) -> str | None:
 
 
 def remove_legacy(
-    step_dir: epath.Path, *, store: StepStore | None = None, specs: dict | None = None
+    step_dir: epath.Path, *, store: StepStore, specs: dict | None = None
 ) -> list[str]:
     """Deletes the legacy items of a converted step, only once ``items`` verifies.
 
@@ -105,9 +105,8 @@ def remove_legacy(
     (a hard link keeps the inode, a reflink its extents). A symlinked legacy item loses
     only its link: nothing outside the step is ever deleted. ``specs``: the legacy items'
     specs if the caller read them (`verify_step`'s ``source_specs``); ``store``: the step's
-    root's, as the caller decided it (else decided here).
+    root's, as the caller decided it.
     """
-    store = store or store_for(step_dir)
     notes = _finish_removal(step_dir, store)
     present = [n for n in (TUNIX_PARAMS_ITEM, TUNIX_OPT_ITEM) if _exists(step_dir / n)]
     if not present:

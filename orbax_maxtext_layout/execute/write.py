@@ -34,7 +34,7 @@ from ..plan.ops import apply_op
 from ..plan.provenance import SCAN_LAYERS_KEY, scan_layers
 from ..storage import placement
 from ..storage.memory import DEFAULT_BUDGET
-from ..storage.store import StepStore, store_for
+from ..storage.store import StepStore
 from . import source_walk
 
 
@@ -57,6 +57,7 @@ def write_items(
     use_zarr3: bool | None = None,
     copy: bool = False,
     step_meta: dict | None = None,
+    store: StepStore,
 ) -> Written:
     """Writes ``<step_dir>/items`` for ``plan`` and commits it.
 
@@ -70,14 +71,14 @@ def write_items(
     the bytes written, how the data files were placed (``data_files``) and which
     arrays this writer wrote itself (``arrays_written``: chunk copies, and arrays
     computed by their op), so that `legacy_removal.remove_legacy` knows what to verify.
-    ``step_meta``: the step metadata of ``step_dir`` as the caller read it.
+    ``step_meta``: the step metadata of ``step_dir`` as the caller read it. ``store``: the
+    destination's, as the caller decided it.
     """
     ctx = item_writer.ts_context()
     sources = {name: ItemReader.open(d, ctx) for name, d in source_dirs.items()}
     main = next((sources[n] for n in (TUNIX_PARAMS_ITEM, MAXTEXT_ITEM) if n in sources), None)
     src_zarr3 = main.use_zarr3 if main is not None else True
     zarr3 = src_zarr3 if use_zarr3 is None else use_zarr3
-    store = store_for(step_dir)  # the destination's, decided once
     tmp = stepdir.new_tmp_dir(step_dir, store=store)
     try:
         reads = [(i, orbax_files.param_name(p), s.shape) for m in plan.moves for i, p, s in m.reads]

@@ -50,7 +50,8 @@ def group_cost(model: HfModel, moves: list[Move], units: list[Unit], budget: int
     slice three times over (cast to ``weight_dtype``, handed to the hooks, and their
     output)."""
     stored = int(FAST_DECODING * sum(m.out_spec.nbytes for m in moves))
-    factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for m in moves for f in dict.fromkeys(m.lora))
+    lora = dict.fromkeys(f for m in moves for f in m.op.factors(m))
+    factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in lora)
     biggest = max((slice_bytes(model, moves[0], u) for u in units), default=0)
     return stored + factors + 3 * biggest
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from ..base.reports import Report
 from ..base.step_entries import Dest
 from ..base.treepaths import keystr
 from ..errors import LayoutMismatchError, UsageError
@@ -51,7 +52,7 @@ NOT_WEIGHT = "not a weight: a Hugging Face model holds the weights only"
 
 # -- the report -----------------------------------------------------------------------------
 @dataclasses.dataclass
-class ExportReport:
+class ExportReport(Report):
     """What an export wrote (or, with ``dry_run``, would write), from metadata."""
 
     step: str
@@ -71,12 +72,6 @@ class ExportReport:
     tensor_list: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     files: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         lines = [

@@ -50,7 +50,8 @@ def run_groups(ep: ExportPlan, groups: dict, where: dict[str, PartWriter], budge
         if fns is not None:
             per = piece_held(moves[0], fns)
             size = piece_bytes(budget, moves[0], per)
-            factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in set(moves[0].lora))
+            lora = moves[0].op.factors(moves[0])
+            factors = sum(f.a_spec.nbytes + f.b_spec.nbytes for f in set(lora))
             held = gate.take(int(size * per) + factors)
             try:
                 run = _ExportShared(ep.model, sources, ctx, where)
@@ -97,7 +98,7 @@ def _piece_fns(model: HfModel, moves: list[Move], units: list[Unit]) -> dict | N
     m = moves[0]
     if len(moves) != 1 or not m.op.by_box(m):
         return None
-    if m.lora and any(u.more for u in units):  # a merge's layer is the first stacked axis
+    if m.op.factors(m) and any(u.more for u in units):  # a merge's layer is the first stacked axis
         return None
     shape = tuple(moves[0].out_spec.shape)
     fns: dict[int, hooks_by_box.PieceFn] = {}

@@ -45,6 +45,7 @@ from etils import epath
 
 from .._version import __version__
 from ..base.futures import results
+from ..base.reports import Report
 from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..execute.options import resolve
@@ -199,7 +200,7 @@ class Adapter:
 
 
 @dataclasses.dataclass
-class ImportReport:
+class ImportReport(Report):
     """What `import_hf` did (or, ``dry_run``, would do)."""
 
     hf_dir: str
@@ -215,11 +216,6 @@ class ImportReport:
     dry_run: bool
     seconds: float = 0.0
     adapter: dict | None = None  # ``--adapter``: what was merged (`AdapterPlan.to_dict`)
-
-    def to_json(self) -> str:
-        import json
-
-        return json.dumps(dataclasses.asdict(self), indent=2)
 
     def __str__(self) -> str:
         did = "would write" if self.dry_run else "wrote"

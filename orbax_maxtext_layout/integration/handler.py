@@ -33,7 +33,7 @@ from ..orbax_io.layout import (
 from ..orbax_io.orbax_files import METADATA_FILE, reads_only
 from ..orbax_io.spec import read_specs, spec_of
 from ..plan.step_plan import OptimizerMode
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 
 __all__ = [
     "MaxTextLayoutHandler",
@@ -100,12 +100,13 @@ class MaxTextLayoutHandler(ocp.PyTreeCheckpointHandler):
             args = MaxTextLayoutRestore(
                 item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
             )
-        step_dir = tunix_step_of(directory)
+        store = store_for(directory)  # decided once for the restore, handed down
+        step_dir = tunix_step_of(directory, store=store)
         if step_dir is not None and not asks_for_items(args.item):
             step_dir = None  # an item in the stored (NNX) form: restore it as stored
         if step_dir is None:
             if (
-                not store_for(directory).exists(directory / METADATA_FILE)
+                not store.exists(directory / METADATA_FILE)
                 and detect_layout(directory) is Layout.MAXTEXT
             ):
                 directory = directory / MAXTEXT_ITEM  # a MaxText step: read its items
@@ -159,7 +160,7 @@ class MaxTextLayoutRestore(ocp.args.PyTreeRestore):
     ignore: tuple[str, ...] = ()
 
 
-def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
+def tunix_step_of(directory: epath.PathLike, *, store: StepStore) -> epath.Path | None:
     """The Tunix step to convert for a restore of ``directory``, or None to restore stock.
 
     ``model_params`` is always Tunix; ``items`` and a bare step only when their step
@@ -168,7 +169,7 @@ def tunix_step_of(directory: epath.PathLike) -> epath.Path | None:
     directory = epath.Path(directory)
     if directory.name == TUNIX_PARAMS_ITEM:
         return directory.parent
-    if directory.name == MAXTEXT_ITEM or not store_for(directory).exists(directory / METADATA_FILE):
+    if directory.name == MAXTEXT_ITEM or not store.exists(directory / METADATA_FILE):
         step_dir = step_dir_of(directory)
         if detect_layout(step_dir) is Layout.TUNIX:
             return step_dir
@@ -229,7 +230,8 @@ def load_params_from_path(
         return rewrap(
             load_params(load_parameters_from_path, collection, maxtext_config=maxtext_config)
         )
-    directory, layout = _resolve(epath.Path(load_parameters_from_path))
+    path = epath.Path(load_parameters_from_path)
+    directory, layout = _resolve(path, store=store_for(path))
     if layout is Layout.MAXTEXT:
         _check_items(directory, collection)  # stock Orbax would not name the paths
     own = handler is None
@@ -272,11 +274,11 @@ def _as_collection(abstract_params: Any) -> tuple[Any, Callable[[Any], Any]]:
     return {PARAMS_ROOT[1]: abstract_params}, lambda r: r[PARAMS_ROOT[1]]
 
 
-def _resolve(path: epath.Path) -> tuple[epath.Path, Layout]:
+def _resolve(path: epath.Path, *, store: StepStore) -> tuple[epath.Path, Layout]:
     """The directory to hand to the Checkpointer, and the layout it is in."""
     if path.name == TUNIX_PARAMS_ITEM:
         return path, Layout.TUNIX
-    if path.name == MAXTEXT_ITEM and store_for(path).is_dir(path):
+    if path.name == MAXTEXT_ITEM and store.is_dir(path):
         return path, Layout.MAXTEXT
     step_dir = step_dir_of(path)
     layout = detect_layout(step_dir)
@@ -284,7 +286,7 @@ def _resolve(path: epath.Path) -> tuple[epath.Path, Layout]:
         return step_dir / MAXTEXT_ITEM, layout
     if layout is Layout.TUNIX:
         return step_dir / TUNIX_PARAMS_ITEM, layout
-    if store_for(path).exists(path / METADATA_FILE):
+    if store.exists(path / METADATA_FILE):
         return path, Layout.MAXTEXT  # some other PyTree item: let Orbax read it
     raise CheckpointReadError(
         f"{path}: neither a MaxText items/ nor a Tunix model_params/ checkpoint."

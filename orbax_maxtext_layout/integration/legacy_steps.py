@@ -48,7 +48,7 @@ from ..orbax_io.stepmeta import read_provenance
 from ..plan.step_plan import plan_step
 from ..plan.steps import find_steps
 from ..storage.lock import LOCK_NAME, break_stale_lock, step_lock
-from ..storage.store import store_for
+from ..storage.store import StepStore
 
 __all__ = ["LegacySteps", "check_migrate", "load_requested"]
 
@@ -95,15 +95,15 @@ class LegacySteps:
         self._hidden: set[int] = set()  # numbers of Tunix directories not listed
         self._protected: frozenset[int] = frozenset()  # never removed by retention
         self._pending: dict[int, Target] = {}  # restored legacy steps awaiting migration
+        self._store: StepStore  # the listed directory's (`list_steps`), handed down
 
-    def finish_removals(self, directory: epath.Path) -> None:
+    def finish_removals(self, directory: epath.Path, *, store: StepStore) -> None:
         """With ``remove_legacy``, on the primary process: finishes the legacy removals a
         killed run left in ``directory``: migrated steps (with this library's provenance)
         that still hold legacy items, or a half-deleted one; and the lock of a run killed
         after its removal, before releasing the lock."""
         if not (self._remove_legacy and self._is_primary()):
             return
-        store = store_for(directory)  # decided once for the manager's directory, handed down
         for info in find_steps(directory, roles=False):
             if info.layout is not Layout.MAXTEXT or read_provenance(info.path) is None:
                 continue
@@ -124,13 +124,18 @@ class LegacySteps:
 
     # -- listing -----------------------------------------------------------------------
     def list_steps(
-        self, directory: epath.Path, stock: Callable[[], list[CheckpointInfo]]
+        self,
+        directory: epath.Path,
+        stock: Callable[[], list[CheckpointInfo]],
+        *,
+        store: StepStore,
     ) -> list[CheckpointInfo]:
         """The manager's listing of ``directory``: ``stock()`` (Orbax's own) without the
         Tunix-layout directories, plus each listable legacy step under its MaxText number.
         Forgets the previous listing (and so where its legacy steps were)."""
         with self._lock:
             self._legacy = {}  # the stock scan must read directories under their own names
+            self._store = store  # the directory's, for the moves of the steps listed here
         infos = stock()  # reads from worker threads
         with self._lock:
             tunix = {
@@ -272,13 +277,15 @@ class LegacySteps:
             if occupant is not None:
                 self._place(occupant)
             elif p in self._hidden or (
-                home.exists() and _tunix_step_of(home) != p + 1 and is_committed(home)
+                home.exists()
+                and _tunix_step_of(home) != p + 1
+                and is_committed(home, store=self._store)
             ):  # (an uncommitted one is debris, replaced as Orbax replaces it when saving)
                 raise StepAlreadyExistsError(
                     f"Cannot move Tunix step {held} to {home}: that directory is taken."
                 )
             if self._is_primary() and held.exists():
-                store = store_for(held)
+                store = self._store  # held lies in the listed directory
                 stepmeta.update(
                     held, lambda meta: stepmeta.with_tunix_step(meta, p + 1), store=store
                 )

@@ -91,7 +91,7 @@ from ..errors import UsageError
 from ..execute.restore import restore_pytree
 from ..orbax_io.orbax_files import METADATA_FILE, absolute
 from ..orbax_io.stepmeta import TUNIX_STEP_KEY
-from ..storage.store import store_for
+from ..storage.store import StepStore, store_for
 from .legacy_steps import LegacySteps, load_requested
 
 __all__ = ["TUNIX_STEP_KEY", "CheckpointManager", "Numbering"]
@@ -182,7 +182,7 @@ class CheckpointManager(ocp.CheckpointManager):
         )
         super().__init__(*args, **kwargs)
         if self._maxtext:
-            self._legacy_steps.finish_removals(self.directory)
+            self._legacy_steps.finish_removals(self.directory, store=self._store)
 
     @property
     def numbering(self) -> Numbering:
@@ -206,6 +206,12 @@ class CheckpointManager(ocp.CheckpointManager):
                 sorted(set(args.keys()) & TUNIX_ITEMS),
             )
 
+    @functools.cached_property
+    def _store(self) -> StepStore:
+        """The store of this manager's directory, decided once (Orbax's constructor sets the
+        directory) and handed down."""
+        return store_for(self.directory)
+
     @property
     def legacy_steps(self) -> LegacySteps:
         """This manager's legacy-step bookkeeping: the package's own interface to it (used by
@@ -217,10 +223,10 @@ class CheckpointManager(ocp.CheckpointManager):
         if not self._maxtext:
             return super()._load_checkpoint_infos(skip_metadata_read)
         if self._is_primary():  # moves a killed manager left (an object store's)
-            for note in store_for(self.directory).finish_relocations(self.directory):
+            for note in self._store.finish_relocations(self.directory):
                 logger.info("%s: %s.", self.directory, note)
         stock = functools.partial(super()._load_checkpoint_infos, skip_metadata_read)
-        return self._legacy_steps.list_steps(self.directory, stock)
+        return self._legacy_steps.list_steps(self.directory, stock, store=self._store)
 
     def _get_read_step_directory(self, step: int, root_dir: epath.Path) -> epath.Path:
         if self._maxtext and epath.Path(root_dir) == self.directory:

@@ -20,8 +20,9 @@ def merge_layer(m: Move, i: int, read_layer: LayerReader, *, inplace: bool = Fal
     writer's own buffer), so a layer costs one slice of memory plus the blocks.
     """
     w = merge_base(m, i, read_layer)
-    f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
-    li = m.index if m.index is not None else i
+    g = m.args  # `merge_op.MergeArgs`
+    f = g.lora[i] if len(g.lora) > 1 else g.lora[0]
+    li = g.index if g.index is not None else i
     a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
     b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
     return lora_delta_added(w, a, b, f.scale, inplace=inplace, layout=f.layout)
@@ -29,11 +30,12 @@ def merge_layer(m: Move, i: int, read_layer: LayerReader, *, inplace: bool = Fal
 
 def merge_base(m: Move, i: int, read_layer: LayerReader) -> np.ndarray:
     """Layer ``i`` of a merge_lora move's base weight, as stored."""
-    if m.layers:
-        return read_layer(m.item, m.layers[i], None, None)  # type: ignore[arg-type]
-    if m.index is not None:
-        return read_layer(m.item, m.src, m.axis, m.index)
-    return read_layer(m.item, m.src, m.axis, i if m.axis is not None else None)
+    g = m.args
+    if g.layers:
+        return read_layer(m.item, g.layers[i], None, None)  # type: ignore[arg-type]
+    if g.index is not None:
+        return read_layer(m.item, m.src, g.axis, g.index)
+    return read_layer(m.item, m.src, g.axis, i if g.axis is not None else None)
 
 
 def lora_delta_added(
@@ -89,11 +91,12 @@ def merge_part(
     alone from the factors' matching rows and columns. None where the box does not split
     onto the factors (a dense kernel's box that is not one run of its rows and columns):
     merge the layer whole (`merge_layer`)."""
-    f = m.lora[i] if len(m.lora) > 1 else m.lora[0]
-    li = m.index if m.index is not None else i
+    g = m.args
+    f = g.lora[i] if len(g.lora) > 1 else g.lora[0]
+    li = g.index if g.index is not None else i
     a = read_layer(f.item, f.a, f.axis, li if f.axis is not None else None)
     b = read_layer(f.item, f.b, f.axis, li if f.axis is not None else None)
-    full = m.spec.shape if m.layers else _layer_shape(m)
+    full = m.spec.shape if g.layers else _layer_shape(m)
     boxes = factor_boxes(full, start, w.shape, a.shape, b.shape, layout=f.layout)
     if boxes is None:
         return None
@@ -110,8 +113,8 @@ def merge_part(
 
 
 def _layer_shape(m: Move) -> tuple[int, ...]:
-    s = m.spec.shape
-    return s if m.axis is None else s[: m.axis] + s[m.axis + 1 :]
+    s, a = m.spec.shape, m.args.axis
+    return s if a is None else s[:a] + s[a + 1 :]
 
 
 def factor_boxes(full, start, shape, a_shape, b_shape, *, layout) -> tuple | None:

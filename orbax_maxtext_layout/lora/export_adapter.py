@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from ..base.reports import Report
 from ..base.treepaths import keystr
 from ..errors import CheckpointReadError, LayoutMismatchError, StepExistsError, UsageError
 from ..formats.safetensors_writer import SafetensorsSink
@@ -56,7 +57,7 @@ PEFT_PREFIX = "base_model.model."  # PEFT's names: the model wrapped once (``Pef
 
 
 @dataclasses.dataclass
-class AdapterReport:
+class AdapterReport(Report):
     """What ``export-hf --adapter`` wrote (or, with ``dry_run``, would write)."""
 
     step: str
@@ -79,12 +80,6 @@ class AdapterReport:
     tensor_list: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     files: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         lines = [
@@ -118,7 +113,7 @@ class _Module:
 
     @property
     def factor(self) -> LoraFactor:
-        return self.move.lora[0]
+        return self.move.op.factors(self.move)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,7 +317,7 @@ def _modules(
         by_key.setdefault(u.keys[0], []).append(u)
     modules, problems = [], []
     for key, m in keyed.items():
-        us, f = by_key.get(key, []), m.lora[0]
+        us, f = by_key.get(key, []), m.op.factors(m)[0]
         name = keystr(m.dst[2:])  # the adapted weight
         if not us or any(len(u.keys) != 1 or not isinstance(u.hf_path, str) for u in us):
             problems.append(f"{name}: MaxText's mapping writes it fused with other weights")

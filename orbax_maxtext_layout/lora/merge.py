@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from typing import Any, Unpack
 
 from etils import epath
 
+from ..base.reports import Report
 from ..base.treepaths import keystr
 from ..errors import StepExistsError
 from ..execute.options import MergeKeywords, MergeOptions, resolve
@@ -23,7 +23,7 @@ from .merge_plan import NOT_PARAMS, adapter_item, merge_provenance, merge_source
 
 
 @dataclasses.dataclass
-class MergeReport:
+class MergeReport(Report):
     """What a merge did (or, for a dry run, would do)."""
 
     out: str
@@ -41,12 +41,6 @@ class MergeReport:
     dropped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     bytes_written: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         params = self.destinations.get("params", {})
@@ -107,7 +101,7 @@ def merge_lora(
         plain_scan=o.plain_scan,
     )
     dest = epath.Path(out) / "0"
-    axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
+    axis = next((m.args.axis for m in plan.moves if m.op.factors(m)), None)  # a merge's
     report = MergeReport(
         out=str(dest),
         status="dry-run" if o.dry_run else "merged",
@@ -119,7 +113,7 @@ def merge_lora(
         layer_axis=axis if adapters.scanned else None,
         scan=o.scan,
         modules=adapters.modules,
-        merged=[keystr(m.dst) for m in plan.moves if m.lora],
+        merged=[keystr(m.dst) for m in plan.moves if m.op.factors(m)],
         destinations={k: v for k, v in plan.summary().items() if k in ("params", "dropped")},
         dropped=[
             {"item": d.item, "path": keystr(d.src), "bytes": d.spec.nbytes, "reason": d.reason}
@@ -158,7 +152,9 @@ def _publish_merge(dest, plan, sources, prov, budget, *, store: StepStore) -> in
     a merge that fails or is killed leaves no listable step."""
     work = stepdir.new_step_dir(dest, store=store)
     try:
-        written = write_items(work, plan, sources, provenance=prov, budget=budget).bytes_written
+        written = write_items(
+            work, plan, sources, provenance=prov, budget=budget, store=store
+        ).bytes_written
         if not stepdir.publish_step(work, dest, store=store):
             raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
     except BaseException:

@@ -48,7 +48,7 @@ from ..plan.rescan import check_plain_stack, unroll_plan, written_form
 from ..plan.rescan import stack_plan as _stack_plan
 from ..plan.step_plan import narrow, plan_step
 from ..storage.store import store_for
-from .merge_op import MERGE_LORA
+from .merge_op import MERGE_LORA, MergeArgs
 
 LORA_ITEM = "lora"  # the adapter step's model_params, as a source of a merge plan
 SOURCE_LAYOUT = "tunix-lora-merge"
@@ -306,7 +306,7 @@ def _merge_moves(
             )
             continue
         lf = LoraFactor(LORA_ITEM, f.a, f.b, f.a_spec, f.b_spec, axis, scale, layouts[0])
-        moves[m.dst] = dataclasses.replace(m, op=MERGE_LORA, axis=axis, lora=(lf,))
+        moves[m.dst] = dataclasses.replace(m, op=MERGE_LORA, args=MergeArgs((lf,), axis))
     if problems:
         raise LayoutMismatchError(
             f"the LoRA adapters do not fit the base {base_dir} ({len(problems)} modules):",
@@ -400,7 +400,7 @@ def merge_provenance(
     target: Target | None,
 ) -> dict[str, Any]:
     """What a merged step records: enough to say what it is and for `verify` to replay it."""
-    axis = next((m.axis for m in plan.moves if m.lora), None)  # a merge's layer axis
+    axis = next((m.args.axis for m in plan.moves if m.op.factors(m)), None)  # a merge's
     return provenance_record(
         plan,
         SOURCE_LAYOUT,

@@ -148,7 +148,7 @@ class _Kernel:
         factors = {
             (f.item, p): s
             for t in self.tasks
-            for f in t.move.lora
+            for f in t.move.args.lora
             for p, s in ((f.a, f.a_spec), (f.b, f.b_spec))
         }
         factor_bytes = self.factor_bytes = sum(s.nbytes for s in factors.values())
@@ -222,7 +222,7 @@ class _Kernel:
     def _reader(self, m: Move, w: np.ndarray):
         """What `merge_layer` reads: ``w`` for the base, the factors' layers from their
         decoded wholes."""
-        base = {(m.item, m.src), *((m.item, p) for p in m.layers)}
+        base = {(m.item, m.src), *((m.item, p) for p in m.args.layers)}
 
         def read(item, path, axis, index):
             if (item, path) in base:
@@ -257,15 +257,15 @@ def _kernels(
             dst_json, orbax_files.param_name(m.dst), out.shape, out.dtype, m.op.chunk_shape(m),
             use_zarr3=zarr3, context=ctx,
         )  # fmt: skip
-        key = (m.item, m.src)
+        key, g = (m.item, m.src), m.args  # `merge_op.MergeArgs`
         k = kernels.get(key)
         if k is None:
-            whole = not m.layers and m.spec.nbytes <= budget
-            k = kernels[key] = _Kernel(m.item, m.src, m.axis, m.spec.nbytes, whole, sources, ctx)
-        count = m.layer_count
+            whole = not g.layers and m.spec.nbytes <= budget
+            k = kernels[key] = _Kernel(m.item, m.src, g.axis, m.spec.nbytes, whole, sources, ctx)
+        count = g.layer_count(m.spec)
         for i in range(count or 1):
-            index = m.index if count is None else i
-            layer = None if count is None else (m.axis, i)
+            index = g.index if count is None else i
+            layer = None if count is None else (g.axis, i)
             k.tasks.append(_LayerTask(m, i, index, layer, dst, _task_cost(m, k.whole)))
             if k.whole:
                 j = 0 if index is None else index
@@ -282,4 +282,5 @@ def _task_cost(m: Move, whole: bool) -> int:
 
 def _layer_bytes(m: Move) -> int:
     """The bytes of one layer of a merge_lora move's base kernel."""
-    return m.spec.nbytes // max(1, m.spec.shape[m.axis] if m.axis is not None else 1)
+    a = m.args.axis
+    return m.spec.nbytes // max(1, m.spec.shape[a] if a is not None else 1)

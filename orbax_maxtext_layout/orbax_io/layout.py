@@ -62,15 +62,16 @@ def detect_layout(step_dir: epath.PathLike, *, store: StepStore | None = None) -
     return layout if store.step_committed(step_dir) else Layout.UNKNOWN
 
 
-def is_committed(step_dir: epath.PathLike, *, store: StepStore | None = None) -> bool:
+def is_committed(step_dir: epath.PathLike, *, store: StepStore) -> bool:
     """Whether a step directory is a finished step.
 
     On an object store, as for Orbax, only once its ``commit_success.txt`` exists:
     without it, it is a save, a move or an ``--out`` in progress (or a dead one). On a
-    disk a step directory appears whole (Orbax renames it into place).
+    disk a step directory appears whole (Orbax renames it into place). ``store``: the
+    root's, as the caller decided it.
     """
     step_dir = epath.Path(step_dir)
-    return (store or store_for(step_dir)).step_committed(step_dir)
+    return store.step_committed(step_dir)
 
 
 def tunix_items(

@@ -126,11 +126,10 @@ def read_array_metadatas(item_dir: epath.Path, *, store: StepStore) -> dict[str,
     return out
 
 
-def key_impls(item_dir: epath.Path, *, store: StepStore | None = None) -> dict[str, str]:
+def key_impls(item_dir: epath.Path, *, store: StepStore) -> dict[str, str]:
     """``param_name -> random_key_impl`` of the item's stored PRNG keys (JSON only);
-    ``store``: the root's, as the caller decided it (else decided here)."""
+    ``store``: the root's, as the caller decided it."""
     out = {}
-    store = store or store_for(item_dir)
     for name, meta in read_array_metadatas(item_dir, store=store).items():
         impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
         if impl:

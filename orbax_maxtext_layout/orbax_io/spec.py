@@ -131,12 +131,11 @@ def read_specs(item_dir: epath.Path) -> FlatTree:
     return specs if specs is not None else orbax_specs(item_dir, store=store)
 
 
-def orbax_specs(item_dir: epath.Path, *, store: StepStore | None = None) -> FlatTree:
+def orbax_specs(item_dir: epath.Path, *, store: StepStore) -> FlatTree:
     """`read_specs` through Orbax's own ``PyTreeCheckpointHandler.metadata`` (which opens
     every array with tensorstore, one by one, and reads ``_sharding`` for each). ``store``:
-    the root's, as `read_specs` decided it (else decided here)."""
+    the root's, as `read_specs` decided it."""
     item_dir = epath.Path(item_dir)
-    store = store or store_for(item_dir)
     _item_metadata(item_dir, store)
     try:
         tree = ocp.PyTreeCheckpointHandler().metadata(absolute(item_dir)).tree

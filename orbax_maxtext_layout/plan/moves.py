@@ -5,14 +5,14 @@ A `Plan` is a list of moves plus the source leaves deliberately left behind
 destination leaf is described by a small named operation on its source leaves:
 
 ======== =====================================================================
-op       destination leaf
+op       destination leaf (the op's own parameters, its ``args``)
 ======== =====================================================================
 copy     the source leaf, stored bytes unchanged (PRNG keys keep their impl)
-cast     the source leaf cast to ``cast`` (``step``: uint32 -> int32)
+cast     the source leaf cast to ``dtype`` (``step``: uint32 -> int32)
 constant ``value``, no source (``step`` from the step directory's number)
 slice    layer ``index`` of a stacked source, taken on ``axis`` (unroll)
-stack    the sources (one per layer) joined on ``axis`` (stack); a ``None``
-         layer is RNG state the source never had, initialised fresh
+stack    the sources (one per layer, ``layers``) joined on ``axis`` (stack); a
+         ``None`` layer is RNG state the source never had, initialised fresh
 fresh    no source: RNG state initialised fresh (count 0, a derived key; with
          ``axis``, a stacked leaf whose layers are derived one by one, as for stack)
 merge_lora  a base weight plus its LoRA delta, per layer ``l``:
@@ -20,6 +20,10 @@ merge_lora  a base weight plus its LoRA delta, per layer ``l``:
          each layer, in another item); the base layer comes as for copy, slice
          (``index``) or stack (``layers``), on ``axis``
 ======== =====================================================================
+
+Each op's parameters are its own frozen dataclass (``op.Args``: `plan.ops.CastArgs`, ...,
+`lora.merge_op.MergeArgs`), carried by the move as ``args``: the move holds only what every
+move has.
 
 The same plan drives the dry-run report, the writer, the in-memory restore and
 `verify`, which checks every written leaf against `apply_op` of its sources.
@@ -47,9 +51,12 @@ class Op:
     the LoRA merge's in `lora`), one instance each, registered here as ``Op.COPY``, ...
     (the enum's spelling: ``name`` ``"COPY"``, ``value`` ``"copy"``, what reports print).
     Callers ask the op (what it reads, what it writes, how it applies to a box) instead of
-    branching on which op it is; the per-op fields stay on the `Move`."""
+    branching on which op it is; what one move of it needs besides (an axis, a layer, a
+    value) is the op's own parameters, an ``Args`` the move carries (``Move.args``)."""
 
     name: ClassVar[str] = ""
+    # The type of this op's parameters (`Move.args`); an op that has none takes `NoArgs`.
+    Args: ClassVar[type] = None  # type: ignore[assignment]  # `NoArgs`, set below
     # The written leaf is its one source leaf's stored bytes, renamed only: grafted, never
     # decoded (`execute.write`), compared key by key (`execute.verify`).
     renames: ClassVar[bool] = False
@@ -81,10 +88,6 @@ class Op:
         return self.name  # one instance per op: unpickled as the module's own (`plan.ops`)
 
     # -- the plan's view: what it reads and writes ---------------------------------------
-    def casting(self, cast: np.dtype | None) -> Op:
-        """The op a move with a ``cast`` carries out (a copy with a cast is a cast)."""
-        return self
-
     @property
     def unrolled(self) -> Op | None:
         """The op that writes one layer of this op's stacked leaf (None: it cannot)."""
@@ -95,6 +98,13 @@ class Op:
         """The op that writes the layers of this op's leaves stacked into one."""
         return Op.STACK
 
+    def unroll(self, m: Move, *, dst: Path, axis: int, index: int) -> Move:
+        """The move writing layer ``index`` on ``axis`` of the stacked leaf ``m`` writes, at
+        ``dst``: this op's `unrolled` op (a slice) of that layer."""
+        op = self.unrolled
+        assert op is not None, m
+        return dataclasses.replace(m, dst=dst, op=op, args=op.Args(axis=axis, index=index))
+
     def stack_layers(
         self, got: Mapping[int, Move], n: int, *, dst: Path, axis: int, note: str
     ) -> Move | str:
@@ -103,13 +113,23 @@ class Op:
         which); or why they do not stack."""
         first = got[min(got)]
         srcs = tuple(got[i].src if i in got else None for i in range(n))
+        op = self.stacked
         return dataclasses.replace(
-            first, dst=dst, op=self.stacked, axis=axis, layers=srcs, note=note
+            first, dst=dst, op=op, args=op.Args(axis=axis, layers=srcs), note=note
         )
 
     def sources(self, m: Move) -> tuple[Path, ...]:
         """The source leaves ``m`` reads (all in ``m.item``)."""
         return (m.src,)
+
+    def reads(self, m: Move) -> tuple[tuple[str, Path, LeafSpec], ...]:
+        """Every source leaf ``m`` reads, as ``(item, path, stored spec)``."""
+        return tuple((m.item, p, m.spec) for p in self.sources(m))
+
+    def factors(self, m: Move) -> tuple[LoraFactor, ...]:
+        """The LoRA factors ``m`` adds to its base, one per layer or one for all (a
+        merge's); none for every other op."""
+        return ()
 
     def out_spec(self, m: Move) -> LeafSpec:
         """The stored form of the leaf ``m`` writes."""
@@ -220,11 +240,20 @@ class LoraFactor:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class NoArgs:
+    """The parameters of an op that takes none (a copy)."""
+
+
+Op.Args = NoArgs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Move:
-    """One destination leaf ``dst`` (a full items path) and how it is made.
+    """One destination leaf ``dst`` (a full items path) and how it is made: by ``op``, with
+    its own parameters ``args`` (an ``op.Args``; a copy's, `NoArgs`, by default).
 
     ``item``/``src`` name the source leaf (for ``stack``: the first present layer,
-    all layers in ``layers``); ``spec`` is the stored form of that source leaf (for
+    all layers in its ``layers``); ``spec`` is the stored form of that source leaf (for
     ``constant``/``fresh``: of the leaf written). `out_spec` is what is written.
     """
 
@@ -233,17 +262,17 @@ class Move:
     dst: Path
     dest: Dest
     spec: LeafSpec
-    cast: np.dtype | None = None  # stored dtype to cast to (step: uint32 -> int32)
     note: str = ""  # e.g. "synthesized from ..." for a leaf copied to a second place
-    op: Op = None  # type: ignore[assignment]  # a copy (a cast with ``cast``), see __post_init__
-    axis: int | None = None  # slice / stack / fresh: the layer axis of the stacked side
-    index: int | None = None  # slice: the layer taken
-    layers: tuple[Path | None, ...] = ()  # stack: source path of each layer
-    value: int | None = None  # constant
-    lora: tuple[LoraFactor, ...] = ()  # merge_lora: one per layer (or one for all)
+    op: Op = None  # type: ignore[assignment]  # a copy, see __post_init__
+    args: Any = None  # the op's parameters (``op.Args``); None: an op that takes none
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "op", (self.op or Op.COPY).casting(self.cast))
+        op = self.op or Op.COPY
+        object.__setattr__(self, "op", op)
+        if self.args is None:
+            object.__setattr__(self, "args", op.Args())
+        elif not isinstance(self.args, op.Args):
+            raise TypeError(f"{op.value} takes {op.Args.__name__}, not {self.args!r}")
 
     @property
     def sources(self) -> tuple[Path, ...]:
@@ -254,14 +283,43 @@ class Move:
     def reads(self) -> tuple[tuple[str, Path, LeafSpec], ...]:
         """Every source leaf read, as ``(item, path, stored spec)``: `sources` in
         ``item``, plus a merge's LoRA factors (in their own item)."""
-        out = [(self.item, p, self.spec) for p in self.sources]
-        for f in dict.fromkeys(self.lora):
-            out += [(f.item, f.a, f.a_spec), (f.item, f.b, f.b_spec)]
-        return tuple(out)
+        return self.op.reads(self)
+
+    # The op's parameters as the move's fields once spelled them (read only, for the public
+    # surface; the package asks ``args``, or the op).
+    @property
+    def cast(self) -> np.dtype | None:
+        """cast: the stored dtype cast to."""
+        return getattr(self.args, "dtype", None)
+
+    @property
+    def axis(self) -> int | None:
+        """slice, stack, fresh, merge_lora: the layer axis of the stacked side."""
+        return getattr(self.args, "axis", None)
+
+    @property
+    def index(self) -> int | None:
+        """slice (and an unrolled merge_lora): the layer taken."""
+        return getattr(self.args, "index", None)
+
+    @property
+    def layers(self) -> tuple[Path | None, ...]:
+        """stack (and a stacked merge_lora): the source path of each layer."""
+        return getattr(self.args, "layers", ())
+
+    @property
+    def value(self) -> int | None:
+        """constant: the value written."""
+        return getattr(self.args, "value", None)
+
+    @property
+    def lora(self) -> tuple[LoraFactor, ...]:
+        """merge_lora: the factors, one per layer (or one for all)."""
+        return self.op.factors(self)
 
     @property
     def layer_count(self) -> int | None:
-        """merge_lora: how many layers the written leaf stacks on ``axis`` (None: one layer)."""
+        """How many layers the written leaf stacks on ``axis`` (None: one layer)."""
         if self.layers:
             return len(self.layers)
         if self.axis is None or self.index is not None:

@@ -29,7 +29,7 @@ from ..errors import (
 from ..orbax_io import stepdir, stepmeta
 from ..orbax_io.layout import Layout, maxtext_number, tunix_step_number
 from ..storage.lock import RENUMBER_LOCK_NAME, holder, step_lock
-from ..storage.store import StepStore, store_for
+from ..storage.store import StepStore
 from .moves import Plan
 from .steps import StepInfo, find_steps
 
@@ -83,6 +83,7 @@ def plan_run(
     infos: Sequence[StepInfo],
     plan_of: Callable[[epath.Path], Plan],
     *,
+    store: StepStore,
     renumber: bool = True,
 ) -> list[PlannedStep]:
     """The run plan: each Tunix step's conversion plan (``plan_of``, metadata only), then
@@ -91,7 +92,8 @@ def plan_run(
     A step whose conversion cannot be planned (a wrong target, a LoRA adapter step, a
     damaged item) carries that error and does not move: planned before anything moves,
     a step that does not fit stays where it is (and holds its number). ``renumber=False``
-    plans no move (Tunix's numbers kept).
+    plans no move (Tunix's numbers kept). ``store``: the run's root's, as the caller
+    decided it.
     """
     plans: dict[epath.Path, Plan] = {}
     errors: dict[epath.Path, OrbaxMaxTextLayoutError] = {}
@@ -104,7 +106,7 @@ def plan_run(
     movable = [i for i in infos if i.path not in errors]
     if renumber:
         known = {d: p.step for d, p in plans.items()}  # the update count each plan was read for
-        placed = {p.info.path: p for p in plan_renumbering(movable, known)}
+        placed = {p.info.path: p for p in plan_renumbering(movable, known, store=store)}
     else:
         placed = {i.path: PlannedStep(i, i.path) for i in movable}
     out = []
@@ -119,7 +121,10 @@ def plan_run(
 
 
 def plan_renumbering(
-    infos: Sequence[StepInfo], known: Mapping[epath.Path, int | None] | None = None
+    infos: Sequence[StepInfo],
+    known: Mapping[epath.Path, int | None] | None = None,
+    *,
+    store: StepStore,
 ) -> list[PlannedStep]:
     """Where each step of ``infos`` is converted, and the moves that take it there.
 
@@ -129,11 +134,11 @@ def plan_renumbering(
     not move away first; steps not in ``infos`` stay where they are. ``known`` gives the
     update count of a step where it was read together with its conversion plan (the plan's
     step), so that a step and its plan stay one even if the directory changed meanwhile.
+    ``store``: the root's (every directory of steps lies under it), as the caller decided it.
     """
     known = known or {}
     out: dict[epath.Path, PlannedStep] = {}
     for folder, members in _by_folder(infos).items():
-        store = store_for(folder)  # decided once per directory of steps, handed down
         occupied = {s.step for s in find_steps(folder, roles=False)}
         held: set[int] = set()  # directories another live process holds where they are
         todo = []
@@ -190,7 +195,10 @@ def _by_folder(infos: Iterable[StepInfo]) -> dict[epath.Path, list[StepInfo]]:
 
 
 def apply_renumbering(
-    planned: Sequence[PlannedStep], plan_of: Callable[[epath.Path], Plan] | None = None
+    planned: Sequence[PlannedStep],
+    plan_of: Callable[[epath.Path], Plan] | None = None,
+    *,
+    store: StepStore,
 ) -> list[PlannedStep]:
     """Makes the moves of a `plan_renumbering` plan, under each directory's renumber lock.
 
@@ -207,7 +215,6 @@ def apply_renumbering(
     for p in planned:
         folders.setdefault(p.info.path.parent, []).append(p)
     for folder, mine in folders.items():
-        store = store_for(folder)  # decided once per directory of steps, handed down
         try:
             with step_lock(folder, store=store, name=RENUMBER_LOCK_NAME, wait=_LOCK_WAIT):
                 out.update(_apply_in(folder, mine, plan_of, store=store))
@@ -276,7 +283,7 @@ def _apply_in(
         now.append(here)
     blocked: set[epath.Path] = set()  # directories another process holds where they are
     known = {i.path: p.tunix for p, i in zip(live, now, strict=True) if i.layout is Layout.TUNIX}
-    for p, q in zip(live, plan_renumbering(now, known), strict=True):
+    for p, q in zip(live, plan_renumbering(now, known, store=store), strict=True):
         extra = [*notes, *([seen[q.info.path]] if q.info.path in seen else [])]
         notes = []  # the folder's notes go with its first step
         if q.renumbering is not None and q.renumbering.dst in blocked:

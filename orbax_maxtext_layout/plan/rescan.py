@@ -292,11 +292,11 @@ class _Unroll:
             self.one(m, _splice(m.dst, pos, prefix, family[0].unrolled), m)
             return
         a = layer_axis(self.axes, m.dst)
-        op = m.op.unrolled  # a copy slices; a merge merges layer i only (`ops.merge_layer`)
-        assert op is not None and a is not None, m
+        assert m.op.unrolled is not None and a is not None, m
         for la in family:
             dst = _splice(m.dst, pos, prefix, la.unrolled)
-            sliced = dataclasses.replace(m, dst=dst, op=op, axis=a, index=la.index)
+            # a copy slices; a merge merges layer i only (`Op.unroll`)
+            sliced = m.op.unroll(m, dst=dst, axis=a, index=la.index)
             if self.wanted(dst) or not (m.dst[:2] == AUX_ROOT and is_rng(m.dst)):
                 self.one(m, dst, sliced)
                 continue
@@ -355,7 +355,10 @@ def _never_had(
             # In a block, each layer is derived as a missing layer of a stack is (and as
             # `scan_trees.stack` derives it), unless the target holds one value for all layers.
             a = a if a is not None and len(spec.shape) - bool(spec.key_impl) > a else None
-            fresh = Move("", (), AUX_ROOT + p, Dest.NNX_AUX, spec, op=ops.FRESH, axis=a, note=note)
+            args = ops.FreshArgs(axis=a)
+            fresh = Move(
+                "", (), AUX_ROOT + p, Dest.NNX_AUX, spec, note=note, op=ops.FRESH, args=args
+            )
             moves.append(fresh)
     return moves, notes
 

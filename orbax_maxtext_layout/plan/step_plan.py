@@ -203,7 +203,10 @@ def _plan_step_source(
     step_src = ocur.pop(STEP_PATH, None)
     if step_src is not None:
         spec, want = optimizer[step_src], _step_dtype(target)
-        draft.moves.append(Move(TUNIX_OPT_ITEM, step_src, STEP_PATH, Dest.STEP, spec, cast=want))
+        cast = ops.CastArgs(want)  # uint32 -> int32
+        draft.moves.append(
+            Move(TUNIX_OPT_ITEM, step_src, STEP_PATH, Dest.STEP, spec, op=ops.CAST, args=cast)
+        )
         step_source = f"{TUNIX_OPT_ITEM}/{keystr(step_src)}"
     opt = {p[1:]: src for p, src in ocur.items() if p[:1] == OPT_ROOT}
     for p, src in ocur.items():
@@ -254,7 +257,8 @@ def _step_dtype(target: Target) -> np.dtype:
 def _step_constant(step: int, target: Target) -> Move:
     spec = LeafSpec((), _step_dtype(target))
     note = "from the step directory's number"
-    return Move("", (), STEP_PATH, Dest.STEP, spec, op=ops.CONSTANT, value=step, note=note)
+    args = ops.ConstantArgs(step)
+    return Move("", (), STEP_PATH, Dest.STEP, spec, note=note, op=ops.CONSTANT, args=args)
 
 
 def has_adapter(cur: Mapping[Path, Path], target: Target) -> bool:

@@ -40,6 +40,7 @@ from orbax_maxtext_layout import (
 from orbax_maxtext_layout.base.treepaths import flatten, keystr, unflatten
 from orbax_maxtext_layout.orbax_io.orbax_files import key_impls
 from orbax_maxtext_layout.orbax_io.stepmeta import read as read_step_metadata
+from orbax_maxtext_layout.storage.store import store_for
 
 # Hypothesis caches (constants, unicode data) go to a temporary directory, not into the
 # repository's .hypothesis/ (this suite writes only under tests/reliability). No other test
@@ -374,7 +375,8 @@ def test_array_metadata_reader_fuzz(item_copy):
     def run(content):
         S.count("fuzzed")
         f.write_bytes(content)
-        _only_read_errors(key_impls, item_copy / "model_params")
+        item = item_copy / "model_params"
+        _only_read_errors(lambda d: key_impls(d, store=store_for(d)), item)
 
     try:
         run()
