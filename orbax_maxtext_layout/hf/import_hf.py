@@ -437,7 +437,9 @@ def _import_as_lora(
             ad.plan, weights, unheld=unheld, rank=rank, alpha=alpha, module_path=written
         )
         if dest.exists():
-            raise StepExistsError(f"{dest} exists; import-hf writes a new step: pass another --out.")
+            raise StepExistsError(
+                f"{dest} exists; import-hf writes a new step: pass another --out."
+            )
         if not o.dry_run:
             arrays = peft_as_lora.factors(lp, ad.dir.read)
             provenance = {

@@ -182,7 +182,6 @@ def plan_adapter(
             f"{adapter_dir}: LoRA alpha is needed (the step does not record it; Tunix saves "
             "neither rank nor alpha): pass --alpha, the run's lora.lora_alpha."
         )
-    base_model_name_or_path = base_model_name_or_path or recorded.get("base_model_name_or_path")
     argv = hf_mapping.with_scan_layers(list(maxtext_config), adapters.scanned, adapter_dir)
     config = hf_mapping.load_config(argv)
     model = hf_mapping.load_model(config, override_model_architecture=override_model_architecture)
@@ -201,7 +200,7 @@ def plan_adapter(
     tensors = [t for mod in modules for t in _tensors(mod)]
     sink = SafetensorsSink(1 << 62, weights_file=ADAPTER_FILE)  # one file, however large
     (shard,) = sink.layout(tensors)
-    hf_id = base_model_name_or_path or hf_mapping.hf_id(model.model_name)
+    hf_id = base_model_name_or_path or recorded or hf_mapping.hf_id(model.model_name)
     names = {_hf_module(u) for m in modules for u in m.units}
     targets = sorted({n.rsplit(".", 1)[-1] for n in names})
     report = AdapterReport(
@@ -227,13 +226,14 @@ def plan_adapter(
     return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report, sink)
 
 
-def _recorded(adapter_dir: epath.Path, adapters: Any) -> dict[str, Any]:
+def _recorded(adapter_dir: epath.Path, adapters: Any) -> str | None:
     """What the step records of its LoRA (``custom_metadata["lora"]``: ``import-hf
     --as-lora`` writes rank, alpha, the adapted modules and the PEFT base's name; MaxText's
-    own saves its lora config), its rank and modules checked against the factors'."""
+    own saves its lora config), its rank and modules checked against the factors'; the
+    recorded ``base_model_name_or_path`` (None: none)."""
     rec = stepmeta.custom(stepmeta.read(adapter_dir)).get("lora")
     if not isinstance(rec, dict):
-        return {}
+        return None
     problems = []
     rank = rec.get("lora_rank")
     if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 and rank != adapters.rank:
@@ -251,7 +251,7 @@ def _recorded(adapter_dir: epath.Path, adapters: Any) -> dict[str, Any]:
             hint="The step was changed after it was written; write it again.",
         )
     name = rec.get("base_model_name_or_path")
-    return {"base_model_name_or_path": name} if isinstance(name, str) and name else {}
+    return name if isinstance(name, str) and name else None
 
 
 def _module_row(m: _Module) -> dict[str, Any]:

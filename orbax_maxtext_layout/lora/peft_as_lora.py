@@ -114,7 +114,7 @@ class AsLoraPlan:
 
     @property
     def modules(self) -> list[str]:
-        return [p.weight.module for p in self.weights]
+        return sorted(p.weight.module for p in self.weights)
 
     def shapes(self) -> dict[Path, tuple[int, ...]]:
         """Every factor leaf (with its ``value`` level) and its shape."""
@@ -143,7 +143,9 @@ class AsLoraPlan:
 
     def to_dict(self) -> dict[str, Any]:
         folded = sorted({d.scale / self.scale for p in self.weights for d in p.deltas if d})
-        padded = sorted({d.rank for p in self.weights for d in p.deltas if d and d.rank < self.rank})
+        padded = sorted(
+            {d.rank for p in self.weights for d in p.deltas if d and d.rank < self.rank}
+        )
         return {
             "rank": self.rank,
             "alpha": self.alpha,
@@ -201,8 +203,7 @@ def plan_as_lora(
         )
     if problems:
         raise AsLoraRefusedError(
-            f"{adapter.where}: this PEFT adapter cannot be written exactly as a MaxText LoRA "
-            "step:",
+            f"{adapter.where}: this PEFT adapter cannot be written exactly as a MaxText LoRA step:",
             problems,
             hint="Nothing was written. Merge it instead: import-hf HF_DIR --adapter (or --base "
             "STEP) without --as-lora.",
@@ -291,7 +292,9 @@ def factors(plan: AsLoraPlan, read: Callable[[str], np.ndarray]) -> dict[Path, n
         for i in sorted({adapted[0], adapted[-1]}) if adapted else []:
             err = check_layer(plan, p, p.deltas[i], read, (a_all[i], b_all[i]))
             if not err <= TOLERANCE:
-                bad.append(f"{w.module} ({w.hf[i]}): qwix's factors miss the hooked delta by {err:.3g}")
+                bad.append(
+                    f"{w.module} ({w.hf[i]}): qwix's factors miss the hooked delta by {err:.3g}"
+                )
         if w.axis is None:
             out[w.factor_path("a")], out[w.factor_path("b")] = a_all[0], b_all[0]
         else:
@@ -350,7 +353,9 @@ def _write_item(arrays: Mapping[Path, np.ndarray], tmp: epath.Path, use_zarr3: b
     kv = orbax_files.open_kvstore(tmp, ctx, use_ocdbt=True)
     dst = kv.spec().to_json()
     for path, x in arrays.items():
-        item_writer.write_array(dst, orbax_files.param_name(path), x, use_zarr3=use_zarr3, context=ctx)
+        item_writer.write_array(
+            dst, orbax_files.param_name(path), x, use_zarr3=use_zarr3, context=ctx
+        )
     leaves = {p: orbax_files.leaf_files(None, None, list(x.shape), None) for p, x in arrays.items()}
     orbax_files.write_metadata(tmp, leaves, use_zarr3=use_zarr3)
 
@@ -365,4 +370,6 @@ def module_pattern(weights: Sequence[Weight]) -> str:
     unscanned one), for ``train_sft`` to put LoRA on them and on nothing else: qwix
     fullmatches it, and ``train_sft`` refuses a LoRA module it finds no factors for."""
     names = sorted({generic(w.module) for w in weights})
-    return "|".join(re.escape(n).replace(re.escape("layers_[0-9]+"), "layers_[0-9]+") for n in names)
+    return "|".join(
+        re.escape(n).replace(re.escape("layers_[0-9]+"), "layers_[0-9]+") for n in names
+    )

@@ -20,9 +20,7 @@ from . import stepmeta
 from .layout import MAXTEXT_ITEM, Layout, detect_layout, tunix_step_number
 
 
-def new_tmp_dir(
-    step_dir: epath.Path, *, store: StepStore, item: str = MAXTEXT_ITEM
-) -> epath.Path:
+def new_tmp_dir(step_dir: epath.Path, *, store: StepStore, item: str = MAXTEXT_ITEM) -> epath.Path:
     """Where a new ``items`` (or another ``item``: ``model_params``) is written before its
     commit.
 
