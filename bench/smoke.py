@@ -94,6 +94,7 @@ SCRIPTS: dict[str, Script | str] = {
     "import_hf.py": Script(
         "maxtext", "--tiny --layers 1 --work {t} --ops cp floor import-hf --quiet-wait 0"
     ),
+    "import_as_lora.py": Script("maxtext", "--tiny --layers 2 --rank 4 --repeats 1 --work {t}"),
     # -- modules: run by the scripts named ---------------------------------------------------
     "smoke.py": "this driver",
     "child.py": "run.py (each mode's measured child)",

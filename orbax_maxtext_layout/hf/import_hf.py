@@ -410,10 +410,11 @@ def _import_as_lora(
     merge, then each adapted weight's factors carried through its hooks into qwix's
     (`peft_as_lora`), written as ``<out>/0/model_params``."""
     start = time.monotonic()
-    if o.adapter is None or o.base is not None:
+    if o.adapter is None or o.base is not None or o.save_dtype not in (None, "float32"):
         raise UsageError(
             "--as-lora writes a PEFT adapter as a MaxText LoRA step: give --adapter, and no "
-            "--base (the step holds the adapter alone)."
+            "--base (the step holds the adapter alone) or --save-dtype (its factors are "
+            "float32, as qwix makes them for MaxText's float32 weights)."
         )
     hf = HfDir.open(hf_dir) if hf_dir is not None else None
     config = hf_mapping.load_config(maxtext_config)
@@ -456,10 +457,13 @@ def _import_as_lora(
     finally:
         ad.dir.close()
     shapes = lp.shapes()
+    written = sum(math.prod(x) * 4 for x in shapes.values())
+    # held: every factor (written at the end), and a weight's probes and checks, float64
+    # copies of one layer's kernel
+    held = written + 3 * 8 * max((math.prod(w.kernel) for w in weights), default=0)
     return ImportReport(
         str(o.adapter), str(out), config.model_name, bool(config.scan_layers), "float32",
-        len(shapes), len(ad.plan.deltas), ad.bytes_read,
-        sum(math.prod(x) * 4 for x in shapes.values()), 0, o.dry_run,
+        len(shapes), len(ad.plan.deltas), ad.bytes_read, written, held, o.dry_run,
         0.0 if o.dry_run else time.monotonic() - start,
         {**ad.plan.to_dict(), "as_lora": lp.to_dict()},
     )  # fmt: skip

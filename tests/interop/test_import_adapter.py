@@ -367,10 +367,8 @@ def _as_lora(case: Case, adapter: Path, out: Path, *extra: str):
     )  # fmt: skip
 
 
-def _peft_logits(work: Path, base: Path, adapters: dict[str, Path]) -> dict[str, np.ndarray]:
-    """``PeftModel``'s logits of ``base`` with each adapter (peft_child.py, the hf venv)."""
-    jobs = [{"name": n, "base": str(base), "merged": str(base), "adapter": str(a)}
-            for n, a in adapters.items()]  # fmt: skip
+def _peft_child(work: Path, jobs: list[dict]) -> dict[str, np.ndarray]:
+    """``PeftModel``'s logits of each job's base with its adapter (peft_child.py, hf venv)."""
     import lora_logits_support as G
 
     work.mkdir(parents=True, exist_ok=True)
@@ -384,10 +382,7 @@ def _peft_logits(work: Path, base: Path, adapters: dict[str, Path]) -> dict[str,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(work / "peft.npz") as z:
-        out = {n: z[f"{n}::peft"] for n in adapters}
-        out["base"] = z[f"{next(iter(adapters))}::base"]
-        out["info"] = {n: json.loads(str(z[f"{n}::info"])) for n in adapters}
-    return out
+        return {k: z[k] for k in z.files}
 
 
 def _products(adapter: Path) -> dict[str, np.ndarray]:
@@ -413,60 +408,102 @@ AS_LORA = {"llama31-patterns": True, "llama31-rslora-qv": False}  # case -> scan
 
 
 @pytest.fixture(scope="module")
-def as_lora_base(made, tmp_path_factory):
-    """The llama base imported once per scan form (float32), as MaxText loads it."""
-    root = tmp_path_factory.mktemp("as-lora-base")
-    out = {}
-    for case_id, scan in AS_LORA.items():
-        case = dataclasses.replace(MADE[case_id], scan=scan)
-        if scan not in out:
-            out[scan] = _import(made[case_id][0] / "base", root / f"scan{int(scan)}", case)
-    return {scan: root / f"scan{int(scan)}" / "0" / "items" for scan in out}
+def as_lora(made, tmp_path_factory) -> dict:
+    """Every --as-lora run, once: each case's base imported (float32) and adapter written as a
+    LoRA step, exported back with ``export-hf --adapter`` (no ``--alpha``); then, side by side
+    (2 cores), one MaxText child building both LoRA models (as ``train_sft`` builds them), one
+    PEFT child for both cases' original and exported adapters, and ``train_sft`` resuming
+    from the scanned case's step for one update."""
+    import concurrent.futures
 
-
-@pytest.mark.parametrize("case_id", list(AS_LORA))
-def test_as_lora_logits_and_round_trip(made, as_lora_base, tmp_path, case_id):
+    import hf_export_support as S
     import lora_logits_support as G
 
     import orbax_maxtext_layout as oml
 
-    case = dataclasses.replace(MADE[case_id], scan=AS_LORA[case_id])
-    d, _ = made[case_id]
-    report = _as_lora(case, d / "adapter", tmp_path / "step")
-    lora = report.adapter["as_lora"]
-    assert report.out == str(tmp_path / "step") and report.adapter["tensors"] > 0
-    step = tmp_path / "step" / "0"
-    meta = json.loads((step / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]["lora"]
-    assert (meta["lora_rank"], meta["lora_alpha"]) == (lora["rank"], lora["alpha"])
-    assert sorted(p.name for p in step.iterdir() if p.is_dir()) == ["model_params"]
-    keys = [*H.FAMILY_KEYS[case.family], H.scan_key(case.scan)]
-    restore = {"rank": lora["rank"], "alpha": lora["alpha"], "restore": str(step / "model_params"),
-               "module_path": lora["module_path"]}  # fmt: skip
-    job = G.job("lora", keys, as_lora_base[case.scan], tmp_path / "run", lora=restore)
-    maxtext = G.run_child(tmp_path / "maxtext", [job])["lora"]
-    # export-hf --adapter of the step, without --alpha: the step records it
-    back = tmp_path / "back"
-    exported = oml.export_hf(
-        step, back, maxtext_config=[str(L.base_yml()), *keys], adapter=True,
-        override_model_architecture=True,
+    root = tmp_path_factory.mktemp("as-lora")
+    runs, jobs, peft = {}, [], []
+    for case_id, scan in AS_LORA.items():
+        case = dataclasses.replace(MADE[case_id], scan=scan)
+        d, work = made[case_id][0], root / case_id
+        _import(d / "base", work / "base", case)
+        report = _as_lora(case, d / "adapter", work / "step")
+        lora = report.adapter["as_lora"]
+        keys = [*H.FAMILY_KEYS[case.family], H.scan_key(scan)]
+        step = work / "step" / "0"
+        exported = oml.export_hf(
+            step, work / "back", maxtext_config=[str(L.base_yml()), *keys], adapter=True,
+            override_model_architecture=True,
+        )  # fmt: skip
+        restore = {"rank": lora["rank"], "alpha": lora["alpha"],
+                   "restore": str(step / "model_params"), "module_path": lora["module_path"]}  # fmt: skip
+        jobs.append(G.job(case_id, keys, work / "base" / "0" / "items", work / "run", lora=restore))
+        peft += [{"name": f"{case_id}__{n}", "base": str(d / "base"), "merged": str(d / "base"),
+                  "adapter": str(a)} for n, a in (("orig", d / "adapter"), ("back", work / "back"))]  # fmt: skip
+        runs[case_id] = {"report": report, "step": step, "exported": exported, "work": work}
+    scanned = next(c for c, scan in AS_LORA.items() if scan)
+    lora = runs[scanned]["report"].adapter["as_lora"]
+    params = runs[scanned]["step"] / "model_params"
+    sft = S.train_sft_job(
+        "train_sft", root / "sft", runs[scanned]["work"] / "base" / "0" / "items",
+        "steps=1", "checkpoint_period=1", "lora.enable_lora=true", f"lora.lora_rank={lora['rank']}",
+        f"lora.lora_alpha={lora['alpha']}", f"lora.lora_module_path={lora['module_path']}",
+        f"lora.lora_restore_path={params}",
     )  # fmt: skip
-    assert (exported.rank, exported.alpha) == (lora["rank"], lora["alpha"])
-    want, got = _products(d / "adapter"), _products(back)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        maxtext = pool.submit(G.run_child, root / "maxtext", jobs)
+        logits = pool.submit(_peft_child, root / "peft", peft)
+        trained = pool.submit(S.run, sft)
+        return {"runs": runs, "maxtext": maxtext.result(), "peft": logits.result(),
+                "sft": trained.result(), "sft_dir": root / "sft", "params": params}  # fmt: skip
+
+
+@pytest.mark.parametrize("case_id", list(AS_LORA))
+def test_as_lora_logits_and_round_trip(made, as_lora, case_id):
+    d, _ = made[case_id]
+    run = as_lora["runs"][case_id]
+    lora = run["report"].adapter["as_lora"]
+    meta = json.loads((run["step"] / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]
+    assert (meta["lora"]["lora_rank"], meta["lora"]["lora_alpha"]) == (lora["rank"], lora["alpha"])
+    assert sorted(p.name for p in run["step"].iterdir() if p.is_dir()) == ["model_params"]
+    assert (run["exported"].rank, run["exported"].alpha) == (lora["rank"], lora["alpha"])
+    want, got = _products(d / "adapter"), _products(run["work"] / "back")
     assert sorted(got) == sorted(want)
     worst = max(float(np.abs(got[m] - want[m]).max() / np.abs(want[m]).max()) for m in want)
-    peft = _peft_logits(tmp_path / "peft", d / "base", {"orig": d / "adapter", "back": back})
-    diff = float(np.abs(maxtext - peft["orig"]).max())
-    trip = float(np.abs(peft["back"] - peft["orig"]).max())
-    moved = float(np.abs(peft["orig"] - peft["base"]).max())
+    p = as_lora["peft"]
+    orig, back, base = (
+        p[f"{case_id}__orig::peft"],
+        p[f"{case_id}__back::peft"],
+        p[f"{case_id}__orig::base"],
+    )
+    maxtext = as_lora["maxtext"][case_id]
+    diff, trip = float(np.abs(maxtext - orig).max()), float(np.abs(back - orig).max())
+    moved = float(np.abs(orig - base).max())
     print(f"{case_id} --as-lora (rank {lora['rank']}, alpha {lora['alpha']:g}, padded "
           f"{lora['padded_ranks']}, folded {lora['folded_ratios']}): MaxText's LoRA model vs "
           f"PeftModel {diff:.3g}; exported adapter's s·B@A vs the original's {worst:.3g} "
           f"(relative), its PEFT logits vs the original's {trip:.3g}; the adapter moves the "
           f"logits by {moved:.3g}")  # fmt: skip
-    top = max(1.0, float(np.abs(peft["orig"]).max()))
+    top = max(1.0, float(np.abs(orig).max()))
     assert moved > 0.01 and worst <= 1e-5, (moved, worst)
     assert diff <= LOGITS_TOLERANCE * top and trip <= LOGITS_TOLERANCE * top, (diff, trip)
-    assert peft["info"]["back"]["not_loaded"] == []
+    assert json.loads(str(p[f"{case_id}__back::info"]))["not_loaded"] == []
+
+
+def test_train_sft_resumes_from_as_lora(as_lora):
+    """MaxText's ``train_sft`` (scanned, its default) with ``lora.lora_restore_path`` at the
+    step: one update, and the adapters it saves are ours moved by it, not fresh ones."""
+    proc = as_lora["sft"]
+    assert proc.returncode == 0, proc.why()
+    saved = sorted((as_lora["sft_dir"] / "run" / "checkpoints").glob("*/model_params"))
+    assert saved, proc.why()
+    ours, theirs = L.read_item(as_lora["params"]), L.read_item(saved[-1])
+    assert sorted(ours) == sorted(theirs)
+    moved = {k: float(np.abs(theirs[k].array - ours[k].array).max()) for k in ours}
+    print(f"train_sft from --as-lora: {len(ours)} factors restored, moved by the update up to "
+          f"{max(moved.values()):.3g} (saved in {saved[-1].parent.name})")  # fmt: skip
+    big = max(float(np.abs(ours[k].array).max()) for k in ours)
+    assert 0 < max(moved.values()) < 0.01 < big, (moved, big)
 
 
 AS_LORA_REFUSALS = {
@@ -496,28 +533,3 @@ def test_as_lora_refused(made, tmp_path, refusal):
         _as_lora(BY_ID[case_id], adapter, out, *extra)
     assert named in str(e.value), str(e.value)
     assert not out.exists()
-
-
-def test_train_sft_resumes_from_as_lora(made, as_lora_base, tmp_path):
-    """MaxText's ``train_sft`` (scanned, its default) with ``lora.lora_restore_path`` at the
-    step: one update, and the adapters it saves are ours moved by it, not fresh ones."""
-    import hf_export_support as S
-
-    case = dataclasses.replace(BY_ID["llama31-patterns"], scan=True)
-    report = _as_lora(case, made[case.id][0] / "adapter", tmp_path / "step")
-    lora = report.adapter["as_lora"]
-    params = tmp_path / "step" / "0" / "model_params"
-    extra = ["steps=1", "checkpoint_period=1", "lora.enable_lora=true",
-             f"lora.lora_rank={lora['rank']}", f"lora.lora_alpha={lora['alpha']}",
-             f"lora.lora_module_path={lora['module_path']}", f"lora.lora_restore_path={params}"]  # fmt: skip
-    proc = S.run(S.train_sft_job("train_sft", tmp_path / "sft", as_lora_base[True], *extra))
-    assert proc.returncode == 0, proc.why()
-    saved = sorted((tmp_path / "sft" / "run" / "checkpoints").glob("*/model_params"))
-    assert saved, proc.why()
-    ours, theirs = L.read_item(params), L.read_item(saved[-1])
-    assert sorted(ours) == sorted(theirs)
-    moved = {k: float(np.abs(theirs[k].array - ours[k].array).max()) for k in ours}
-    print(f"train_sft from --as-lora: {len(ours)} factors restored, moved by the update up to "
-          f"{max(moved.values()):.3g} (saved in {saved[-1].parent.name})")  # fmt: skip
-    big = max(float(np.abs(ours[k].array).max()) for k in ours)
-    assert 0 < max(moved.values()) < 0.01 < big, (moved, big)
