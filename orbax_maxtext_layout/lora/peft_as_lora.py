@@ -48,6 +48,7 @@ from .peft_adapter import AdapterPlan, AdapterRefusedError, Delta
 SOURCE_LAYOUT = "peft-as-lora"
 DTYPE = np.dtype(np.float32)  # qwix's factors of MaxText's float32 weights (weight_dtype)
 TOLERANCE = adapter_factors.TOLERANCE  # relative to the delta's largest entry
+CHECK_BLOCK = adapter_factors.CHECK_BLOCK  # bytes of a product's rows held at once
 
 
 class AsLoraRefusedError(AdapterRefusedError):
@@ -235,11 +236,14 @@ def _carry(w: Weight) -> tuple[adapter_factors.FactorMap, int, int] | str:
     n_in, n_out = math.prod(w.kernel[:k]), math.prod(w.kernel[k:])
     out_hf, in_hf = w.hf_shape
 
+    # float32 throughout, as the import runs the hooks: the probes' entry numbers (at most
+    # the larger side, 14,336 for an 8B MLP) stay exact, and the scale's rounding leaves each
+    # under `adapter_factors`' 1e-3 of an entry
     def hook(m: np.ndarray) -> np.ndarray:  # an HF matrix -> qwix's kernel view, (out, in)
-        return np.asarray(w.hook(m), np.float64).reshape(n_in, n_out).T
+        return np.asarray(w.hook(m)).reshape(n_in, n_out).T
 
     def delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # a (in_hf, r), b (r, out_hf)
-        return np.asarray((a @ b).T, np.float32)
+        return np.asarray(b, np.float32).T @ np.asarray(a, np.float32).T  # (out_hf, in_hf)
 
     fmap = adapter_factors.carry(hook, delta, in_hf, out_hf)
     if isinstance(fmap, str):
@@ -268,12 +272,19 @@ def check_layer(
 ) -> float:
     """How far ``(alpha/rank) · reshape(a @ b)`` of one layer is from MaxText's import
     hooks of PEFT's delta (what ``import-hf --adapter`` adds to the kernel), relative to the
-    delta's largest entry."""
-    a, b = ab
-    want = np.asarray(p.weight.hook(d.compute(read)), np.float64).reshape(p.n_in, p.n_out)
-    got = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * plan.scale
-    top = float(np.max(np.abs(want), initial=0.0))
-    err = float(np.max(np.abs(got - want), initial=0.0))
+    delta's largest entry; in float32, a block of rows at a time (a kernel-size float64
+    copy took 3 s a weight at 8B, most of it fresh pages)."""
+    a, b = (np.asarray(x, np.float32) for x in ab)
+    want = np.asarray(p.weight.hook(d.compute(read)), np.float32).reshape(p.n_in, p.n_out)
+    top = err = 0.0
+    rows = max(1, CHECK_BLOCK // max(1, 4 * p.n_out))
+    for r0 in range(0, p.n_in, rows):
+        w = want[r0 : r0 + rows]
+        got = a[r0 : r0 + rows] @ b
+        got *= np.float32(plan.scale)
+        got -= w
+        top = max(top, float(np.max(np.abs(w), initial=0.0)))
+        err = max(err, float(np.max(np.abs(got), initial=0.0)))
     return 0.0 if top == err == 0 else err / (top or 1.0)
 
 
