@@ -533,3 +533,18 @@ def test_as_lora_refused(made, tmp_path, refusal):
         _as_lora(BY_ID[case_id], adapter, out, *extra)
     assert named in str(e.value), str(e.value)
     assert not out.exists()
+
+
+def test_as_lora_dry_run_plans_from_metadata(made, tmp_path):
+    """``dry_run``: the step's rank, alpha, module path and factors from metadata alone."""
+    import orbax_maxtext_layout as oml
+
+    case = BY_ID["llama31-patterns"]
+    report = oml.import_hf(
+        None, tmp_path / "out", maxtext_config=_keys(case.family, case.scan),
+        adapter=made[case.id][0] / "adapter", as_lora=True, dry_run=True,
+    )  # fmt: skip
+    lora = report.adapter["as_lora"]
+    assert (lora["rank"], lora["alpha"], lora["padded_ranks"]) == (6, 12.0, [2, 4])
+    assert report.params == 14 and "lora.lora_restore_path=" in str(report)
+    assert not (tmp_path / "out").exists()
