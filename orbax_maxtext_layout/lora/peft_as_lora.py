@@ -17,8 +17,8 @@ the most common module scale need no folding).
 
 A layer's PEFT factors become qwix's through MaxText's own import hooks of the weight
 (`adapter_factors.carry`, probing the hook of an HF ``(out, in)`` tensor onto the kernel
-flattened as qwix flattens it), then each weight is checked on its first and last adapted
-layer: ``(alpha/rank) · reshape(a @ b)`` against the hooks of PEFT's ``s · B @ A``, the delta
+flattened as qwix flattens it), then each weight is checked on its first adapted layer
+(an unscanned module's layers each): ``(alpha/rank) · reshape(a @ b)`` against the hooks of PEFT's ``s · B @ A``, the delta
 ``import-hf --adapter`` merges, to float32 rounding. What cannot be written exactly is
 refused before anything is written, naming the module and why (`AsLoraRefusedError`).
 """
@@ -184,11 +184,13 @@ def plan_as_lora(
             why = unheld.get(name, "MaxText's LoRA has no factors for it")
             problems.append(f"{d.module}: {why}")
     planned = []
+    carried: dict[tuple, Any] = {}  # the unscanned layers of a module share one probe
     for w in weights:  # each layer of a weight PEFT adapts in some layer: zero where it does not
         deltas = [adapter.deltas.get(n) for n in w.hf]
         if any(d is not None and d.experts for d in deltas):
             continue
-        made = _carry(w)
+        key = (generic(w.module), w.kernel, w.hf_shape)
+        made = carried[key] = carried[key] if key in carried else _carry(w)
         if isinstance(made, str):
             problems.append(f"{w.module} ({w.hf[0]}): {made}")
             continue
@@ -289,7 +291,7 @@ def check_layer(
 
 
 def factors(plan: AsLoraPlan, read: Callable[[str], np.ndarray]) -> dict[Path, np.ndarray]:
-    """Every factor leaf's array, each weight checked on its first and last adapted layer
+    """Every factor leaf's array, each weight checked on its first adapted layer
     (`check_layer`); `AsLoraRefusedError` naming each weight that misses."""
     out: dict[Path, np.ndarray] = {}
     bad = []
@@ -300,7 +302,9 @@ def factors(plan: AsLoraPlan, read: Callable[[str], np.ndarray]) -> dict[Path, n
         adapted = [i for i, d in enumerate(p.deltas) if d is not None]
         for i in adapted:
             a_all[i], b_all[i] = layer_factors(plan, p, p.deltas[i], read)
-        for i in sorted({adapted[0], adapted[-1]}) if adapted else []:
+        # one layer checked: a weight's layers share its hooks (an unscanned module's layers
+        # are weights of their own, each checked, its map carried once)
+        for i in adapted[:1]:
             err = check_layer(plan, p, p.deltas[i], read, (a_all[i], b_all[i]))
             if not err <= TOLERANCE:
                 bad.append(
