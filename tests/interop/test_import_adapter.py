@@ -547,4 +547,10 @@ def test_as_lora_dry_run_plans_from_metadata(made, tmp_path):
     lora = report.adapter["as_lora"]
     assert (lora["rank"], lora["alpha"], lora["padded_ranks"]) == (6, 12.0, [2, 4])
     assert report.params == 14 and "lora.lora_restore_path=" in str(report)
+    # with HF_DIR (optional): its config checked, its tensors the base; the same plan
+    given = oml.import_hf(
+        made[case.id][0] / "base", tmp_path / "out", maxtext_config=_keys(case.family, case.scan),
+        adapter=made[case.id][0] / "adapter", as_lora=True, dry_run=True,
+    )  # fmt: skip
+    assert given.adapter["as_lora"] == lora and given.params == report.params
     assert not (tmp_path / "out").exists()
