@@ -10,7 +10,8 @@ llama3.1-8b's shapes (``--tiny``: the model cut to a few MiB, `realsize_steps.TI
 once under ``--work``. Each repeat runs the command line, ``import-hf --adapter A --as-lora
 --out O --json --maxtext-config base.yml ...``, in a fresh process: its wall time (MaxText's
 and the package's imports included), the import's own ``seconds`` (its report: from the
-call to the step published) and the child's peak RSS. The step is checked once: the recorded
+call to the step published), the child's CPU time (user and system: the figure that means
+something on a busy host) and its peak RSS. The step is checked once: the recorded
 rank and alpha, and every factor's shape. Figures are medians (peak RSS: the largest).
 """
 
@@ -96,6 +97,7 @@ def run_once(adapter: Path, out: Path, keys: list[str]) -> dict:
     report = json.loads(text[text.index("{") :])
     return {
         "wall": wall,
+        "cpu": usage.ru_utime + usage.ru_stime,  # the child's own: the figure on a busy host
         "seconds": report["seconds"],
         "rss": usage.ru_maxrss * 1024,
         "report": report,
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "adapter_bytes": nbytes,
         "wall_s": round(statistics.median(r["wall"] for r in runs), 2),
         "import_s": round(statistics.median(r["seconds"] for r in runs), 2),
+        "cpu_s": round(statistics.median(r["cpu"] for r in runs), 2),
         "peak_rss_gib": round(max(r["rss"] for r in runs) / 2**30, 2),
         "repeats": args.repeats,
     }
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"import-hf --adapter --as-lora, {row['model']}, {args.layers} layers, rank {args.rank} "
         f"({nbytes / 2**20:.0f} MiB of adapter): {row['wall_s']} s wall (a fresh process), "
-        f"{row['import_s']} s in the import, peak RSS {row['peak_rss_gib']} GiB"
+        f"{row['import_s']} s in the import, {row['cpu_s']} s of CPU, peak RSS "
+        f"{row['peak_rss_gib']} GiB"
     )
     return 0
 
