@@ -410,12 +410,7 @@ def _import_as_lora(
     merge, then each adapted weight's factors carried through its hooks into qwix's
     (`peft_as_lora`), written as ``<out>/0/model_params``."""
     start = time.monotonic()
-    if o.adapter is None or o.base is not None or o.save_dtype not in (None, "float32"):
-        raise UsageError(
-            "--as-lora writes a PEFT adapter as a MaxText LoRA step: give --adapter, and no "
-            "--base (the step holds the adapter alone) or --save-dtype (its factors are "
-            "float32, as qwix makes them for MaxText's float32 weights)."
-        )
+    _check_as_lora(o)
     hf = HfDir.open(hf_dir) if hf_dir is not None else None
     config = hf_mapping.load_config(maxtext_config)
     model = hf_mapping.load_import(config)
@@ -456,6 +451,8 @@ def _import_as_lora(
             )
     finally:
         ad.dir.close()
+        if hf is not None:  # its headers and config were all the step needed of it
+            hf.close()
     shapes = lp.shapes()
     written = sum(math.prod(x) * 4 for x in shapes.values())
     # held: every factor (written at the end), and a weight's probes and checks, float64
@@ -467,6 +464,15 @@ def _import_as_lora(
         0.0 if o.dry_run else time.monotonic() - start,
         {**ad.plan.to_dict(), "as_lora": lp.to_dict()},
     )  # fmt: skip
+
+
+def _check_as_lora(o: ImportOptions) -> None:
+    if o.adapter is None or o.base is not None or o.save_dtype not in (None, "float32"):
+        raise UsageError(
+            "--as-lora writes a PEFT adapter as a MaxText LoRA step: give --adapter, and no "
+            "--base (the step holds the adapter alone) or --save-dtype (its factors are "
+            "float32, as qwix makes them for MaxText's float32 weights)."
+        )
 
 
 def _lora_weights(
