@@ -177,6 +177,7 @@ SCRIPTS: dict[str, Script | str] = {
         " --ops cp export-hf floor-decode",
         _llama_step,
     ),
+    "import_as_lora.py": Script("maxtext", "--tiny --layers 2 --rank 4 --repeats 1 --work {t}"),
     # -- modules: run by the scripts named ---------------------------------------------------
     "smoke.py": "this driver",
     "child.py": "run.py (each mode's measured child)",

@@ -289,3 +289,20 @@ def test_the_base_is_hf_dir_or_a_step_with_an_adapter(tmp_path, capsys, argv, na
     err = capsys.readouterr().err
     assert code == 2 and named in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra", [["--base", "step"], ["--save-dtype", "bfloat16"], []], ids=["base", "dtype", "none"]
+)
+def test_as_lora_usage_is_checked_before_anything_is_read(tmp_path, capsys, extra):
+    """``--as-lora`` (issue 60) reaches the import: with ``--base`` or a ``--save-dtype``
+    other than float32 it is a usage error (exit 2) naming ``--as-lora``, before the adapter
+    or MaxText is touched; without ``--adapter`` too (the flag alone)."""
+    adapter = [] if not extra else ["--adapter", str(tmp_path / "absent")]
+    code = cli.main(
+        ["import-hf", *adapter, "--as-lora", *extra, "--out", str(tmp_path / "o"),
+         "--maxtext-config", "base.yml"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "--as-lora" in err, err
+    assert not (tmp_path / "o").exists()

@@ -59,7 +59,7 @@ COMMANDS = {
         "--out", "--override-model-architecture", "--process-count", "--process-index", "-h",
     ]),
     "import-hf": (["hf_dir"], [
-        "--adapter", "--base", "--dry-run", "--help", "--json", "--maxtext-config", "--memory-budget", "--out",
+        "--adapter", "--as-lora", "--base", "--dry-run", "--help", "--json", "--maxtext-config", "--memory-budget", "--out",
         "--save-dtype", "-h",
     ]),
     "inspect": (["path"], [

@@ -22,6 +22,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
         progress=progress,
         adapter=args.adapter,
         base=args.base,
+        as_lora=args.as_lora,
     )
     report = import_hf(args.hf_dir, args.out, options, maxtext_config=args.maxtext_config)
     if sys.stderr.isatty() and not args.json and not args.dry_run:
@@ -70,6 +71,13 @@ def add_import_hf(sub: Subparsers) -> None:
         metavar="STEP",
         help="a MaxText step of the model (or its items) as the base, in place of HF_DIR: "
         "the --adapter merged into it (MaxText's hooks of each delta added in float32)",
+    )
+    i.add_argument(
+        "--as-lora",
+        action="store_true",
+        help="with --adapter (no HF_DIR needed): write the adapter as the Tunix LoRA step "
+        "MaxText's train_sft writes and resumes from (DIR/0/model_params, qwix's factors; "
+        "lora.* keys of the config used where set), not merged",
     )
     add_model_config(i, " (scan_layers picks the form written)")
     i.set_defaults(fn=cmd_import_hf)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +51,7 @@ from ..base.treepaths import Path
 from ..errors import LayoutMismatchError, StepExistsError, UsageError
 from ..execute.options import resolve
 from ..formats.safetensors_reader import HfDir
-from ..lora import peft_adapter
+from ..lora import peft_adapter, peft_as_lora
 from ..lora.base_step import BaseStep
 from ..model import hf_mapping
 from ..model.hf_mapping import HfModel
@@ -247,6 +248,7 @@ class ImportOptions:
     progress: Callable[[int, int], None] | None = None
     adapter: epath.PathLike | None = None
     base: epath.PathLike | None = None
+    as_lora: bool = False
 
 
 class ImportKeywords(TypedDict, total=False):
@@ -258,6 +260,7 @@ class ImportKeywords(TypedDict, total=False):
     progress: Callable[[int, int], None] | None
     adapter: epath.PathLike | None
     base: epath.PathLike | None
+    as_lora: bool
 
 
 def import_hf(
@@ -284,6 +287,14 @@ def import_hf(
     MaxText's hooks of the adapter's delta, computed in float32; every other param the
     step's own values. ``save_dtype`` None: the step's dtype (``hf_dir``: bfloat16).
 
+    ``as_lora``: with ``adapter`` (``hf_dir`` optional, checked against the config where
+    given), the adapter written as the Tunix LoRA step MaxText's ``train_sft`` writes and
+    resumes from (``lora.lora_restore_path=<out>/0/model_params``): ``<out>/0/model_params``
+    holding only qwix's ``kernel_lora_a``/``kernel_lora_b`` (float32), each PEFT module's
+    scale exact (smaller ranks zero-padded, scale ratios folded into ``b``), rank, alpha and
+    the modules in ``custom_metadata["lora"]``. The config's ``lora.lora_rank``,
+    ``lora.lora_alpha`` and ``lora.lora_module_path`` are used where set (docs/lora.md).
+
     Raises:
       HfInputError: the directory is malformed or names anything outside itself.
       LayoutMismatchError: ``config.json`` or a tensor disagrees with the MaxText config
@@ -291,7 +302,8 @@ def import_hf(
         factors cannot be merged exactly into this base (every problem named).
       StepExistsError: ``<out>/0`` exists.
       UsageError: an unknown ``save_dtype``; ``options`` together with option keywords; both
-        or neither of ``hf_dir`` and ``base``; ``base`` without ``adapter``.
+        or neither of ``hf_dir`` and ``base``; ``base`` without ``adapter``; ``as_lora``
+        without ``adapter`` or with ``base``.
     """
     o = resolve(ImportOptions, options, keywords, "import_hf")
     # The collector is left as the caller set it (a library call changes no process setting,
@@ -309,6 +321,8 @@ def _import_hf(
     save_dtype, memory_budget, dry_run = o.save_dtype, o.memory_budget, o.dry_run
     adapter, base = o.adapter, o.base
     start = time.monotonic()
+    if o.as_lora:
+        return _import_as_lora(hf_dir, out, o, maxtext_config=maxtext_config)
     if save_dtype is not None and save_dtype not in SAVE_DTYPES:
         raise UsageError(f"--save-dtype {save_dtype}: one of {', '.join(SAVE_DTYPES)}.")
     if (hf_dir is None) == (base is None):
@@ -379,10 +393,168 @@ def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
     return Adapter(ad, made)
 
 
+# -- --as-lora: the adapter as the Tunix LoRA step train_sft resumes from ----------------------
+def _import_as_lora(
+    hf_dir: epath.PathLike | None,
+    out: epath.PathLike,
+    o: ImportOptions,
+    *,
+    maxtext_config: Sequence[str],
+) -> ImportReport:
+    """``import-hf --adapter DIR --as-lora``: the plan of the import (MaxText's leaves of the
+    model, each with its HF tensors and hooks), the adapter planned against it as for a
+    merge, then each adapted weight's factors carried through its hooks into qwix's
+    (`peft_as_lora`), written as ``<out>/0/model_params``."""
+    start = time.monotonic()
+    _check_as_lora(o)
+    hf = HfDir.open(hf_dir) if hf_dir is not None else None
+    config = hf_mapping.load_config(maxtext_config)
+    model = hf_mapping.load_import(config)
+    budget = DEFAULT_BUDGET if o.memory_budget is None else o.memory_budget
+    if hf is not None:
+        check_config(hf, model)
+        plan = plan_import(hf, model, peft_as_lora.DTYPE, budget)
+    else:
+        abstract = _abstract_params(model.config)
+        leaves = [_leaf(model, key, abstract) for key in _mapped_keys(model, abstract)]
+        plan = ImportPlan(None, model, leaves, peft_as_lora.DTYPE, budget)
+    ad = open_adapter(o.adapter, plan)
+    dest = epath.Path(out) / "0"
+    try:
+        rank, alpha, module_path = hf_mapping.lora_settings(config)
+        explicit = bool(config.lora.lora_module_path)
+        weights, unheld = _lora_weights(plan, ad.plan, module_path, explicit)
+        written = module_path if explicit else peft_as_lora.module_pattern(weights)
+        lp = peft_as_lora.plan_as_lora(
+            ad.plan, weights, unheld=unheld, rank=rank, alpha=alpha, module_path=written
+        )
+        if dest.exists():
+            raise StepExistsError(
+                f"{dest} exists; import-hf writes a new step: pass another --out."
+            )
+        if not o.dry_run:
+            arrays = peft_as_lora.factors(lp, ad.dir.read)
+            provenance = {
+                "source_layout": peft_as_lora.SOURCE_LAYOUT,
+                "converter": f"orbax-maxtext-layout {__version__}",
+                "adapter": ad.plan.to_dict(),
+                "as_lora": lp.to_dict(),
+            }
+            custom = {"lora": lp.lora_metadata(), SCAN_LAYERS_KEY: bool(config.scan_layers)}
+            zarr3 = bool(getattr(config, "checkpoint_storage_use_zarr3", True))
+            peft_as_lora.write_step(
+                arrays, dest, provenance=provenance, custom=custom, use_zarr3=zarr3
+            )
+    finally:
+        ad.dir.close()
+        if hf is not None:  # its headers and config were all the step needed of it
+            hf.close()
+    shapes = lp.shapes()
+    written = sum(math.prod(x) * 4 for x in shapes.values())
+    # held: every factor (written at the end), and a weight's probes and checks, float64
+    # copies of one layer's kernel
+    held = written + 3 * 8 * max((math.prod(w.kernel) for w in weights), default=0)
+    return ImportReport(
+        str(o.adapter), str(out), config.model_name, bool(config.scan_layers), "float32",
+        len(shapes), len(ad.plan.deltas), ad.bytes_read, written, held, o.dry_run,
+        0.0 if o.dry_run else time.monotonic() - start,
+        {**ad.plan.to_dict(), "as_lora": lp.to_dict()},
+    )  # fmt: skip
+
+
+def _check_as_lora(o: ImportOptions) -> None:
+    if o.adapter is None or o.base is not None or o.save_dtype not in (None, "float32"):
+        raise UsageError(
+            "--as-lora writes a PEFT adapter as a MaxText LoRA step: give --adapter, and no "
+            "--base (the step holds the adapter alone) or --save-dtype (its factors are "
+            "float32, as qwix makes them for MaxText's float32 weights)."
+        )
+
+
+def _lora_weights(
+    plan: ImportPlan, adapter: peft_adapter.AdapterPlan, module_path: str, explicit: bool
+) -> tuple[list[peft_as_lora.Weight], dict[str, str]]:
+    """The weights of the step: each weight of a module the adapter changes in any layer
+    (unscanned: in every layer, zero where PEFT leaves a layer, as a scanned weight is), if
+    MaxText's LoRA adapts it (qwix fullmatches ``module_path``); and why each other adapted
+    HF tensor has no place in the step. An ``explicit`` module path (the config's) must
+    match no other weight: ``train_sft`` would find no factors for it and fail."""
+    weights, unheld, held = [], {}, set()
+    for leaf in plan.leaves:
+        hit = [n for n in _names(leaf.hf) if n in adapter.deltas]
+        if not hit or any(adapter.deltas[n].experts for n in hit):
+            continue  # nothing adapted; expert adapters are refused by the LoRA plan
+        module = "/".join(leaf.paths[0][2:-1])
+        why = _unheld(plan, leaf, module, module_path)
+        if why is None:
+            held.add(peft_as_lora.generic(module))
+        else:
+            unheld.update(dict.fromkeys(hit, why))
+    others = []
+    for leaf in plan.leaves:
+        module = "/".join(leaf.paths[0][2:-1])
+        if peft_as_lora.generic(module) in held:
+            weights.append(_weight(plan, leaf))
+        elif explicit and re.fullmatch(module_path, module) and _matrix(plan, leaf):
+            others.append(module)
+    if others:
+        raise peft_as_lora.AsLoraRefusedError(
+            f"lora.lora_module_path {module_path!r} matches modules the adapter has no "
+            "factors for (train_sft would find none to restore):",
+            others,
+            hint="Nothing was written. Leave lora.lora_module_path unset: the step records "
+            "the adapter's own modules, and the command to resume with.",
+        )
+    return weights, unheld
+
+
+def _matrix(plan: ImportPlan, leaf: Leaf) -> bool:
+    names = list(_names(leaf.hf))
+    return bool(names) and len(plan.hf_shape(names[0])) == 2
+
+
+def _unheld(plan: ImportPlan, leaf: Leaf, module: str, module_path: str) -> str | None:
+    """Why MaxText's LoRA holds no factors for ``leaf``'s HF tensors, or None."""
+    if not re.fullmatch(module_path, module):
+        return (
+            f"MaxText's LoRA does not adapt {module} (lora_module_path {module_path!r} does "
+            "not match it: embeddings, the output layer and norms hold no LoRA factors)"
+        )
+    if len(leaf.keys) != 1 or any(isinstance(hf, tuple) for _, hf in leaf.slices()):
+        return f"MaxText's mapping fuses it with other tensors into {module}"
+    if len(leaf.axes) > 1 or not _matrix(plan, leaf):
+        return f"{module} is not one matrix a layer (an expert or a stacked weight)"
+    return None
+
+
+def _weight(plan: ImportPlan, leaf: Leaf) -> peft_as_lora.Weight:
+    from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
+
+    names = tuple(_names(leaf.hf))
+
+    def hook(m: np.ndarray) -> np.ndarray:
+        made = apply_hook_fns(np.asarray(m, np.float32), leaf.slice_shape, leaf.hooks)
+        return np.asarray(made)
+
+    axis = leaf.axes[0] if leaf.axes else None
+    shape = tuple(plan.hf_shape(names[0]))
+    return peft_as_lora.Weight(leaf.paths[0][2:], leaf.slice_shape, axis, names, shape, hook)
+
+
 def _adapter_line(report: ImportReport) -> str:
     a = report.adapter
     if not a:
         return ""
+    lora = a.get("as_lora")
+    if lora:
+        return (
+            f"; the PEFT adapter {a['adapter']} as a MaxText LoRA step: {len(lora['modules'])} "
+            f"weights, rank {lora['rank']}, alpha {lora['alpha']:g} (scale {lora['scale']:g}; "
+            f"PEFT ranks {a['ranks']}, scales {a['scales']}). Resume it with train_sft "
+            f"lora.enable_lora=true lora.lora_rank={lora['rank']} lora.lora_alpha="
+            f"{lora['alpha']:g} 'lora.lora_module_path={lora['module_path']}' "
+            f"lora.lora_restore_path={report.out}/0/model_params"
+        )
     return (
         f"; merged the PEFT adapter {a['adapter']} into {a['tensors']} tensors of "
         f"{a['modules']} modules (ranks {a['ranks']}, scales {a['scales']})"

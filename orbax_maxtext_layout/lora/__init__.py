@@ -16,6 +16,10 @@
   ``W + s·B@A`` in float32 that ``import-hf --adapter`` applies to a source tensor;
 - `base_step`: a MaxText step as the base of ``import-hf --base STEP --adapter``, checked
   against the model and read one slice at a time.
+- `peft_as_lora`: a PEFT adapter written, not merged, as the Tunix LoRA step ``train_sft``
+  resumes from (``import-hf --adapter --as-lora``): each weight's factors carried through
+  MaxText's import hooks into qwix's, smaller ranks zero-padded and scale ratios folded into
+  ``b``, checked against the hooked PEFT delta, written as ``<out>/0/model_params``.
 
 Sits between `execute` and `hf`: the Hugging Face side (the merged export, the import of a
 PEFT adapter) builds on it. The floors below reach LoRA only through

@@ -42,7 +42,7 @@ from ..model import hf_mapping
 from ..model.hf_mapping import HfModel, Unit
 from ..model.lora import per_layer_shape
 from ..model.target import Target
-from ..orbax_io import item_writer
+from ..orbax_io import item_writer, stepmeta
 from ..orbax_io.orbax_files import param_name
 from ..orbax_io.reader import ItemReader
 from ..plan.moves import LoraFactor, Move
@@ -170,6 +170,7 @@ def plan_adapter(
             f"{step}: --adapter exports a LoRA adapter step, and this step holds no LoRA "
             f"adapters ({str(e).splitlines()[0]}); export it without --adapter."
         ) from e
+    recorded = _recorded(adapter_dir, adapters)
     alpha = alpha if alpha is not None else adapters.alpha
     if alpha is None:
         raise UsageError(
@@ -194,7 +195,7 @@ def plan_adapter(
     tensors = [t for mod in modules for t in _tensors(mod)]
     sink = SafetensorsSink(1 << 62, weights_file=ADAPTER_FILE)  # one file, however large
     (shard,) = sink.layout(tensors)
-    hf_id = base_model_name_or_path or hf_mapping.hf_id(model.model_name)
+    hf_id = base_model_name_or_path or recorded or hf_mapping.hf_id(model.model_name)
     names = {_hf_module(u) for m in modules for u in m.units}
     targets = sorted({n.rsplit(".", 1)[-1] for n in names})
     report = AdapterReport(
@@ -218,6 +219,34 @@ def plan_adapter(
         ],
     )
     return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report, sink)
+
+
+def _recorded(adapter_dir: epath.Path, adapters: Any) -> str | None:
+    """What the step records of its LoRA (``custom_metadata["lora"]``: ``import-hf
+    --as-lora`` writes rank, alpha, the adapted modules and the PEFT base's name; MaxText's
+    own saves its lora config), its rank and modules checked against the factors'; the
+    recorded ``base_model_name_or_path`` (None: none)."""
+    rec = stepmeta.custom(stepmeta.read(adapter_dir)).get("lora")
+    if not isinstance(rec, dict):
+        return None
+    problems = []
+    rank = rec.get("lora_rank")
+    if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 and rank != adapters.rank:
+        problems.append(f"lora_rank {rank} recorded, the factors' rank is {adapters.rank}")
+    modules = rec.get("target_modules")
+    if isinstance(modules, list) and sorted(map(str, modules)) != adapters.modules:
+        have = set(adapters.modules)
+        problems += [f"{m}: recorded, no factors" for m in sorted(set(modules) - have)]
+        problems += [f"{m}: factors, not recorded" for m in sorted(have - set(modules))]
+    if problems:
+        raise LayoutMismatchError(
+            f"{adapter_dir}: its LoRA factors disagree with what the step records "
+            "(custom_metadata['lora']):",
+            problems,
+            hint="The step was changed after it was written; write it again.",
+        )
+    name = rec.get("base_model_name_or_path")
+    return name if isinstance(name, str) and name else None
 
 
 def _module_row(m: _Module) -> dict[str, Any]:

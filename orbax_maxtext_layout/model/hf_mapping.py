@@ -180,6 +180,21 @@ def load_config(argv: Sequence[str]) -> Any:
             ) from e
 
 
+def lora_settings(config: Any) -> tuple[int, float, str]:
+    """``(lora_rank, lora_alpha, module path)`` of a MaxText config's ``lora`` keys, the
+    module path as MaxText's ``train_sft`` resolves it (``lora_utils._get_lora_module_path``:
+    ``lora.lora_module_path``, else the family's from ``lora_module_path.yml``, its layer
+    level made to match scanned and unscanned paths); qwix fullmatches it per module."""
+    lora = getattr(config, "lora", None)
+    rank = int(getattr(lora, "lora_rank", 0) or 0)
+    alpha = float(getattr(lora, "lora_alpha", 0.0) or 0.0)
+    with contextlib.redirect_stdout(sys.stderr):
+        from maxtext.utils import lora_utils
+
+        path = lora_utils._get_lora_module_path(config)
+    return rank, alpha, str(path)
+
+
 def load_model(config: Any, *, override_model_architecture: bool = False) -> HfModel:
     """The HF mapping of a MaxText config, as ``to_huggingface.main`` builds it.
 

@@ -20,14 +20,15 @@ from . import stepmeta
 from .layout import MAXTEXT_ITEM, Layout, detect_layout, tunix_step_number
 
 
-def new_tmp_dir(step_dir: epath.Path, *, store: StepStore) -> epath.Path:
-    """Where a new ``items`` is written before its commit.
+def new_tmp_dir(step_dir: epath.Path, *, store: StepStore, item: str = MAXTEXT_ITEM) -> epath.Path:
+    """Where a new ``items`` (or another ``item``: ``model_params``) is written before its
+    commit.
 
     On a disk: an Orbax-style temporary directory (ignored by readers and `find_steps`),
     renamed at the commit. On an object store (no rename): ``items/`` itself, written in
     place; it counts as written only once its commit marker exists (`commit`).
     """
-    return store.new_item_dir(step_dir, MAXTEXT_ITEM)
+    return store.new_item_dir(step_dir, item)
 
 
 def discard(tmp: epath.Path, *, store: StepStore) -> None:
@@ -43,8 +44,10 @@ def commit(
     store: StepStore,
     meta: dict | None = None,
     custom: dict | None = None,
+    item: str = MAXTEXT_ITEM,
 ) -> None:
-    """The single commit point of a new ``items``, with the provenance in step metadata.
+    """The single commit point of a new ``items`` (or ``item``), with the provenance in step
+    metadata.
 
     The item is sealed (on a disk its ``commit_success.txt``), the step metadata names it
     and records the provenance, then the store publishes it: on a disk one rename of
@@ -58,10 +61,10 @@ def commit(
     old = stepmeta.read(step_dir, store=store) if meta is None else meta
     store.seal_item(tmp)
     typestr = ocp.PyTreeCheckpointHandler.typestr()
-    new = stepmeta.with_item(old, MAXTEXT_ITEM, typestr, provenance, custom)
+    new = stepmeta.with_item(old, item, typestr, provenance, custom)
     stepmeta.write(step_dir, new, store=store)
     try:
-        store.publish_item(tmp, step_dir / MAXTEXT_ITEM)
+        store.publish_item(tmp, step_dir / item)
     except BaseException:
         stepmeta.restore(step_dir, old, store=store)
         raise

@@ -27,6 +27,20 @@ PEFT's ``merge_and_unload()`` of it saved as a Hugging Face directory.
    PEFT's ``PeftModel`` (base + adapter, peft_child.py) on a fixed batch, within 1e-5 (llama:
    MaxText and transformers differ by float32 rounding, 2.4e-6 on the plain export), where the
    adapter moves them by far more.
+6. ``--as-lora`` (the adapter as the Tunix LoRA step ``train_sft`` resumes from):
+   ``test_as_lora_logits_and_round_trip[case]``: MaxText's LoRA model (``train_sft``'s way:
+   ``apply_lora_to_model`` and ``restore_lora_from_path`` with the rank, alpha and module path
+   the import reports) over the imported base gives ``PeftModel``'s logits within 1e-5; then
+   ``export-hf --adapter`` of the step, without ``--alpha`` (the step records it), gives an
+   adapter whose every module's ``s·B@A`` is the original's (the factors up to the zero
+   padding and the folded scale) and which PEFT loads to the same logits. Cases: rank and
+   alpha patterns over all linear layers, scanned (padding and folding); rsLoRA on two
+   attention projections, unscanned (a module path of the adapted modules alone).
+   ``test_as_lora_refused[...]``: expert adapters, ``lm_head``, a ``lora.lora_rank`` under the
+   adapter's, a ``lora.lora_module_path`` naming modules the adapter lacks: named, nothing
+   written. ``test_train_sft_resumes_from_as_lora``: ``train_sft`` with
+   ``lora.lora_restore_path=<out>/0/model_params`` runs an update from it, and the factors it
+   saves are ours moved by the update (not a fresh initialization).
 """
 
 from __future__ import annotations
@@ -84,6 +98,7 @@ BY_ID = {c.id: c for c in CASES}
 MADE = {c.id: c for c in CASES} | {
     "llama31-dora": Case("llama31-dora", "llama3.1", 21, {"r": 4, "lora_alpha": 8, "target_modules": ATTN, "use_dora": True}),
     "qwen3-untied-attention": Case("qwen3-untied-attention", "qwen3", 22, {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
+    "llama31-rslora-qv": Case("llama31-rslora-qv", "llama3.1", 23, {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj"]}, scan=False),
 }  # fmt: skip
 
 
@@ -339,4 +354,203 @@ def test_dry_run_plans_the_adapter_from_metadata(made, tmp_path):
     # 2 layers: q, k, v, o and the two fused expert parameters each; 4 experts, 3 tensors each
     assert (a["modules"], a["tensors"], a["ranks"], a["scales"]) == (12, 2 * (4 + 12), [2], [2.0])
     assert "merged the PEFT adapter" in str(report) and json.loads(report.to_json())["adapter"]
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- --as-lora
+def _as_lora(case: Case, adapter: Path, out: Path, *extra: str):
+    import orbax_maxtext_layout as oml
+
+    return oml.import_hf(
+        None, out, maxtext_config=[*_keys(case.family, case.scan), *extra], adapter=adapter,
+        as_lora=True,
+    )  # fmt: skip
+
+
+def _peft_child(work: Path, jobs: list[dict]) -> dict[str, np.ndarray]:
+    """``PeftModel``'s logits of each job's base with its adapter (peft_child.py, hf venv)."""
+    import lora_logits_support as G
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "peft.json").write_text(json.dumps({"tokens": G.tokens().tolist(), "jobs": jobs}))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [H.hf_python(), str(H.HERE / "peft_child.py"), str(work / "peft.json"),
+         str(work / "peft.npz")],
+        capture_output=True, text=True, env=env, timeout=H.CHILD_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(work / "peft.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def _products(adapter: Path) -> dict[str, np.ndarray]:
+    """Each module's ``s · B @ A`` of an adapter directory, PEFT's scale per module."""
+    from safetensors.numpy import load_file
+
+    from orbax_maxtext_layout.lora import peft_adapter as P
+
+    cfg = json.loads((adapter / P.CONFIG_FILE).read_text())
+    s = P.settings(cfg, str(adapter))
+    t = load_file(str(adapter / P.WEIGHTS_FILE))
+    out = {}
+    for name in t:
+        if name.endswith(".lora_A.weight"):
+            module = name[len(P.PREFIX) : -len(".lora_A.weight")]
+            r, alpha = s.rank_alpha(module)
+            b = t[name.replace("lora_A", "lora_B")].astype(np.float64)
+            out[module] = s.scale(r, alpha) * b @ t[name].astype(np.float64)
+    return out
+
+
+AS_LORA = {"llama31-patterns": True, "llama31-rslora-qv": False}  # case -> scanned
+
+
+@pytest.fixture(scope="module")
+def as_lora(made, tmp_path_factory) -> dict:
+    """Every --as-lora run, once: each case's base imported (float32) and adapter written as a
+    LoRA step, exported back with ``export-hf --adapter`` (no ``--alpha``); then, side by side
+    (2 cores), one MaxText child building both LoRA models (as ``train_sft`` builds them), one
+    PEFT child for both cases' original and exported adapters, and ``train_sft`` resuming
+    from the scanned case's step for one update."""
+    import concurrent.futures
+
+    import hf_export_support as S
+    import lora_logits_support as G
+
+    import orbax_maxtext_layout as oml
+
+    root = tmp_path_factory.mktemp("as-lora")
+    runs, jobs, peft = {}, [], []
+    for case_id, scan in AS_LORA.items():
+        case = dataclasses.replace(MADE[case_id], scan=scan)
+        d, work = made[case_id][0], root / case_id
+        _import(d / "base", work / "base", case)
+        report = _as_lora(case, d / "adapter", work / "step")
+        lora = report.adapter["as_lora"]
+        keys = [*H.FAMILY_KEYS[case.family], H.scan_key(scan)]
+        step = work / "step" / "0"
+        exported = oml.export_hf(
+            step, work / "back", maxtext_config=[str(L.base_yml()), *keys], adapter=True,
+            override_model_architecture=True,
+        )  # fmt: skip
+        restore = {"rank": lora["rank"], "alpha": lora["alpha"],
+                   "restore": str(step / "model_params"), "module_path": lora["module_path"]}  # fmt: skip
+        jobs.append(G.job(case_id, keys, work / "base" / "0" / "items", work / "run", lora=restore))
+        peft += [{"name": f"{case_id}__{n}", "base": str(d / "base"), "merged": str(d / "base"),
+                  "adapter": str(a)} for n, a in (("orig", d / "adapter"), ("back", work / "back"))]  # fmt: skip
+        runs[case_id] = {"report": report, "step": step, "exported": exported, "work": work}
+    scanned = next(c for c, scan in AS_LORA.items() if scan)
+    lora = runs[scanned]["report"].adapter["as_lora"]
+    params = runs[scanned]["step"] / "model_params"
+    sft = S.train_sft_job(
+        "train_sft", root / "sft", runs[scanned]["work"] / "base" / "0" / "items",
+        "steps=1", "checkpoint_period=1", "lora.enable_lora=true", f"lora.lora_rank={lora['rank']}",
+        f"lora.lora_alpha={lora['alpha']}", f"lora.lora_module_path={lora['module_path']}",
+        f"lora.lora_restore_path={params}",
+    )  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        maxtext = pool.submit(G.run_child, root / "maxtext", jobs)
+        logits = pool.submit(_peft_child, root / "peft", peft)
+        trained = pool.submit(S.run, sft)
+        return {"runs": runs, "maxtext": maxtext.result(), "peft": logits.result(),
+                "sft": trained.result(), "sft_dir": root / "sft", "params": params}  # fmt: skip
+
+
+@pytest.mark.parametrize("case_id", list(AS_LORA))
+def test_as_lora_logits_and_round_trip(made, as_lora, case_id):
+    d, _ = made[case_id]
+    run = as_lora["runs"][case_id]
+    lora = run["report"].adapter["as_lora"]
+    meta = json.loads((run["step"] / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]
+    assert (meta["lora"]["lora_rank"], meta["lora"]["lora_alpha"]) == (lora["rank"], lora["alpha"])
+    assert sorted(p.name for p in run["step"].iterdir() if p.is_dir()) == ["model_params"]
+    assert (run["exported"].rank, run["exported"].alpha) == (lora["rank"], lora["alpha"])
+    want, got = _products(d / "adapter"), _products(run["work"] / "back")
+    assert sorted(got) == sorted(want)
+    worst = max(float(np.abs(got[m] - want[m]).max() / np.abs(want[m]).max()) for m in want)
+    p = as_lora["peft"]
+    orig, back, base = (
+        p[f"{case_id}__orig::peft"],
+        p[f"{case_id}__back::peft"],
+        p[f"{case_id}__orig::base"],
+    )
+    maxtext = as_lora["maxtext"][case_id]
+    diff, trip = float(np.abs(maxtext - orig).max()), float(np.abs(back - orig).max())
+    moved = float(np.abs(orig - base).max())
+    print(f"{case_id} --as-lora (rank {lora['rank']}, alpha {lora['alpha']:g}, padded "
+          f"{lora['padded_ranks']}, folded {lora['folded_ratios']}): MaxText's LoRA model vs "
+          f"PeftModel {diff:.3g}; exported adapter's s·B@A vs the original's {worst:.3g} "
+          f"(relative), its PEFT logits vs the original's {trip:.3g}; the adapter moves the "
+          f"logits by {moved:.3g}")  # fmt: skip
+    top = max(1.0, float(np.abs(orig).max()))
+    assert moved > 0.01 and worst <= 1e-5, (moved, worst)
+    assert diff <= LOGITS_TOLERANCE * top and trip <= LOGITS_TOLERANCE * top, (diff, trip)
+    assert json.loads(str(p[f"{case_id}__back::info"]))["not_loaded"] == []
+
+
+def test_train_sft_resumes_from_as_lora(as_lora):
+    """MaxText's ``train_sft`` (scanned, its default) with ``lora.lora_restore_path`` at the
+    step: one update, and the adapters it saves are ours moved by it, not fresh ones."""
+    proc = as_lora["sft"]
+    assert proc.returncode == 0, proc.why()
+    saved = sorted((as_lora["sft_dir"] / "run" / "checkpoints").glob("*/model_params"))
+    assert saved, proc.why()
+    ours, theirs = L.read_item(as_lora["params"]), L.read_item(saved[-1])
+    assert sorted(ours) == sorted(theirs)
+    moved = {k: float(np.abs(theirs[k].array - ours[k].array).max()) for k in ours}
+    print(f"train_sft from --as-lora: {len(ours)} factors restored, moved by the update up to "
+          f"{max(moved.values()):.3g} (saved in {saved[-1].parent.name})")  # fmt: skip
+    big = max(float(np.abs(ours[k].array).max()) for k in ours)
+    assert 0 < max(moved.values()) < 0.01 < big, (moved, big)
+
+
+AS_LORA_REFUSALS = {
+    # id: (case, the adapter's change, extra config keys, what the error must name)
+    "experts": ("mixtral-experts", None, (), "MoE experts"),
+    "lm-head": ("llama31-attention",
+                lambda t: t | {"base_model.model.lm_head.lora_A.weight": t[next(k for k in t if "q_proj.lora_A" in k)],
+                               "base_model.model.lm_head.lora_B.weight": np.ones((64, 4), np.float32)},
+                (), "decoder/logits_dense"),
+    "rank-under": ("llama31-patterns", None, ("lora.lora_rank=4",), "lora.lora_rank 4"),
+    "module-path": ("llama31-attention", None, ("lora.lora_module_path=decoder/layers/.*(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))",),
+                    "decoder/layers/mlp/wi_0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("refusal", list(AS_LORA_REFUSALS))
+def test_as_lora_refused(made, tmp_path, refusal):
+    from orbax_maxtext_layout.lora.peft_adapter import AdapterRefusedError
+
+    case_id, change, extra, named = AS_LORA_REFUSALS[refusal]
+    adapter = _copy(made, case_id, tmp_path / "adapter")
+    if change is not None:
+        _edit_config(adapter, target_modules=[*ATTN, "lm_head"])
+        _retensor(adapter, change)
+    out = tmp_path / "out"
+    with pytest.raises(AdapterRefusedError) as e:
+        _as_lora(BY_ID[case_id], adapter, out, *extra)
+    assert named in str(e.value), str(e.value)
+    assert not out.exists()
+
+
+def test_as_lora_dry_run_plans_from_metadata(made, tmp_path):
+    """``dry_run``: the step's rank, alpha, module path and factors from metadata alone."""
+    import orbax_maxtext_layout as oml
+
+    case = BY_ID["llama31-patterns"]
+    report = oml.import_hf(
+        None, tmp_path / "out", maxtext_config=_keys(case.family, case.scan),
+        adapter=made[case.id][0] / "adapter", as_lora=True, dry_run=True,
+    )  # fmt: skip
+    lora = report.adapter["as_lora"]
+    assert (lora["rank"], lora["alpha"], lora["padded_ranks"]) == (6, 12.0, [2, 4])
+    assert report.params == 14 and "lora.lora_restore_path=" in str(report)
+    # with HF_DIR (optional): its config checked, its tensors the base; the same plan
+    given = oml.import_hf(
+        made[case.id][0] / "base", tmp_path / "out", maxtext_config=_keys(case.family, case.scan),
+        adapter=made[case.id][0] / "adapter", as_lora=True, dry_run=True,
+    )  # fmt: skip
+    assert given.adapter["as_lora"] == lora and given.params == report.params
     assert not (tmp_path / "out").exists()
