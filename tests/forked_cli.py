@@ -41,7 +41,9 @@ from rel_support import zygote  # noqa: E402
 from rel_zygote import UNCAUGHT  # noqa: E402
 
 # read when Python, JAX, XLA, the BLAS or the C library starts: a fork keeps the server's
-STARTUP = re.compile(r"^(PYTHON|JAX_|XLA_|TPU_|LIBTPU|TF_|LD_|MALLOC_|OMP_|OPENBLAS_|MKL_|LC_|LANG)")
+STARTUP = re.compile(
+    r"^(PYTHON|JAX_|XLA_|TPU_|LIBTPU|TF_|LD_|MALLOC_|OMP_|OPENBLAS_|MKL_|LC_|LANG)"
+)
 
 
 def _startup_changes(env: dict[str, str], started: dict[str, str]) -> list[str]:
@@ -61,11 +63,14 @@ def run_cli(
     *args: Any, env: dict | None = None, cwd: Path | str = ROOT, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """``python -m orbax_maxtext_layout *args`` with ``env`` added to this process's
-    environment, in ``cwd``, as a `subprocess.run` with ``capture_output=True, text=True``
-    would return it, run in a child forked from the fork server (the module's docstring)."""
+    environment (a variable ``None`` there: removed), in ``cwd``, as a `subprocess.run` with
+    ``capture_output=True, text=True`` would return it, run in a child forked from the fork
+    server (the module's docstring)."""
     argv = [str(a) for a in args]
     server = zygote()
-    full = child_env(env, cpu=False)  # the CLI pins the CPU itself
+    env = env or {}
+    full = child_env({k: v for k, v in env.items() if v is not None}, cpu=False)
+    full = {k: v for k, v in full.items() if env.get(k, "") is not None}
     changed = _startup_changes(full, server.env)
     if changed:
         raise ValueError(f"{changed} take effect when a process starts: run a real process")
