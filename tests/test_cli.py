@@ -120,6 +120,41 @@ def test_every_command_runs_on_the_cpu_unless_jax_platforms_is_set(tmp_path):
     assert out.stdout.split()[-2:] == ["0", "cpu,tpu"], out.stdout + out.stderr
 
 
+def test_a_forked_command_is_the_fresh_process_s_command(tmp_path):
+    """`forked_cli.run_cli` (what `cli` runs) against ``python -m orbax_maxtext_layout``: the
+    same exit codes (0, 1, 2, 3), stdout and stderr, relative paths resolved in ``cwd``. A
+    variable read when a process starts is refused, not silently left out."""
+    shutil.copytree(SFT, tmp_path / "run" / "1")  # its optimizer has no match: refused
+    for p in (tmp_path / "run").rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    cases = [
+        ("inspect", "run", "--json"),
+        ("convert", "run", "--target-from", str(MAXTEXT_NATIVE), "--keep-step-numbers"),
+        ("convert", "run", "--target-from", "x", "--memory-budget", "lots"),
+        ("verify", "run"),
+    ]
+    codes = []
+    for args in cases:
+        fresh = subprocess.run(
+            [sys.executable, "-m", "orbax_maxtext_layout", *args],
+            capture_output=True,
+            text=True,
+            env=child_env(cpu=False),
+            cwd=tmp_path,
+            timeout=300,
+        )
+        forked = run_cli(*args, cwd=tmp_path)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (
+            fresh.returncode,
+            fresh.stdout,
+            fresh.stderr,
+        ), args
+        codes.append(forked.returncode)
+    assert codes == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="XLA_FLAGS"):
+        run_cli("inspect", "run", env={"XLA_FLAGS": "--xla_cpu_use_thunk_runtime"}, cwd=tmp_path)
+
+
 def test_the_console_script_and_python_m_exit_with_the_heap_frozen():
     # The interpreter's exit walks every tracked object (800,000 once MaxText is loaded: 1.2 s);
     # the process entry points freeze them first, after the command's work and output.
