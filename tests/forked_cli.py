@@ -60,7 +60,7 @@ def _startup_changes(env: dict[str, str], started: dict[str, str]) -> list[str]:
 
 
 def run_cli(
-    *args: Any, env: dict | None = None, cwd: Path | str = ROOT, timeout: float = 300
+    *args: Any, env: dict | None = None, cwd: Path | str = ROOT, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """``python -m orbax_maxtext_layout *args`` with ``env`` added to this process's
     environment (a variable ``None`` there: removed), in ``cwd``, as a `subprocess.run` with
