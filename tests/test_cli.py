@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, MAXTEXT_NATIVE, child_env, tree_digest
-from forked_cli import run_cli
+from forked_cli import STARTUP, run_cli
 
 from orbax_maxtext_layout import Layout, detect_layout, find_steps
 from orbax_maxtext_layout.execute.verify import verify_step
@@ -31,9 +31,10 @@ def cli(
 ) -> subprocess.CompletedProcess:
     """``python -m orbax_maxtext_layout *args``, forked from a warm interpreter
     (`forked_cli.run_cli`: the same command, environment, output and exit code, without
-    the 4.5 s of imports; its docstring says what a fork cannot give). ``fresh``: in a new
-    interpreter."""
-    if not fresh:
+    the 4.5 s of imports; its docstring says what a fork cannot give). In a new interpreter
+    with ``fresh``, or where ``env`` sets a variable read when Python starts (a
+    ``PYTHONPATH`` for a ``--target`` module)."""
+    if not (fresh or any(STARTUP.match(k) for k in env or {})):
         res = run_cli(*args, env=env, cwd=ROOT)
     else:
         res = subprocess.run(
