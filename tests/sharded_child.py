@@ -1,8 +1,8 @@
 """Writes a Tunix step as a pod saves it, every large array in 8 per-device chunks.
 
-    python sharded_child.py ROOT STEP EMB ZARR3
+    python sharded_child.py ROOT STEP EMB ZARR3 [ROOT STEP EMB ZARR3 ...]
 
-A child process: the 8 CPU devices (``--xla_force_host_platform_device_count=8``) must be
+(each four arguments one step). A child process: the 8 CPU devices (``--xla_force_host_platform_device_count=8``) must be
 set before JAX starts. The model is `writers.make_model` (scanned, ``param_scan_axis`` 1,
 ``emb`` wide); each Param is placed on a mesh of the 8 devices, sharded on its largest
 non-layer axis that divides by 8 (as an fsdp run shards it), and the step is written by
@@ -44,4 +44,7 @@ def main(root: str, step: int, emb: int, zarr3: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "true")
+    args = sys.argv[1:]
+    for i in range(0, len(args), 4):
+        root, step, emb, zarr3 = args[i : i + 4]
+        main(root, int(step), int(emb), zarr3 == "true")

@@ -40,26 +40,31 @@ HERE = Path(__file__).resolve().parent
 EMB = 8192  # wi, wo, embedding and logits of 1.5-2 MiB: past `zarr.SMALL`, streamed
 
 
-def _write(root: Path, zarr3: bool) -> Path:
+def _write(roots: dict[bool, Path]) -> dict[bool, Path]:
+    """``{zarr3: step 1 under root}``, written by one child."""
+    args = [a for zarr3, root in roots.items() for a in (root, "1", EMB, str(zarr3).lower())]
     subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "sharded_child.py"),
-            str(root),
-            "1",
-            str(EMB),
-            str(zarr3).lower(),
-        ],
+        [sys.executable, str(HERE / "sharded_child.py"), *map(str, args)],
         check=True,
         capture_output=True,
         env=child_env(),  # its 8 CPU devices, whatever this process's backend
     )
-    return root / "1"
+    return {zarr3: root / "1" for zarr3, root in roots.items()}
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["zarr3", "zarr2"])
-def step(request, tmp_path_factory) -> Path:
-    return _write(tmp_path_factory.mktemp("sharded") / "run", request.param)
+@pytest.fixture(scope="session")
+def sharded_steps(tmp_path_factory) -> dict[bool, Path]:
+    """Both steps, written once in each test process (with ``-n``, each worker): a
+    module-scoped parametrized fixture was written again at every switch of parameter
+    between the tests a worker was handed. Tests only read them; one that changes a step
+    changes a copy."""
+    made = tmp_path_factory.mktemp("sharded")
+    return _write({True: made / "zarr3", False: made / "zarr2"})
+
+
+@pytest.fixture(params=[True, False], ids=["zarr3", "zarr2"])
+def step(request, sharded_steps) -> Path:
+    return sharded_steps[request.param]
 
 
 def _restore(item_dir: Path) -> dict:

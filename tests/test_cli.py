@@ -1,4 +1,6 @@
-"""The command line, run as users run it: real processes on real checkpoint trees."""
+"""The command line on real checkpoint trees: forked from a warm interpreter (`forked_cli`) where
+the test is about a command's output, exit code and files; real processes where it is about
+the process (entry points, the CPU pinning, kills, concurrent converters, peak memory)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, MAXTEXT_NATIVE, child_env, tree_digest
+from forked_cli import STARTUP, run_cli
 
 from orbax_maxtext_layout import Layout, detect_layout, find_steps
 from orbax_maxtext_layout.execute.verify import verify_step
@@ -24,16 +27,24 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def cli(
-    *args: str, env: dict | None = None, check_rc: int | None = 0
+    *args: str, env: dict | None = None, check_rc: int | None = 0, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    res = subprocess.run(
-        [sys.executable, "-m", "orbax_maxtext_layout", *args],
-        capture_output=True,
-        text=True,
-        env=child_env(env, cpu=False),  # the CLI pins the CPU itself
-        cwd=ROOT,
-        timeout=300,
-    )
+    """``python -m orbax_maxtext_layout *args``, forked from a warm interpreter
+    (`forked_cli.run_cli`: the same command, environment, output and exit code, without
+    the 4.5 s of imports; its docstring says what a fork cannot give). In a new interpreter
+    with ``fresh``, or where ``env`` sets a variable read when Python starts (a
+    ``PYTHONPATH`` for a ``--target`` module)."""
+    if not (fresh or any(STARTUP.match(k) for k in env or {})):
+        res = run_cli(*args, env=env, cwd=ROOT)
+    else:
+        res = subprocess.run(
+            [sys.executable, "-m", "orbax_maxtext_layout", *args],
+            capture_output=True,
+            text=True,
+            env=child_env(env, cpu=False),  # the CLI pins the CPU itself
+            cwd=ROOT,
+            timeout=300,
+        )
     if check_rc is not None:
         assert res.returncode == check_rc, res.stdout + res.stderr
     return res
@@ -108,6 +119,41 @@ def test_every_command_runs_on_the_cpu_unless_jax_platforms_is_set(tmp_path):
     env["JAX_PLATFORMS"] = "cpu,tpu"  # the user's choice is kept
     out = subprocess.run(run, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.stdout.split()[-2:] == ["0", "cpu,tpu"], out.stdout + out.stderr
+
+
+def test_a_forked_command_is_the_fresh_process_s_command(tmp_path):
+    """`forked_cli.run_cli` (what `cli` runs) against ``python -m orbax_maxtext_layout``: the
+    same exit codes (0, 1, 2, 3), stdout and stderr, relative paths resolved in ``cwd``. A
+    variable read when a process starts is refused, not silently left out."""
+    shutil.copytree(SFT, tmp_path / "run" / "1")  # its optimizer has no match: refused
+    for p in (tmp_path / "run").rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    cases = [
+        ("inspect", "run", "--json"),
+        ("convert", "run", "--target-from", str(MAXTEXT_NATIVE), "--keep-step-numbers"),
+        ("convert", "run", "--target-from", "x", "--memory-budget", "lots"),
+        ("verify", "run"),
+    ]
+    codes = []
+    for args in cases:
+        fresh = subprocess.run(
+            [sys.executable, "-m", "orbax_maxtext_layout", *args],
+            capture_output=True,
+            text=True,
+            env=child_env(cpu=False),
+            cwd=tmp_path,
+            timeout=300,
+        )
+        forked = run_cli(*args, cwd=tmp_path)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (
+            fresh.returncode,
+            fresh.stdout,
+            fresh.stderr,
+        ), args
+        codes.append(forked.returncode)
+    assert codes == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="XLA_FLAGS"):
+        run_cli("inspect", "run", env={"XLA_FLAGS": "--xla_cpu_use_thunk_runtime"}, cwd=tmp_path)
 
 
 def test_the_console_script_and_python_m_exit_with_the_heap_frozen():
@@ -263,7 +309,7 @@ def test_sigkill_mid_conversion_then_rerun_finishes(tmp_path):
         if s.layout is Layout.MAXTEXT:
             assert verify_step(s.path).ok
         assert (s.path / "model_params" / "_METADATA").exists()
-    cli(*args, env=env)
+    cli(*args, env=env, fresh=True)  # PYTHONPATH, read when Python starts
     for s in find_steps(root):
         assert s.layout is Layout.MAXTEXT and verify_step(s.path).ok
         assert not [c for c in s.path.iterdir() if "tmp" in c.name or c.name.endswith(".lock")]

@@ -11,6 +11,7 @@ conversions in tests/interop/test_families*.py.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -143,20 +144,19 @@ def test_inspect_prints_each_step_s_layer_map(tmp_path, capsys):
 def test_cli_stack_onto_an_unscanned_target_is_a_usage_error_without_plain_scan(tmp_path):
     # gpt-oss, gemma3, llama4: block scans whose unscanned names are a plain scan's. Stacking
     # without the model's scanned form wrote a plain stack (exit 0) that MaxText cannot read.
-    import subprocess
-    import sys
+    from forked_cli import run_cli  # python -m orbax_maxtext_layout, forked from a warm one
 
     run = copy_fixture(f"{M}/gemma3_sft_unscanned_run", tmp_path)
     step = run / "checkpoints" / "2"
     target = FIXTURES / M / "gemma3_pretrain_unscanned_run" / "checkpoints" / "0"
     before = tree_digest(run)
-    argv = [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(run / "checkpoints")]
-    argv += ["--stack", "--target-from", str(target), "--keep-step-numbers"]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    argv = ["convert", run / "checkpoints", "--stack", "--target-from", target]
+    argv += ["--keep-step-numbers"]
+    res = run_cli(*argv, cwd=os.getcwd())
     assert res.returncode == 2, res.stdout + res.stderr
     assert "--plain-scan" in res.stderr and "--maxtext-config" in res.stderr
     assert "Traceback" not in res.stderr
     assert tree_digest(run) == before
-    res = subprocess.run([*argv, "--plain-scan"], capture_output=True, text=True, timeout=300)
+    res = run_cli(*argv, "--plain-scan", cwd=os.getcwd())
     assert res.returncode == 0, res.stdout + res.stderr
     assert (step / "items").is_dir()

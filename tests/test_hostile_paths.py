@@ -31,6 +31,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forked_cli
 import hostile_support as H
 import numpy as np
 import ocdbt_craft as C
@@ -261,12 +262,17 @@ def test_the_tracer_sees_every_way_of_naming_the_bait(tmp_path):
 def run_cli(
     tmp_path: Path, *args: object, bait: list[Path] = (), env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``orbax-maxtext-layout ARGS`` in a fresh interpreter, as users run it; with ``bait``,
-    under strace where there is one, then asserting no system call named the bait."""
+    """``orbax-maxtext-layout ARGS``; with ``bait``, in a fresh interpreter under strace where
+    there is one, then asserting no system call named the bait. Without, forked from a warm
+    interpreter (`forked_cli.run_cli`), but for a ``PYTHONPATH`` in ``env`` (read when
+    Python starts: a fresh interpreter)."""
     argv = [sys.executable, "-m", "orbax_maxtext_layout", *map(str, args)]
-    env = child_env(env, cpu=False)  # the CLI pins the CPU itself
     if not H.STRACE or not bait:
+        if not (env and "PYTHONPATH" in env):
+            return forked_cli.run_cli(*args, env=env, cwd=ROOT)
+        env = child_env(env, cpu=False)  # the CLI pins the CPU itself
         return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env)
+    env = child_env(env, cpu=False)
     log = tmp_path / "strace.log"
     res = H.traced(argv, log, cwd=ROOT, env=env)
     hits = H.touched(log, bait, cwd=ROOT)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import tree_digest
+from forked_cli import run_cli
 from safetensors.numpy import save_file
 
 from orbax_maxtext_layout import cli
@@ -116,10 +116,9 @@ def test_a_hostile_directory_is_refused_and_nothing_is_written(tmp_path, capsys,
 
 def test_an_unknown_save_dtype_is_a_usage_error(tmp_path):
     hf = _hf(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-m", "orbax_maxtext_layout", "import-hf", str(hf), "--out", str(tmp_path / "o"),
-         "--save-dtype", "float16", "--maxtext-config", "base.yml"],
-        capture_output=True, text=True, timeout=300,
+    done = run_cli(  # forked from a warm interpreter, with python -m's exit code
+        "import-hf", hf, "--out", tmp_path / "o", "--save-dtype", "float16",
+        "--maxtext-config", "base.yml", cwd=os.getcwd(),
     )  # fmt: skip
     assert done.returncode == 2 and "--save-dtype" in done.stderr
     assert not (tmp_path / "o").exists()

@@ -5,13 +5,12 @@ says what to install, for every command that takes a target, and nothing written
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import SFT_STEPS, copy_fixture, tree_digest
+from forked_cli import run_cli
 
 from orbax_maxtext_layout import Target
 
@@ -22,14 +21,9 @@ INSTALL = ("maxtext 0.2.5", "Python 3.12", "--target-from")
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "orbax_maxtext_layout", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
-        timeout=300,
-    )
+    """The command in ``cwd``, JAX_PLATFORMS unset (`forked_cli.run_cli`: forked from a warm
+    interpreter, with the environment and exit code of ``python -m orbax_maxtext_layout``)."""
+    return run_cli(*args, cwd=cwd, env={"JAX_PLATFORMS": None})
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import MAXTEXT_NATIVE, RL_ACTOR_STEPS, copy_fixture, raw, restore_flat, tree_digest
 from etils import epath
+from forked_cli import run_cli
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.execute import legacy_removal
@@ -132,13 +132,9 @@ def test_out_on_another_file_system_copies_and_says_why(tmp_path):
         step = copy_fixture(RL, root)
         before = _legacy(step)
         out = shm / "out"
-        res = subprocess.run(
-            [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(step)]
-            + ["--target-from", str(MAXTEXT_NATIVE), "--out", str(out / "2"), "--json"],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=300,
+        # forked from a warm interpreter (`forked_cli`): the command's output and files
+        res = run_cli(
+            "convert", step, "--target-from", MAXTEXT_NATIVE, "--out", out / "2", "--json", cwd=ROOT
         )
         assert res.returncode == 0, res.stderr
         (report,) = json.loads(res.stdout)
@@ -150,13 +146,8 @@ def test_out_on_another_file_system_copies_and_says_why(tmp_path):
         for new, _ in _pairs(step, out / "2" / "items"):
             assert new.stat().st_nlink == 1
         assert _legacy(step) == before
-        text = subprocess.run(
-            [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(step)]
-            + ["--target-from", str(MAXTEXT_NATIVE), "--out", str(out / "3")],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=300,
+        text = run_cli(
+            "convert", step, "--target-from", MAXTEXT_NATIVE, "--out", out / "3", cwd=ROOT
         )
         assert f"data files: {n} copied" in text.stdout, text.stdout
         assert f"copied because: EXDEV: another file system ({n})" in text.stdout

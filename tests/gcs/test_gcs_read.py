@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import stock_restore
 from etils import epath
+from forked_cli import run_cli
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.base.treepaths import unflatten as _nest
@@ -284,13 +285,12 @@ def test_stock_orbax_save_restore_counts_bytes(gcs_emulator, gs_prefix):
 
 
 def _cli(args, env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "orbax_maxtext_layout", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """The command with the environment ``env`` (a whole one: `subprocess_env`), forked from
+    a warm interpreter (`forked_cli.run_cli`; the emulator's variables are read by the
+    command's own GCS clients, not when Python starts)."""
+    keys = set(env) | set(os.environ)
+    changes = {k: env.get(k) for k in keys if env.get(k) != os.environ.get(k)}
+    return run_cli(*args, env=changes, cwd=os.getcwd(), timeout=600)
 
 
 def test_cli_inspect(gcs_emulator, gs_example):

@@ -275,6 +275,7 @@ class Zygote:
         self._logs = Path(tempfile.mkdtemp(prefix="omtl-zygote-"))
         self._n = 0
         self._lock = threading.Lock()
+        self.env = {**os.environ, **child_env()}  # what its interpreter started with
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "rel_zygote.py")],
             stdin=subprocess.PIPE,
@@ -282,7 +283,7 @@ class Zygote:
             stderr=subprocess.DEVNULL,
             text=True,
             cwd=REPO,
-            env={**os.environ, **child_env()},
+            env=self.env,
         )
         ready = self._read()
         assert "ready" in ready, ready
@@ -299,7 +300,9 @@ class Zygote:
             self.proc.stdin.flush()
             return self._read()
 
-    def start(self, job: dict, *, env: dict | None = None, cwd: Path | None = None) -> tuple:
+    def start(
+        self, job: dict, *, env: dict | None = None, cwd: Path | None = None, exact: bool = False
+    ) -> tuple:
         self._n += 1
         out, err = self._logs / f"{self._n}.out", self._logs / f"{self._n}.err"
         # Made here, not only by the child: a kill that lands right after the fork, before
@@ -311,6 +314,7 @@ class Zygote:
                 "op": "start",
                 "job": job,
                 "env": {k: str(v) for k, v in (env or {}).items()},
+                "env_exact": exact,
                 "cwd": str(cwd or REPO),
                 "stdout": str(out),
                 "stderr": str(err),

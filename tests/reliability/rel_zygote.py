@@ -16,6 +16,8 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
   -> ``{"rc": RC, "killed": BOOL, "elapsed": SECONDS}``. ``kill_after`` counts from the
   fork; the child is sent SIGKILL then unless it has exited. The kill is sent before
   the child is reaped, so its pid cannot have been reused.
+  With ``"env_exact": true`` the child's environment is ``env`` alone (what a fresh process
+  would get: `tests/forked_cli.py`), not this process's updated with it.
 * ``{"op": "exit"}``.
 
 A job may carry ``"fsize_limit": BYTES`` (RLIMIT_FSIZE with SIGXFSZ ignored, so a write
@@ -72,6 +74,8 @@ def _child(req: dict, proto_fd: int) -> None:
         f = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    if req.get("env_exact"):  # the whole environment, as a fresh process would get it
+        os.environ.clear()
     os.environ.update(req.get("env") or {})
     if req["job"].get("fsize_limit"):  # writes past it fail with EFBIG (SIGXFSZ ignored)
         import resource
@@ -87,16 +91,24 @@ def _child(req: dict, proto_fd: int) -> None:
     calls = _install_kill_hook(hook) if hook else None
     try:
         if job["kind"] == "cli":
+            import orbax_maxtext_layout
             from orbax_maxtext_layout.cli import main
 
+            # sys.argv as ``python -m orbax_maxtext_layout`` sets it
+            package = os.path.dirname(orbax_maxtext_layout.__file__)
+            sys.argv = [os.path.join(package, "__main__.py"), *job["argv"]]
             rc = main(job["argv"]) or 0
         else:
             import importlib
 
             module, _, fn = job["func"].partition(":")
             rc = getattr(importlib.import_module(module), fn)(**job.get("kwargs", {})) or 0
-    except SystemExit as e:  # argparse usage errors exit 2, like the real command
-        rc = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # what Python exits with (argparse's usage errors: 2)
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
     except BaseException:
         traceback.print_exc()  # what Python prints for an uncaught exception
         print(UNCAUGHT, file=sys.stderr)
