@@ -28,6 +28,7 @@ import pytest
 from conftest import stock_restore
 from safetensors.numpy import save_file
 
+from orbax_maxtext_layout.errors import StepExistsError
 from orbax_maxtext_layout.formats.safetensors_reader import HfDir
 from orbax_maxtext_layout.lora import peft_adapter as P
 from orbax_maxtext_layout.lora import peft_as_lora as A
@@ -324,6 +325,6 @@ def test_a_step_that_exists_is_not_replaced(tmp_path):
     ws = weights(1, ["self_attn.q_proj"])
     write(d, tmp_path / "out", ws)
     before = sorted(p.name for p in (tmp_path / "out" / "0").iterdir())
-    with pytest.raises(A.StepExistsError):
+    with pytest.raises(StepExistsError):
         write(d, tmp_path / "out", ws)
     assert sorted(p.name for p in (tmp_path / "out" / "0").iterdir()) == before

@@ -58,7 +58,6 @@ from ..model.hf_mapping import HfModel
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..plan.provenance import SCAN_LAYERS_KEY
 from ..storage import transpose
-from ..storage.lock import step_lock
 from ..storage.memory import DEFAULT_BUDGET, IMPORT, Gate
 from ..storage.scratch import small_pages
 from ..storage.store import StepStore, store_for
@@ -657,7 +656,6 @@ def plan_import(hf: HfDir, model: HfModel, save_dtype: np.dtype, budget: int) ->
 
 def _abstract_params(config: Any) -> dict[str, tuple[int, ...]]:
     """MaxText key (``params-decoder-...``) -> shape, from ``to_maxtext``'s own abstract model."""
-    import contextlib
     import sys
 
     with contextlib.redirect_stdout(sys.stderr):
@@ -762,28 +760,10 @@ def _workers() -> int:
 
 # -- writing ----------------------------------------------------------------------------------
 def _write_step(plan: ImportPlan, dest: epath.Path, progress: Callable | None) -> None:
-    """``dest`` built where its store builds a new step (a work directory beside it on a disk;
-    in place, under the step's lock, on an object store) and published whole, as `merge-lora`
-    publishes; on any failure the work goes, and so does ``dest``'s parent if this call made
-    it."""
-    made_parent = not dest.parent.exists()
+    """``dest`` built where its store builds a new step and published whole, as `merge-lora`
+    publishes (`stepdir.building_step`)."""
     store = store_for(dest)
-    try:
-        with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
-            if store.dest_taken(dest):
-                raise StepExistsError(f"{dest} exists; nothing was written: pass another --out.")
-            _build(plan, dest, progress, store=store)
-    except BaseException:
-        if made_parent:
-            dest.parent.rmtree(missing_ok=True)
-        raise
-
-
-def _build(
-    plan: ImportPlan, dest: epath.Path, progress: Callable | None, *, store: StepStore
-) -> None:
-    work = stepdir.new_step_dir(dest, store=store)
-    try:
+    with stepdir.building_step(dest, store=store) as work:
         tmp = stepdir.new_tmp_dir(work, store=store)
         _write_items(plan, tmp, progress, store=store)
         provenance = {
@@ -799,11 +779,6 @@ def _build(
             provenance["adapter"] = plan.adapter.plan.to_dict()
         custom = {SCAN_LAYERS_KEY: bool(plan.model.config.scan_layers)}
         stepdir.commit(work, tmp, provenance, store=store, meta={}, custom=custom)
-        if not stepdir.publish_step(work, dest, store=store):
-            raise StepExistsError(f"{dest} appeared while this import ran; nothing replaced.")
-    except BaseException:
-        stepdir.discard_step_dir(work, store=store)
-        raise
 
 
 def _write_items(

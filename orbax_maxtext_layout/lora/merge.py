@@ -4,7 +4,6 @@ its report (`MergeReport`)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Unpack
 
@@ -12,13 +11,11 @@ from etils import epath
 
 from ..base.reports import Report
 from ..base.treepaths import keystr
-from ..errors import StepExistsError
 from ..execute.options import MergeKeywords, MergeOptions, resolve
 from ..execute.write import write_items
 from ..orbax_io import stepdir
 from ..orbax_io.orbax_files import reads_each_item_once
-from ..storage.lock import step_lock
-from ..storage.store import StepStore, store_for
+from ..storage.store import store_for
 from .merge_plan import NOT_PARAMS, adapter_item, merge_provenance, merge_sources, plan_merge
 
 
@@ -135,29 +132,10 @@ def merge_lora(
     )
     sources = merge_sources(adapter_step, base)
     store = store_for(dest)
-    with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
-        # Built in place on an object store: one writer at a time, under the lock.
-        if store.dest_taken(dest):
-            raise StepExistsError(
-                f"{dest}: exists; nothing was written. Remove it or choose another --out."
-            )
-        report.bytes_written = _publish_merge(
-            dest, plan, sources, prov, o.memory_budget, store=store
-        )
-    return report
-
-
-def _publish_merge(dest, plan, sources, prov, budget, *, store: StepStore) -> int:
-    """Writes the step where it is built (`stepdir.new_step_dir`), then publishes it last:
-    a merge that fails or is killed leaves no listable step."""
-    work = stepdir.new_step_dir(dest, store=store)
-    try:
-        written = write_items(
-            work, plan, sources, provenance=prov, budget=budget, store=store
+    with stepdir.building_step(
+        dest, store=store, taken="remove it or choose another --out"
+    ) as work:
+        report.bytes_written = write_items(
+            work, plan, sources, provenance=prov, budget=o.memory_budget, store=store
         ).bytes_written
-        if not stepdir.publish_step(work, dest, store=store):
-            raise StepExistsError(f"{dest}: written by another process meanwhile; kept it.")
-    except BaseException:
-        stepdir.discard_step_dir(work, store=store)
-        raise
-    return written
+    return report

@@ -26,7 +26,6 @@ refused before anything is written, naming the module and why (`AsLoraRefusedErr
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 import re
@@ -37,10 +36,8 @@ import numpy as np
 from etils import epath
 
 from ..base.treepaths import Path, keystr
-from ..errors import StepExistsError
 from ..orbax_io import item_writer, orbax_files, stepdir
 from ..orbax_io.layout import TUNIX_PARAMS_ITEM
-from ..storage.lock import step_lock
 from ..storage.store import store_for
 from . import adapter_factors
 from .peft_adapter import AdapterPlan, AdapterRefusedError, Delta
@@ -338,29 +335,13 @@ def write_step(
     ``custom`` entries and our ``provenance``; built aside and published whole, as the
     import publishes a MaxText step. Refused if ``dest`` exists."""
     dest = epath.Path(dest)
-    made_parent = not dest.parent.exists()
     store = store_for(dest)
-    try:
-        with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
-            if store.dest_taken(dest):
-                raise StepExistsError(f"{dest} exists; nothing was written: pass another --out.")
-            work = stepdir.new_step_dir(dest, store=store)
-            try:
-                tmp = stepdir.new_tmp_dir(work, store=store, item=TUNIX_PARAMS_ITEM)
-                _write_item(arrays, tmp, use_zarr3)
-                stepdir.commit(
-                    work, tmp, provenance, store=store, meta={}, custom=custom,
-                    item=TUNIX_PARAMS_ITEM,
-                )  # fmt: skip
-                if not stepdir.publish_step(work, dest, store=store):
-                    raise StepExistsError(f"{dest} appeared meanwhile; nothing replaced.")
-            except BaseException:
-                stepdir.discard_step_dir(work, store=store)
-                raise
-    except BaseException:
-        if made_parent:
-            dest.parent.rmtree(missing_ok=True)
-        raise
+    with stepdir.building_step(dest, store=store) as work:
+        tmp = stepdir.new_tmp_dir(work, store=store, item=TUNIX_PARAMS_ITEM)
+        _write_item(arrays, tmp, use_zarr3)
+        stepdir.commit(
+            work, tmp, provenance, store=store, meta={}, custom=custom, item=TUNIX_PARAMS_ITEM
+        )
 
 
 def _write_item(arrays: Mapping[Path, np.ndarray], tmp: epath.Path, use_zarr3: bool) -> None:

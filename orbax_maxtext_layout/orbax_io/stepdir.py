@@ -10,6 +10,9 @@ store its caller decided for the root (``store``), and decides nothing itself.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -146,6 +149,38 @@ def publish_step(work: epath.Path, dest: epath.Path, *, store: StepStore) -> boo
     its ``commit_success.txt`` last, then (on a disk) one rename. False if ``dest``
     appeared meanwhile (another converter): ``work`` is then discarded."""
     return store.publish_step(work, dest)
+
+
+@contextlib.contextmanager
+def building_step(
+    dest: epath.Path, *, store: StepStore, taken: str = "pass another --out"
+) -> Iterator[epath.Path]:
+    """The frame a new separate step is built in (an import, an adapter step, a merge):
+    yields the directory to build it in (`new_step_dir`) and, when the block ends, publishes
+    it at ``dest`` (`publish_step`).
+
+    On an object store, where the step is built in place, all of it runs under ``dest``'s
+    lock. Refused (`StepExistsError`, ``taken`` says what to do) if ``dest`` exists, or
+    appears meanwhile. On any failure the work directory goes, and so does ``dest``'s
+    parent if this call made it: nothing is left that a stock manager would list.
+    """
+    made_parent = not dest.parent.exists()
+    try:
+        with step_lock(dest, store=store) if store.builds_in_place else contextlib.nullcontext():
+            if store.dest_taken(dest):
+                raise StepExistsError(f"{dest} exists; nothing was written: {taken}.")
+            work = new_step_dir(dest, store=store)
+            try:
+                yield work
+                if not publish_step(work, dest, store=store):
+                    raise StepExistsError(f"{dest} appeared meanwhile; nothing replaced.")
+            except BaseException:
+                discard_step_dir(work, store=store)
+                raise
+    except BaseException:
+        if made_parent:
+            dest.parent.rmtree(missing_ok=True)
+        raise
 
 
 def discard_step_dir(work: epath.Path, *, store: StepStore) -> None:
