@@ -248,7 +248,7 @@ def test_the_step_is_an_adapter_step_export_reads_without_alpha(tmp_path):
     found = read_adapters(step, params)
     assert (found.alpha, found.rank, found.layer_axis) == (5.0, 2, 1)
     assert found.modules == ["decoder/layers/mlp/wi_0", "decoder/layers/self_attention/query"]
-    assert _recorded(step, found) is None  # the adapter config named no base
+    assert _recorded(step, found) == (None, {})  # the adapter config named no base, no renames
     meta_file = step / "_CHECKPOINT_METADATA"
     meta = json.loads(meta_file.read_text())
     meta["custom_metadata"]["lora"]["lora_rank"] = 3

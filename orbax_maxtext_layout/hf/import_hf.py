@@ -35,7 +35,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypedDict, Unpack
 
@@ -158,7 +158,7 @@ class ImportPlan:
         """The shape of Hugging Face tensor ``name``: the directory's, or with ``--base``
         MaxText's ``HF_SHAPE`` (no directory)."""
         if self.hf is None:
-            return tuple(self.model.shape_map[name])
+            return tuple(self.model.shape_map[_maxtext_name(self.model.shape_map, name)])
         return tuple(self.hf.tensors[name].shape)
 
     @property
@@ -339,7 +339,7 @@ def _import_hf(
     else:
         plan = plan_base(base, model, save_dtype, budget)
     if adapter is not None:
-        plan = dataclasses.replace(plan, adapter=open_adapter(adapter, plan))
+        plan = with_adapter(adapter, plan)
     dest = epath.Path(out) / "0"
     try:
         if dest.exists():
@@ -370,13 +370,22 @@ def _import_hf(
     )
 
 
-def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
-    """The PEFT adapter directory ``adapter`` opened as untrusted input (`HfDir`'s checks:
-    containment, sizes, the safetensors header) and planned against the base tensors
-    ``plan`` reads; `HfInputError` or `AdapterRefusedError`, nothing written."""
+def with_adapter(adapter: epath.PathLike, plan: ImportPlan) -> ImportPlan:
+    """``plan`` with the PEFT adapter directory ``adapter`` opened as untrusted input
+    (`HfDir`'s checks: containment, sizes, the safetensors header) and planned against the
+    base tensors ``plan`` reads; `HfInputError` or `AdapterRefusedError`, nothing written.
+
+    With no Hugging Face directory (``--base``, ``--as-lora``) the base tensors are named as
+    the adapter names them, where MaxText's mapping and the model class PEFT ran on spell
+    them apart (`NAME_ALIASES`: gemma3's ``model.language_model.*``, ``model.*`` in a
+    ``Gemma3ForCausalLM`` adapter), as a directory's own names are read."""
     files = (peft_adapter.CONFIG_FILE, peft_adapter.WEIGHTS_FILE)
     ad = HfDir.open(adapter, files=files)
     try:
+        if plan.hf is None:
+            named = {_factor_module(n) + ".weight" for n in ad.tensors}
+            leaves = [dataclasses.replace(lf, hf=_as_stored(named, lf.hf)) for lf in plan.leaves]
+            plan = dataclasses.replace(plan, leaves=leaves)
         where = str(ad.dir)
         settings = peft_adapter.settings(ad.config, f"{where}/{peft_adapter.CONFIG_FILE}")
         factors = {n: (t.shape, t.dtype) for n, t in ad.tensors.items()}
@@ -389,7 +398,12 @@ def open_adapter(adapter: epath.PathLike, plan: ImportPlan) -> Adapter:
     except BaseException:
         ad.close()
         raise
-    return Adapter(ad, made)
+    return dataclasses.replace(plan, adapter=Adapter(ad, made))
+
+
+def _factor_module(name: str) -> str:
+    """The module a PEFT factor tensor belongs to (``base_model.model.<module>.lora_A...``)."""
+    return name.removeprefix(peft_adapter.PREFIX).split(".lora_", 1)[0]
 
 
 # -- --as-lora: the adapter as the Tunix LoRA step train_sft resumes from ----------------------
@@ -417,7 +431,8 @@ def _import_as_lora(
         abstract = _abstract_params(model.config)
         leaves = [_leaf(model, key, abstract) for key in _mapped_keys(model, abstract)]
         plan = ImportPlan(None, model, leaves, peft_as_lora.DTYPE, budget)
-    ad = open_adapter(o.adapter, plan)
+    plan = with_adapter(o.adapter, plan)
+    ad = plan.adapter
     dest = epath.Path(out) / "0"
     try:
         rank, alpha, module_path = hf_mapping.lora_settings(config)
@@ -439,7 +454,11 @@ def _import_as_lora(
                 "adapter": ad.plan.to_dict(),
                 "as_lora": lp.to_dict(),
             }
-            custom = {"lora": lp.lora_metadata(), SCAN_LAYERS_KEY: bool(config.scan_layers)}
+            lora = lp.lora_metadata()
+            renamed = _renames(model, [n for w in weights for n in w.hf])
+            if renamed:  # export-hf --adapter gives the adapter's own names back
+                lora["hf_names"] = renamed
+            custom = {"lora": lora, SCAN_LAYERS_KEY: bool(config.scan_layers)}
             zarr3 = bool(getattr(config, "checkpoint_storage_use_zarr3", True))
             peft_as_lora.write_step(
                 arrays, dest, provenance=provenance, custom=custom, use_zarr3=zarr3
@@ -638,7 +657,7 @@ def plan_import(hf: HfDir, model: HfModel, save_dtype: np.dtype, budget: int) ->
     for key in keys:
         leaf = _leaf(model, key, abstract)
         problems += _missing(hf, model, leaf)
-        leaves.append(dataclasses.replace(leaf, hf=_as_stored(hf, leaf.hf)))
+        leaves.append(dataclasses.replace(leaf, hf=_as_stored(hf.tensors, leaf.hf)))
     mapped = {k for lf in leaves for k in lf.keys}
     problems += [
         f"{k}: MaxText's mapping gives it no Hugging Face source"
@@ -705,7 +724,7 @@ def _missing(hf: HfDir, model: HfModel, leaf: Leaf) -> list[str]:
     """The problems of ``leaf``'s sources: HF tensors absent, or of the wrong shape."""
     out = []
     for name in _names(leaf.hf):
-        info = hf.tensors.get(_stored_name(hf, name))
+        info = hf.tensors.get(_stored_name(hf.tensors, name))
         want = model.shape_map.get(name)
         if info is None:
             out.append(f"{leaf.keys[0]}: no tensor {name}")
@@ -718,23 +737,46 @@ def _missing(hf: HfDir, model: HfModel, leaf: Leaf) -> list[str]:
     return out
 
 
-def _stored_name(hf: HfDir, name: str) -> str:
-    """The name the directory stores MaxText's tensor ``name`` under (`NAME_ALIASES`)."""
-    if name in hf.tensors:
+def _stored_name(stored: Container[str], name: str) -> str:
+    """The name of MaxText's tensor ``name`` among the ``stored`` names (a directory's
+    tensors, an adapter's modules), through `NAME_ALIASES`; else ``name`` itself."""
+    if name in stored:
         return name
     for theirs, ours in NAME_ALIASES:
-        if name.startswith(theirs) and ours + name[len(theirs) :] in hf.tensors:
+        if name.startswith(theirs) and ours + name[len(theirs) :] in stored:
             return ours + name[len(theirs) :]
     return name
 
 
-def _as_stored(hf: HfDir, node: Any) -> Any:
-    """MaxText's nested names with each name as the directory stores it."""
+def _maxtext_name(known: Container[str], name: str) -> str:
+    """`_stored_name` undone: the name MaxText's mapping gives the tensor stored as ``name``."""
+    if name in known:
+        return name
+    for theirs, ours in NAME_ALIASES:
+        if name.startswith(ours) and theirs + name[len(ours) :] in known:
+            return theirs + name[len(ours) :]
+    return name
+
+
+def _renames(model: HfModel, names: Sequence[str]) -> dict[str, str]:
+    """The `NAME_ALIASES` prefixes by which ``names`` (as an adapter spells them) differ from
+    MaxText's mapping: MaxText's prefix -> the adapter's."""
+    out = {}
+    for n in names:
+        m = _maxtext_name(model.shape_map, n)
+        for theirs, ours in NAME_ALIASES:
+            if m != n and m.startswith(theirs) and n == ours + m[len(theirs) :]:
+                out[theirs] = ours
+    return out
+
+
+def _as_stored(stored: Container[str], node: Any) -> Any:
+    """MaxText's nested names with each name as ``stored`` spells it (`_stored_name`)."""
     if isinstance(node, list):
-        return [_as_stored(hf, n) for n in node]
+        return [_as_stored(stored, n) for n in node]
     if isinstance(node, tuple):
-        return tuple(_as_stored(hf, n) for n in node)
-    return None if node is None else _stored_name(hf, node)
+        return tuple(_as_stored(stored, n) for n in node)
+    return None if node is None else _stored_name(stored, node)
 
 
 def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:

@@ -170,7 +170,7 @@ def plan_adapter(
             f"{step}: --adapter exports a LoRA adapter step, and this step holds no LoRA "
             f"adapters ({str(e).splitlines()[0]}); export it without --adapter."
         ) from e
-    recorded = _recorded(adapter_dir, adapters)
+    recorded, renames = _recorded(adapter_dir, adapters)
     alpha = alpha if alpha is not None else adapters.alpha
     if alpha is None:
         raise UsageError(
@@ -185,6 +185,8 @@ def plan_adapter(
     keyed = {"params-" + "-".join(str(k) for k in m.dst[2:]): m for m in moves}
     units = hf_mapping.plan_units(model, {k: m.out_spec.shape for k, m in keyed.items()})
     modules, problems = _modules(model, keyed, units)
+    for m in modules:  # named as the adapter the step was imported from names them
+        m.units = [_renamed(u, renames) for u in m.units]
     if problems:
         raise LayoutMismatchError(
             f"{step}: cannot write the adapters of {len(problems)} modules of "
@@ -221,14 +223,15 @@ def plan_adapter(
     return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report, sink)
 
 
-def _recorded(adapter_dir: epath.Path, adapters: Any) -> str | None:
+def _recorded(adapter_dir: epath.Path, adapters: Any) -> tuple[str | None, dict[str, str]]:
     """What the step records of its LoRA (``custom_metadata["lora"]``: ``import-hf
-    --as-lora`` writes rank, alpha, the adapted modules and the PEFT base's name; MaxText's
-    own saves its lora config), its rank and modules checked against the factors'; the
-    recorded ``base_model_name_or_path`` (None: none)."""
+    --as-lora`` writes rank, alpha, the adapted modules, the PEFT base's name and how its
+    module names differ from MaxText's mapping; MaxText's own saves its lora config), its
+    rank and modules checked against the factors'; the recorded ``base_model_name_or_path``
+    (None: none) and name prefixes (`_renamed`)."""
     rec = stepmeta.custom(stepmeta.read(adapter_dir)).get("lora")
     if not isinstance(rec, dict):
-        return None
+        return None, {}
     problems = []
     rank = rec.get("lora_rank")
     if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 and rank != adapters.rank:
@@ -246,7 +249,33 @@ def _recorded(adapter_dir: epath.Path, adapters: Any) -> str | None:
             hint="The step was changed after it was written; write it again.",
         )
     name = rec.get("base_model_name_or_path")
-    return name if isinstance(name, str) and name else None
+    return (name if isinstance(name, str) and name else None), _prefixes(rec.get("hf_names"))
+
+
+_PREFIX = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*\.")
+
+
+def _prefixes(rec: Any) -> dict[str, str]:
+    """The recorded ``hf_names`` (MaxText's name prefix -> the adapter's, e.g.
+    ``model.language_model.`` -> ``model.`` for a ``Gemma3ForCausalLM`` adapter); only
+    dotted module-name prefixes, else none (the step's metadata is untrusted input)."""
+    if not isinstance(rec, dict):
+        return {}
+    return {
+        k: v
+        for k, v in rec.items()
+        if isinstance(k, str)
+        and isinstance(v, str)
+        and _PREFIX.fullmatch(k)
+        and _PREFIX.fullmatch(v)
+    }
+
+
+def _renamed(unit: Unit, renames: dict[str, str]) -> Unit:
+    for theirs, ours in renames.items():
+        if isinstance(unit.hf_path, str) and unit.hf_path.startswith(theirs):
+            return dataclasses.replace(unit, hf_path=ours + unit.hf_path[len(theirs) :])
+    return unit
 
 
 def _module_row(m: _Module) -> dict[str, Any]:

@@ -314,7 +314,7 @@ def _merge_moves(
             hint="Pass the base the LoRA run started from (its load_parameters_path), of the "
             "same model config and scan form.",
         )
-    used = {a for a in axes.values() if a != "bad"}
+    used = {a for a in axes.values() if a not in ("bad", None)}
     return moves, (used.pop() if used else None)
 
 
@@ -341,9 +341,16 @@ def _axes(
             m.dst: None if delta_layouts(m.spec.shape, f.a_spec.shape, f.b_spec.shape) else "bad"
             for m, f in found
         }
+    model_axes = {base_target.param_scan_axes.get(m.dst[2:]) for m, _ in found} - {None}
     fits: dict[Path, set[int]] = {}
+    alone: dict[Path, Any] = {}  # weights the model holds outside its scans
     for m, f in found:
         w, a, b = m.spec.shape, f.a_spec.shape, f.b_spec.shape
+        if model_axes and m.dst[2:] not in base_target.param_scan_axes:
+            # a model that scans some layers and not others (gemma3's remainder after its
+            # blocks): qwix's factors of an unscanned layer carry no layer axis
+            alone[m.dst] = None if delta_layouts(w, a, b) else "bad"
+            continue
         fits[m.dst] = {
             ax
             for ax in (0, 1)
@@ -353,7 +360,6 @@ def _axes(
                 per_layer_shape(w, ax), per_layer_shape(a, ax), per_layer_shape(b, ax)
             )
         }
-    model_axes = {base_target.param_scan_axes.get(m.dst[2:]) for m, _ in found} - {None}
     if scan_axis is not None:
         choice = {scan_axis}
     elif len(model_axes) == 1:  # a model target knows its param_scan_axis
@@ -368,7 +374,7 @@ def _axes(
             "scan_axis= (CLI --scan-axis), the model's param_scan_axis."
         )
     axis = next(iter(choice), None)
-    return {d: axis if axis in ok else "bad" for d, ok in fits.items()}
+    return {d: axis if axis in ok else "bad" for d, ok in fits.items()} | alone
 
 
 def _with_axis(target: Target, axis: int | None) -> Target:

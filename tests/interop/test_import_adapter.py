@@ -92,6 +92,7 @@ CASES = [
     Case("mixtral-experts-unscanned", "mixtral", 17, {"r": 2, "lora_alpha": 4, "target_modules": ATTN, "target_parameters": EXPERTS}, scan=False),
     Case("qwen3moe-experts", "qwen3-moe", 18, {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "target_parameters": EXPERTS}),
     Case("qwen3moe-down-only", "qwen3-moe", 19, {"r": 3, "lora_alpha": 4, "target_modules": ["o_proj"], "target_parameters": ["mlp.experts.down_proj"]}),
+    Case("gemma3-all-linear", "gemma3", 20, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}),
 ]  # fmt: skip
 BY_ID = {c.id: c for c in CASES}
 # adapters for the refusals (their bases are the cases')
@@ -99,6 +100,7 @@ MADE = {c.id: c for c in CASES} | {
     "llama31-dora": Case("llama31-dora", "llama3.1", 21, {"r": 4, "lora_alpha": 8, "target_modules": ATTN, "use_dora": True}),
     "qwen3-untied-attention": Case("qwen3-untied-attention", "qwen3", 22, {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
     "llama31-rslora-qv": Case("llama31-rslora-qv", "llama3.1", 23, {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj"]}, scan=False),
+    "mixtral-attention": Case("mixtral-attention", "mixtral", 24, {"r": 2, "lora_alpha": 4, "target_modules": ATTN}),
 }  # fmt: skip
 
 
@@ -404,7 +406,14 @@ def _products(adapter: Path) -> dict[str, np.ndarray]:
     return out
 
 
-AS_LORA = {"llama31-patterns": True, "llama31-rslora-qv": False}  # case -> scanned
+# Families whose tiny MaxText model does not give the Hugging Face model's logits on the same
+# weights (MaxText's plain model on the imported base, a bit-exact import: 0.18 off for qwen3
+# tied, 1.24 for gemma3; llama3.1 and mixtral agree within 6e-6). Their LoRA model is judged
+# against MaxText's plain model on the import of PEFT's merge_and_unload, not PeftModel.
+HF_LOGITS_DIFFER = {"qwen3tied-all-linear", "gemma3-all-linear"}
+# case -> scanned; the first scanned one is also resumed by train_sft
+AS_LORA = {"llama31-patterns": True, "llama31-rslora-qv": False, "qwen3tied-all-linear": True,
+           "mixtral-attention": True, "gemma3-all-linear": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +447,11 @@ def as_lora(made, tmp_path_factory) -> dict:
         restore = {"rank": lora["rank"], "alpha": lora["alpha"],
                    "restore": str(step / "model_params"), "module_path": lora["module_path"]}  # fmt: skip
         jobs.append(G.job(case_id, keys, work / "base" / "0" / "items", work / "run", lora=restore))
+        jobs.append(G.job(f"{case_id}__base", keys, work / "base" / "0" / "items", work / "run"))
+        _import(d / "merged", work / "merged", case)  # PEFT's merge_and_unload, imported
+        jobs.append(
+            G.job(f"{case_id}__merged", keys, work / "merged" / "0" / "items", work / "run")
+        )
         peft += [{"name": f"{case_id}__{n}", "base": str(d / "base"), "merged": str(d / "base"),
                   "adapter": str(a)} for n, a in (("orig", d / "adapter"), ("back", work / "back"))]  # fmt: skip
         runs[case_id] = {"report": report, "step": step, "exported": exported, "work": work}
@@ -476,7 +490,15 @@ def test_as_lora_logits_and_round_trip(made, as_lora, case_id):
         p[f"{case_id}__back::peft"],
         p[f"{case_id}__orig::base"],
     )
-    maxtext = as_lora["maxtext"][case_id]
+    maxtext, mt = as_lora["maxtext"][case_id], as_lora["maxtext"]
+    plain = float(np.abs(mt[f"{case_id}__base"] - base).max())
+    merged = float(np.abs(maxtext - mt[f"{case_id}__merged"]).max())
+    print(f"{case_id}: MaxText's plain model on the imported base vs the HF base {plain:.3g}; "
+          f"its LoRA model vs its plain model on the imported merge_and_unload {merged:.3g}")  # fmt: skip
+    top_mt = max(1.0, float(np.abs(maxtext).max()))
+    assert merged <= LOGITS_TOLERANCE * top_mt, merged
+    if case_id in HF_LOGITS_DIFFER:
+        assert plain > LOGITS_TOLERANCE * top_mt, f"{case_id} agrees with HF now: {plain}"
     diff, trip = float(np.abs(maxtext - orig).max()), float(np.abs(back - orig).max())
     moved = float(np.abs(orig - base).max())
     print(f"{case_id} --as-lora (rank {lora['rank']}, alpha {lora['alpha']:g}, padded "
@@ -486,7 +508,9 @@ def test_as_lora_logits_and_round_trip(made, as_lora, case_id):
           f"logits by {moved:.3g}")  # fmt: skip
     top = max(1.0, float(np.abs(orig).max()))
     assert moved > 0.01 and worst <= 1e-5, (moved, worst)
-    assert diff <= LOGITS_TOLERANCE * top and trip <= LOGITS_TOLERANCE * top, (diff, trip)
+    assert trip <= LOGITS_TOLERANCE * top, trip
+    if case_id not in HF_LOGITS_DIFFER:  # else MaxText's own model differs from HF's
+        assert diff <= LOGITS_TOLERANCE * top, diff
     assert json.loads(str(p[f"{case_id}__back::info"]))["not_loaded"] == []
 
 
