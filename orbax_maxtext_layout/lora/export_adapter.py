@@ -160,16 +160,7 @@ def plan_adapter(
 ) -> AdapterPlan:
     """The adapter export of ``step``, from metadata alone (see `export_adapter`)."""
     step = epath.Path(step)
-    try:
-        adapter_dir, params_dir = adapter_item(step)
-        adapters = read_adapters(adapter_dir, params_dir)
-    except (LayoutMismatchError, CheckpointReadError) as e:
-        if not step.exists():
-            raise
-        raise UsageError(
-            f"{step}: --adapter exports a LoRA adapter step, and this step holds no LoRA "
-            f"adapters ({str(e).splitlines()[0]}); export it without --adapter."
-        ) from e
+    adapter_dir, params_dir, adapters = _adapters_of(step)
     recorded, renames = _recorded(adapter_dir, adapters)
     alpha = alpha if alpha is not None else adapters.alpha
     if alpha is None:
@@ -221,6 +212,21 @@ def plan_adapter(
         ],
     )
     return AdapterPlan(model, params_dir, modules, shard, _peft_config(report), report, sink)
+
+
+def _adapters_of(step: epath.Path) -> tuple[epath.Path, epath.Path, Any]:
+    """The LoRA step's directory, its params item and its factors (`read_adapters`); a step
+    without factors is a `UsageError` saying to export it without ``--adapter``."""
+    try:
+        adapter_dir, params_dir = adapter_item(step)
+        return adapter_dir, params_dir, read_adapters(adapter_dir, params_dir)
+    except (LayoutMismatchError, CheckpointReadError) as e:
+        if not step.exists():
+            raise
+        raise UsageError(
+            f"{step}: --adapter exports a LoRA adapter step, and this step holds no LoRA "
+            f"adapters ({str(e).splitlines()[0]}); export it without --adapter."
+        ) from e
 
 
 def _recorded(adapter_dir: epath.Path, adapters: Any) -> tuple[str | None, dict[str, str]]:
