@@ -35,6 +35,15 @@ def query(x):  # (emb, heads, head_dim) -> (heads * head_dim, emb)
     return flip_t((64, 48))(rope(scale(x)))
 
 
+def rope_in(x):  # MaxText's import of RoPE's order: the halves interleaved (``jnp.stack``)
+    half = x.shape[-1] // 2
+    return jnp.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+
+
+def query_in(x):  # (heads * head_dim, emb) -> (emb, heads, head_dim), as to_maxtext imports it
+    return scale(rope_in(x.T.reshape(48, 4, 16)))
+
+
 def embedding(x):  # XLA divides by multiplying with the reciprocal
     return x / np.float32(5.65625)
 
@@ -43,6 +52,7 @@ CASES = {
     "query": (query, (48, 4, 16), ml_dtypes.bfloat16, (64, 48), [(8, 4, 16), (1, 4, 16)]),
     "kernel": (flip_t((96, 48)), (48, 96), ml_dtypes.bfloat16, (96, 48), [(8, 96), (48, 12)]),
     "out": (flip_t((48, 64)), (4, 16, 48), np.float32, (48, 64), [(1, 16, 48), (4, 16, 12)]),
+    "query import": (query_in, (64, 48), np.float32, (48, 4, 16), [(64, 1), (16, 48), (64, 8)]),
     "embedding": (embedding, (64, 32), np.float32, (64, 32), [(7, 32), (64, 5), (9, 11)]),
 }
 

@@ -39,7 +39,9 @@ class _Cannot(Exception):
 
 # Elementwise ops on a box and constants (sliced to the box), run by JAX (`_elementwise`).
 _ELEMENTWISE = {"mul", "div", "add", "sub", "max", "min"}
-_STRUCTURAL = {"reshape", "transpose", "slice", "concatenate", "squeeze", "expand_dims"}
+_STRUCTURAL = {
+    "reshape", "transpose", "slice", "concatenate", "stack", "squeeze", "expand_dims"
+}  # fmt: skip
 _NESTED = {"pjit", "jit", "closed_call"}
 
 
@@ -191,6 +193,8 @@ def _eqn(e: Any, ins: list[Any]) -> list[Any]:
         return [_slice(ins[0], e.params)]
     if name == "concatenate":
         return [_concatenate(ins, e.params["dimension"])]
+    if name == "stack":  # MaxText's import of llama's RoPE order (``jnp.stack``, jax 0.10+)
+        return [_stack(ins, e.params["axis"])]
     raise _Cannot(name)
 
 
@@ -253,6 +257,18 @@ def _concatenate(ins: list[Any], axis: int) -> _Boxed:
     box[axis] = (0, full[axis])
     data = np.concatenate([x.data for x in ins], axis=axis)
     return _Boxed(tuple(box), data, tuple(full))
+
+
+def _stack(ins: list[Any], axis: int) -> _Boxed:
+    """Boxes of the same place in equal arrays, stacked on a new axis (all of it)."""
+    if not all(isinstance(x, _Boxed) for x in ins):
+        raise _Cannot("a stack with a constant")
+    ref = ins[0]
+    if any(x.box != ref.box or x.full != ref.full for x in ins):
+        raise _Cannot("a stack of different boxes")
+    box = (*ref.box[:axis], (0, len(ins)), *ref.box[axis:])
+    full = (*ref.full[:axis], len(ins), *ref.full[axis:])
+    return _Boxed(box, np.stack([x.data for x in ins], axis=axis), full)
 
 
 def _reshape(x: _Boxed, shape: tuple[int, ...]) -> _Boxed:
