@@ -18,10 +18,12 @@ place or a hook not carried fails.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -30,6 +32,7 @@ from safetensors.numpy import save_file
 
 from orbax_maxtext_layout.errors import StepExistsError
 from orbax_maxtext_layout.formats.safetensors_reader import HfDir
+from orbax_maxtext_layout.hf.hooks_by_box import PieceFn
 from orbax_maxtext_layout.lora import peft_adapter as P
 from orbax_maxtext_layout.lora import peft_as_lora as A
 from orbax_maxtext_layout.lora.export_adapter import _recorded
@@ -60,18 +63,43 @@ def hook(module: str):
     return fn
 
 
-def weights(scan_axis: int | None, modules=tuple(HF)) -> list[A.Weight]:
+def traced_hook(module: str):
+    """`hook` as MaxText writes its hooks, in JAX ops `hooks_by_box` traces: the head's rows
+    by strided slices, the scale a multiplication, the transposing reshape."""
+    (out, n_in), kernel, _ = HF[module]
+
+    def fn(m):
+        if module == "self_attn.q_proj":
+            m = m.reshape(H, D, E)
+            m = jnp.concatenate((m[:, 0::2], m[:, 1::2]), axis=1).reshape(out, n_in)
+            m = m * np.float32(1 / math.sqrt(D))
+        return m.T.reshape(kernel)
+
+    return fn
+
+
+def weights(scan_axis: int | None, modules=tuple(HF), *, boxed: bool = False) -> list[A.Weight]:
+    """The weights of ``modules``; ``boxed``: the hooks of `traced_hook` in float32, as the
+    import runs MaxText's, on whole tensors and on boxes (`Weight.box`), the same functions
+    for each layer (`Weight.hooks_id`)."""
     out = []
     for m in modules:
         shape, kernel, where = HF[m]
         names = [f"model.layers.{i}.{m}.weight" for i in range(L)]
+        fn, extra = hook(m), ()
+        if boxed:
+            jax_fn = traced_hook(m)
+            traced = PieceFn.trace(jax_fn, shape, np.dtype(np.float32), [kernel])
+            assert traced is not None, m
+            fn = lambda x, f=jax_fn: np.asarray(f(np.asarray(x, np.float32)))  # noqa: E731
+            extra = (traced.apply, ("traced", m))
         if scan_axis is not None:
             path = ("decoder", "layers", *where.split("/"), "kernel")
-            out.append(A.Weight(path, kernel, scan_axis, tuple(names), shape, hook(m)))
+            out.append(A.Weight(path, kernel, scan_axis, tuple(names), shape, fn, *extra))
             continue
         for i, n in enumerate(names):
             path = ("decoder", f"layers_{i}", *where.split("/"), "kernel")
-            out.append(A.Weight(path, kernel, None, (n,), shape, hook(m)))
+            out.append(A.Weight(path, kernel, None, (n,), shape, fn, *extra))
     return out
 
 
@@ -183,6 +211,50 @@ def test_plain_lora_restores_with_stock_orbax_as_pefts_delta(tmp_path, scan_axis
     assert not (tmp_path / "out" / "0" / "items").exists()
 
 
+@pytest.mark.parametrize("scan_axis", [1, None])
+def test_probes_on_boxes_carry_the_map_the_whole_hooks_give(tmp_path, scan_axis):
+    """Each probe one line of the HF tensor through the traced hooks (`Weight.box`), not the
+    whole tensor: the same map, the same step; the whole hooks run only for the check, once
+    a map (the layers of an unscanned module share theirs: the same functions)."""
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+           "target_modules": list({m.split(".")[-1] for m in HF})}  # fmt: skip
+    d = adapter(tmp_path, cfg, ALL)
+    whole, boxed = weights(scan_axis), weights(scan_axis, boxed=True)
+    for b in boxed:
+        want, got = A._carry(dataclasses.replace(b, box=None)), A._carry(b)
+        assert not isinstance(got, str), got
+        for x, y in zip(want[0].__dict__.values(), got[0].__dict__.values(), strict=True):
+            np.testing.assert_array_equal(x, y)
+    calls = []
+    counted = [
+        A.Weight(*[getattr(w, f) for f in ("path", "kernel", "axis", "hf", "hf_shape")],
+                 lambda m, f=w.hook: calls.append(1) or f(m), w.box, w.hooks_id)
+        for w in boxed
+    ]  # fmt: skip
+    lp = write(d, tmp_path / "out", counted)
+    assert len(calls) == len(HF)  # one check a module: no probe ran the whole hooks
+    assert check_step(d, tmp_path / "out", whole, lp, dict.fromkeys(ALL, 2.0)) < 1e-6
+
+
+def test_without_hooks_id_each_unscanned_layer_is_checked(tmp_path):
+    """Weights that do not say their hooks are the same functions (no `Weight.hooks_id`)
+    are each checked; a layer whose hooks differ from its module's is refused."""
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}
+    ranks = {f"model.layers.{i}.mlp.gate_proj": 4 for i in range(L)}
+    d = adapter(tmp_path, cfg, ranks)
+    calls = []
+    ws = [dataclasses.replace(w, hook=lambda m, f=w.hook: calls.append(1) or f(m))
+          for w in weights(None, ["mlp.gate_proj"])]  # fmt: skip
+    write(d, tmp_path / "out", ws)
+    assert len(calls) == 4 + L  # the four probes of the module's map, then each layer's check
+    odd = ws[2]
+    ws[2] = dataclasses.replace(odd, hook=lambda m, f=odd.hook: 2 * f(m))  # another scale
+    with pytest.raises(A.AsLoraRefusedError) as e:
+        write(d, tmp_path / "out2", ws)
+    assert "decoder/layers_2/mlp/wi_0" in str(e.value) and "miss the hooked delta" in str(e.value)
+    assert not (tmp_path / "out2").exists()
+
+
 def test_rslora_and_patterns_padded_and_folded_exactly(tmp_path):
     """Ranks 2, 4 and 6 and four scales in one adapter: the step's rank is the largest, its
     scale the most common one; every module's product is PEFT's delta."""
@@ -269,6 +341,12 @@ REFUSALS = {
     "module MaxText's LoRA lacks": ({"target_modules": ["q_proj", "o_proj"]},
                                     {"model.layers.0.self_attn.o_proj": 4}, "q only", "self_attn.o_proj"),
     "hook that mixes entries": ({}, {"model.layers.0.self_attn.q_proj": 4}, "mixing", "cannot be carried"),
+    "traced hook that mixes entries": ({}, {"model.layers.0.self_attn.q_proj": 4}, "mixing boxed",
+                                       "cannot be carried"),
+    # the hooks on boxes misread (a scale the whole hooks apply, the traced ones not): the
+    # probes carry a wrong map, the check against the whole hooks refuses it
+    "boxes that misread the hooks": ({}, {"model.layers.0.self_attn.q_proj": 4}, "misread",
+                                     "miss the hooked delta"),
 }  # fmt: skip
 
 
@@ -277,20 +355,23 @@ def test_refused_naming_the_module_nothing_written(tmp_path, case):
     change, ranks, how, named = REFUSALS[case]
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], **change}
     d = adapter(tmp_path, cfg, ranks)
-    ws = weights(1, ["self_attn.q_proj"])
+    ws = weights(1, ["self_attn.q_proj"], boxed=how in ("mixing boxed", "misread"))
     kw = {"rank": 2} if how == "rank2" else {}
+    w = ws[0]
     if how == "mixing":  # each kernel entry the sum of two HF entries: no factor map exists
-        w = ws[0]
-        ws = [
-            A.Weight(
-                w.path,
-                w.kernel,
-                w.axis,
-                w.hf,
-                w.hf_shape,
-                lambda m, f=w.hook: f(m + np.roll(m, 1, 1)),
-            )
-        ]
+        ws = [dataclasses.replace(w, hook=lambda m, f=w.hook: f(m + np.roll(m, 1, 1)))]
+    if how == "mixing boxed":  # the same in JAX: a box cannot go through, the whole hooks run
+        fn = traced_hook("self_attn.q_proj")
+        mixed = PieceFn.trace(
+            lambda m: fn(m + jnp.roll(m, 1, 1)), w.hf_shape, np.float32, [w.kernel]
+        )
+        whole = lambda m, f=w.hook: f(m + np.roll(m, 1, 1))  # noqa: E731
+        ws = [dataclasses.replace(w, hook=whole, box=mixed.apply)]
+    if how == "misread":
+        fn = traced_hook("self_attn.q_proj")
+        unscaled = PieceFn.trace(lambda m: fn(m) * np.float32(math.sqrt(D)), w.hf_shape,
+                                 np.float32, [w.kernel])  # fmt: skip
+        ws = [dataclasses.replace(w, box=unscaled.apply)]
     with pytest.raises(A.AsLoraRefusedError) as e:
         write(d, tmp_path / "out", ws, **kw)
     assert named in str(e.value), str(e.value)

@@ -61,6 +61,7 @@ from ..storage import transpose
 from ..storage.memory import DEFAULT_BUDGET, IMPORT, Gate
 from ..storage.scratch import small_pages
 from ..storage.store import StepStore, store_for
+from .hooks_by_box import PieceFn
 
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_SAVE_DTYPE = "bfloat16"  # to_maxtext's default
@@ -546,17 +547,32 @@ def _unheld(plan: ImportPlan, leaf: Leaf, module: str, module_path: str) -> str 
 
 
 def _weight(plan: ImportPlan, leaf: Leaf) -> peft_as_lora.Weight:
+    """``leaf`` as a weight of the LoRA step: MaxText's import hooks of one layer, on the
+    whole HF tensor and, traced when first asked, on a box of it (`hooks_by_box`)."""
     from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
 
     names = tuple(_names(leaf.hf))
+    shape = tuple(plan.hf_shape(names[0]))
+
+    def run(m: Any) -> Any:  # float32, as the import runs the hooks
+        return apply_hook_fns(m, leaf.slice_shape, leaf.hooks)
 
     def hook(m: np.ndarray) -> np.ndarray:
-        made = apply_hook_fns(np.asarray(m, np.float32), leaf.slice_shape, leaf.hooks)
-        return np.asarray(made)
+        return np.asarray(run(np.asarray(m, np.float32)))
+
+    traced: list[PieceFn | None] = []
+
+    def box(start: tuple[int, ...], data: np.ndarray) -> list | None:
+        if not traced:
+            traced.append(PieceFn.trace(run, shape, np.dtype(np.float32), [leaf.slice_shape]))
+        return None if traced[0] is None else traced[0].apply(start, data)
 
     axis = leaf.axes[0] if leaf.axes else None
-    shape = tuple(plan.hf_shape(names[0]))
-    return peft_as_lora.Weight(leaf.paths[0][2:], leaf.slice_shape, axis, names, shape, hook)
+    hooks = leaf.hooks if isinstance(leaf.hooks, (list, tuple)) else [leaf.hooks]
+    return peft_as_lora.Weight(
+        leaf.paths[0][2:], leaf.slice_shape, axis, names, shape, hook, box,
+        tuple(id(h) for h in hooks),  # MaxText's own functions: shared by a module's layers
+    )  # fmt: skip
 
 
 def _adapter_line(report: ImportReport) -> str:

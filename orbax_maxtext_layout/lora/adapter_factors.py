@@ -11,10 +11,13 @@ factor whose side it acts on. MaxText's own Adapter mode skips the hooks (its ``
 `carry` learns where a hook sends each factor's entries from four probes through the real
 hook (one factor a one-hot vector, the other ones or the entry numbers), so that the map
 holds for any hook made of such moves, and nothing about MaxText's hooks is assumed.
-`check` then compares ``hook(delta)`` with the carried product on a real layer: a hook the
-probes misread (one that mixes entries) fails there, and the module is refused. Nothing
-here is approximate: a map either reproduces the hooked delta to float32 rounding or is
-not used.
+Each probe's input is zero but on one line, so a caller that can put one line of a
+matrix through the hooks (``line``: `import-hf --as-lora`, MaxText's hooks traced and run
+on a box, `hf/hooks_by_box`) spares the four kernel-size calls; where it cannot, the hook
+runs on the whole matrix. `check` then compares ``hook(delta)`` with the carried product
+on a real layer, through the real hook: a hook the probes misread (one that mixes
+entries) fails there, and the module is refused. Nothing here is approximate: a map either
+reproduces the hooked delta to float32 rounding or is not used.
 """
 
 from __future__ import annotations
@@ -53,15 +56,42 @@ class FactorMap:
         return np.ascontiguousarray(lora_a, dt), np.ascontiguousarray(lora_b, dt)
 
 
-def carry(hook: Hook, delta: Delta, n_in: int, n_out: int) -> FactorMap | str:
+@dataclasses.dataclass(frozen=True)
+class Entries:
+    """The nonzero entries of a hooked probe, a matrix of ``shape`` (the hook's output,
+    ``(out, in)``): ``values`` at ``(rows, cols)``, each place once."""
+
+    rows: np.ndarray
+    cols: np.ndarray
+    values: np.ndarray
+    shape: tuple[int, int]
+
+
+# The hooked delta of a probe: ``axis`` 0: factor ``a`` the one-hot ``e_0`` and ``b`` the
+# row ``vec`` (n_out); 1: ``a`` the column ``vec`` (n_in) and ``b`` the one-hot. None: it
+# cannot be had on the line alone (`carry` runs the hook on the whole matrix then).
+Line = Callable[[int, np.ndarray], "Entries | None"]
+
+
+def carry(
+    hook: Hook, delta: Delta, n_in: int, n_out: int, *, line: Line | None = None
+) -> FactorMap | str:
     """The `FactorMap` of a module whose per-layer factors are ``a (n_in, r)`` and ``b (r,
-    n_out)``, or why the hook cannot be carried onto them (a sentence)."""
-    e_in, e_out = _one_hot(n_in), _one_hot(n_out)
-    ones_in, ones_out = np.ones((n_in, 1)), np.ones((1, n_out))
-    codes_in = np.arange(1, n_in + 1, dtype=np.float64)[:, None]
-    codes_out = np.arange(1, n_out + 1, dtype=np.float64)[None, :]
-    b_side = _probe(hook, delta, e_in, ones_out, codes_out, axis=0)
-    a_side = _probe(hook, delta, ones_in, e_out.T, codes_in, axis=1)
+    n_out)``, or why the hook cannot be carried onto them (a sentence). ``line``: the
+    hooked probes a line at a time, where the caller can (`Line`)."""
+
+    def hooked(axis: int, vec: np.ndarray) -> np.ndarray | Entries:
+        got = None if line is None else line(axis, vec)
+        if got is not None:
+            return got
+        if axis == 0:
+            return np.asarray(hook(delta(_one_hot(n_in), vec[None, :])))
+        return np.asarray(hook(delta(vec[:, None], _one_hot(n_out).T)))
+
+    codes_in = np.arange(1, n_in + 1, dtype=np.float64)
+    codes_out = np.arange(1, n_out + 1, dtype=np.float64)
+    b_side = _probe(hooked, np.ones(n_out), codes_out, axis=0)
+    a_side = _probe(hooked, np.ones(n_in), codes_in, axis=1)
     for side, got in (("output", b_side), ("input", a_side)):
         if isinstance(got, str):
             return f"its hooks do not act on the {side} side alone ({got})"
@@ -84,30 +114,47 @@ def _one_hot(n: int) -> np.ndarray:
     return e
 
 
-def _probe(hook: Hook, delta: Delta, a, b, codes, *, axis: int):
+def _probe(hooked: Callable, ones: np.ndarray, codes: np.ndarray, *, axis: int):
     """One side's map: the hooked delta of a one-hot on the other side with ones, then with
     the entry numbers (``codes``) on this side. ``axis`` 0: this side is the HF matrix's
     rows (the output), 1: its columns. Returns ``(line, scale, index)``: the one HF column
     (or row) the one-hot lands in, each entry's constant and its source entry; or why not."""
-    # Kernel-size matrices: only the one line is kept (float64), never a second full copy.
-    ones = np.asarray(hook(delta(a, b)))
-    if ones.ndim != 2:
-        return f"the Hugging Face tensor is {ones.ndim}-dimensional, not a matrix"
-    lines = np.flatnonzero(np.any(ones, axis=axis))
+    # Kernel-size matrices (without ``line``): only the one line is kept (float64).
+    got = hooked(axis, ones)
+    if not isinstance(got, Entries) and got.ndim != 2:
+        return f"the Hugging Face tensor is {got.ndim}-dimensional, not a matrix"
+    lines = _lines(got, axis)
     if len(lines) != 1:
         return f"one entry lands in {len(lines)} {'columns' if axis == 0 else 'rows'}"
     line = int(lines[0])
-    scale = np.array(ones[:, line] if axis == 0 else ones[line, :], np.float64)
-    del ones
+    scale = _on_line(got, axis, line)
+    del got
     if np.any(scale == 0):
         return "an entry is lost"
-    numbered = np.asarray(hook(delta(a, codes) if axis == 0 else delta(codes, b)))
-    got = np.array(numbered[:, line] if axis == 0 else numbered[line, :], np.float64)
+    numbered = hooked(axis, codes)
+    got = _on_line(numbered, axis, line)
     del numbered
     index = np.rint(got / scale) - 1
     if np.any(np.abs(got / scale - 1 - index) > 1e-3) or np.any(index < 0):
         return "an entry is not moved whole"
     return line, scale, index.astype(np.int64)
+
+
+def _lines(got: np.ndarray | Entries, axis: int) -> np.ndarray:
+    """The columns (``axis`` 0) or rows (1) holding a nonzero entry."""
+    if isinstance(got, Entries):
+        return np.unique(got.cols if axis == 0 else got.rows)
+    return np.flatnonzero(np.any(got, axis=axis))
+
+
+def _on_line(got: np.ndarray | Entries, axis: int, line: int) -> np.ndarray:
+    """Column (``axis`` 0) or row (1) ``line`` of the hooked probe, float64."""
+    if not isinstance(got, Entries):
+        return np.array(got[:, line] if axis == 0 else got[line, :], np.float64)
+    out = np.zeros(got.shape[axis], np.float64)
+    on = (got.cols if axis == 0 else got.rows) == line
+    out[(got.rows if axis == 0 else got.cols)[on]] = got.values[on]
+    return out
 
 
 def check(hook: Hook, delta: Delta, fmap: FactorMap, a: np.ndarray, b: np.ndarray) -> float:

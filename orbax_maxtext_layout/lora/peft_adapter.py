@@ -290,9 +290,8 @@ class Delta:
     expert: int = 0
     rows: tuple[int, int] | None = None
 
-    def compute(self, read: Callable[[str], np.ndarray]) -> np.ndarray:
-        """The float32 delta, the base tensor's shape, as PEFT's ``get_delta_weight``
-        computes it in float32: ``(B @ A) * scaling``."""
+    def factors(self, read: Callable[[str], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``(B, A)`` of this tensor, float32: an expert's of a fused pair, its rows' part."""
         a = np.asarray(read(self.a), np.float32)
         b = np.asarray(read(self.b), np.float32)
         if self.experts:
@@ -300,7 +299,16 @@ class Delta:
             b = b.reshape(b.shape[0], self.rank, self.experts)[:, :, self.expert]
         if self.rows is not None:
             b = b[self.rows[0] : self.rows[1]]  # rows of a product are its rows of B
-        d = np.matmul(b, a)
+        return b, a
+
+    def compute(
+        self, read: Callable[[str], np.ndarray], out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The float32 delta, the base tensor's shape, as PEFT's ``get_delta_weight``
+        computes it in float32: ``(B @ A) * scaling``; into ``out`` where given (a float32
+        buffer of that shape, C order)."""
+        b, a = self.factors(read)
+        d = np.matmul(b, a, out=out)
         d *= np.float32(self.scale)
         return d
 

@@ -73,6 +73,15 @@ def small_pages(nbytes: int) -> np.ndarray:
 _NUMPY_HUGE_FROM = 4 << 20  # NumPy advises huge pages for arrays this large and larger
 
 
+def small_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new array of zeros in small pages (`small_pages`: a fresh mapping reads as zeros,
+    and each page costs only its first touch, in small pages)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes < _NUMPY_HUGE_FROM:
+        return np.zeros(shape, dtype)
+    return small_pages(nbytes).view(dtype).reshape(shape)
+
+
 def populate(buf: np.ndarray, start: int, stop: int) -> bool:
     """Faults bytes ``[start, stop)`` of ``buf`` in (whole pages inside the range) with
     ``madvise(MADV_POPULATE_WRITE)``, which never changes what a page holds. False where the
