@@ -92,6 +92,92 @@ def test_merge_is_w_plus_scaled_b_at_a_in_float32():
     assert p.merge("model.layers.0.mlp.up_proj.weight", untouched, read.__getitem__) is untouched
 
 
+def test_merge_by_blocks_rounds_each_float32_sum_once_into_the_save_dtype():
+    """A tensor of several blocks (`P.MERGE_BLOCK`): the float32 sums are the whole
+    product's, and a bfloat16 merge is each of them rounded once (to nearest even), written
+    into the source's own buffer where asked and the dtypes agree, never into another."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rows, cols = 300, 2048  # 256 rows a block: a whole block and an edge
+    assert P.MERGE_BLOCK // (4 * cols) < rows
+    base = {"model.layers.0.self_attn.q_proj.weight": (rows, cols)}
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(4, cols)).astype(np.float32)
+    b = rng.normal(size=(rows, 4)).astype(np.float32)
+    read = {f"{P.PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight": a,
+            f"{P.PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": b}  # fmt: skip
+    p = plan(GOOD, {k: (v.shape, v.dtype) for k, v in read.items()}, base=base)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w = rng.normal(size=(rows, cols)).astype(bf16)
+    whole = np.matmul(b, a)
+    whole *= np.float32(2.0)
+    whole += w
+    sums = p.merge(name, w, read.__getitem__)  # float32, a new array
+    assert sums.dtype == np.float32 and sums is not w
+    assert np.abs(sums - whole).max() <= 1e-6 * np.abs(whole).max()
+    kept = w.copy()
+    got = p.merge(name, w, read.__getitem__, dtype=bf16, in_place=True)
+    assert got is w  # into the bytes read
+    assert got.tobytes() == sums.astype(bf16).tobytes()
+    again = p.merge(name, kept, read.__getitem__, dtype=np.float32, in_place=True)
+    assert again is not kept and again.tobytes() == sums.tobytes()  # bf16 source: a new array
+    assert p.held(name, 4 * rows * cols) == P.MERGE_BLOCK  # a block, not the tensor
+
+
+def test_the_compiled_bf16_sum_is_numpys_bit_for_bit(monkeypatch):
+    """`storage.transpose.add_scaled_bf16` (a merge's scale, sum and bfloat16 cast in one
+    compiled pass) against NumPy's three passes, every bit: random values and bit patterns,
+    NaNs of both signs and any payload, infinities, sums that overflow, ties, subnormals and
+    signed zeros; lengths that leave a tail past its 8-item blocks; written into ``w`` itself;
+    and a whole merge with and without it."""
+    import ml_dtypes
+
+    from orbax_maxtext_layout.storage import transpose
+
+    if getattr(transpose.native(), "add_scaled_bf16", None) is None:
+        pytest.skip("the compiled loops were not built here (python setup.py build_ext --inplace)")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(7)
+    special = np.array(
+        [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, -1e-45, 1.0 + 2**-8,
+         1.0 + 3 * 2**-8, 65504.0, 2**-126], np.float32)  # fmt: skip
+    payloads = np.array([0x7F800001, 0xFF812345, 0x7FFFFFFF], np.uint32).view(np.float32)
+    for n in (1, 7, 8, 9, 64, 1003):
+        d = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+        d[: min(n, len(special))] = special[: min(n, len(special))]
+        d[-min(n, 3) :] = payloads[: min(n, 3)]
+        w = rng.integers(0, 1 << 16, n, dtype=np.uint16).view(bf16)  # every pattern, NaNs too
+        for scale in (2.0, 8 / math.sqrt(16), 1e-3, 3.0e38):
+            want = d.copy()
+            with np.errstate(over="ignore", invalid="ignore"):
+                want *= np.float32(scale)
+                want += w
+                want = want.astype(bf16)
+            out = np.empty(n, bf16)
+            assert transpose.add_scaled_bf16(out, d, w, scale)
+            assert out.view(np.uint16).tobytes() == want.view(np.uint16).tobytes(), (n, scale)
+            mine = w.copy()
+            assert transpose.add_scaled_bf16(mine, d, mine, scale)  # into w itself
+            assert mine.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+    assert not transpose.add_scaled_bf16(np.empty(4, np.float32), d[:4], w[:4], 1.0)
+    assert not transpose.add_scaled_bf16(np.empty(8, bf16)[::2], d[:4], w[:4], 1.0)
+    # a whole merge, compiled and NumPy's
+    rows, cols = 70, 4099
+    base = {"model.layers.0.self_attn.q_proj.weight": (rows, cols)}
+    read = {f"{P.PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight":
+            rng.normal(size=(4, cols)).astype(np.float32),
+            f"{P.PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight":
+            rng.normal(size=(rows, 4)).astype(np.float32)}  # fmt: skip
+    p = plan(GOOD, {k: (v.shape, v.dtype) for k, v in read.items()}, base=base)
+    w = rng.normal(size=(rows, cols)).astype(bf16)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    compiled = p.merge(name, w, read.__getitem__, dtype=bf16)
+    monkeypatch.setattr(transpose, "_native", None)
+    by_numpy = p.merge(name, w, read.__getitem__, dtype=bf16)
+    assert compiled.view(np.uint16).tobytes() == by_numpy.view(np.uint16).tobytes()
+
+
 def experts_base(e: int = 3, h: int = 8, i: int = 4) -> dict:
     return {
         f"model.layers.0.mlp.experts.{x}.{n}.weight": s

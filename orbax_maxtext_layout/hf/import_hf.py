@@ -196,8 +196,9 @@ class Adapter:
         d = self.dir.tensors
         return sum(d[x.a].nbytes + d[x.b].nbytes for x in self.plan.deltas.values())
 
-    def merge(self, name: str, w: np.ndarray) -> np.ndarray:
-        return self.plan.merge(name, w, self.dir.read)
+    def merge(self, name: str, w: np.ndarray, dtype: np.dtype, *, in_place: bool) -> np.ndarray:
+        """``w`` with its delta merged, in ``dtype`` (`AdapterPlan.merge`)."""
+        return self.plan.merge(name, w, self.dir.read, dtype=dtype, in_place=in_place)
 
 
 @dataclasses.dataclass
@@ -800,7 +801,7 @@ def _slice_bytes(plan: ImportPlan, leaf: Leaf, hf: Any) -> int:
         read = 4 * math.prod(leaf.slice_shape) * len(leaf.keys)
     else:
         read = sum(plan.hf.tensors[n].nbytes for n in _names(hf))
-    if plan.adapter is not None:  # a merged tensor also holds its float32 delta and sum
+    if plan.adapter is not None:  # a merged tensor also holds its block of float32 sums
         read += sum(plan.adapter.plan.held(n, 4 * math.prod(plan.hf_shape(n))) for n in _names(hf))
     made = math.prod(leaf.slice_shape) * plan.save_dtype.itemsize * len(leaf.keys)
     return max(read, made)
@@ -1166,9 +1167,12 @@ def _base_slice(plan: ImportPlan, leaf: Leaf, hf: Any, idx: tuple[int, ...]) -> 
 def _source(plan: ImportPlan, name: str, scratch: _SliceScratch | None, at: int = 0) -> np.ndarray:
     """HF tensor ``name`` as the import takes it: read (`_read`), and with ``--adapter`` its
     delta added in float32 where the adapter changes it (before the cast, as PEFT merges into
-    the float32 weights its ``merge_and_unload`` returns)."""
+    the float32 weights its ``merge_and_unload`` returns), each sum cast as `cast` casts it,
+    into the bytes just read where the dtypes agree (the read buffer is this read's own)."""
     x = _read(plan.hf, name, scratch, at)
-    return x if plan.adapter is None else plan.adapter.merge(name, x)
+    if plan.adapter is None:
+        return x
+    return plan.adapter.merge(name, x, plan.save_dtype, in_place=True)
 
 
 def _read(hf: HfDir, name: str, scratch: _SliceScratch | None, at: int = 0) -> np.ndarray:

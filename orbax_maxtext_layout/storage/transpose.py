@@ -1,4 +1,5 @@
-"""The transposing copy of 2-byte items, compiled (``_transpose.c``), without the GIL.
+"""The transposing copy of 2-byte items, and the bfloat16 sum of a merged adapter, compiled
+(``_transpose.c``), without the GIL.
 
 import-hf copies every Hugging Face kernel (``[out, in]``) into MaxText's ``[in, out]``
 before it is encoded: 13 of an 8B llama's 15 GiB. NumPy's word-packing copy
@@ -6,6 +7,11 @@ before it is encoded: 13 of an 8B llama's 15 GiB. NumPy's word-packing copy
 its many calls; the compiled one moves 4.1, and two workers run it side by side. The package
 builds it where it is installed with a C compiler (``setup.py``: optional); without it every
 copy goes NumPy's way, with the same result.
+
+`add_scaled_bf16` is ``import-hf --adapter``'s sum of a bfloat16 weight and a scaled float32
+delta, rounded to bfloat16, in one pass (`lora.peft_adapter.AdapterPlan.merge`): bit for bit
+NumPy's three passes (the scale, the sum, ml_dtypes' cast), which took 1.6 ns an item here,
+most of an 8B merge; without it, NumPy's.
 """
 
 from __future__ import annotations
@@ -40,4 +46,28 @@ def transpose_into(out: np.ndarray, src: np.ndarray) -> bool:
         return False
     # the buffer protocol knows no ml_dtypes bfloat16: the same bytes as uint16
     _native.transpose(out.view(np.uint16), src.view(np.uint16))
+    return True
+
+
+def add_scaled_bf16(out: np.ndarray, d: np.ndarray, w: np.ndarray, scale: float) -> bool:
+    """``out[...] = bfloat16(d * float32(scale) + w)`` by the compiled loop: ``d`` float32,
+    ``w`` and ``out`` bfloat16 (``out`` may be ``w``), all C-contiguous of one shape; the
+    product and the sum each rounded in float32 and the sum to bfloat16 to nearest even, as
+    NumPy's ``d *= scale; d += w; out[...] = d`` rounds them. False (nothing written) where
+    it does not apply, or where it was not built (or built before it had the loop)."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    if (
+        getattr(_native, "add_scaled_bf16", None) is None
+        or out.dtype != bf16
+        or w.dtype != bf16
+        or d.dtype != np.float32
+        or not (out.shape == d.shape == w.shape)
+        or not (out.flags.c_contiguous and d.flags.c_contiguous and w.flags.c_contiguous)
+    ):
+        return False
+    _native.add_scaled_bf16(
+        out.view(np.uint16), d, w.view(np.uint16), float(np.float32(scale))
+    )  # fmt: skip
     return True
