@@ -10,7 +10,18 @@
     PYTHONPATH=$PWD $V/bin/python bench/import_hf.py --layers 2 --work /tmp/omtl-importhf-2
 
 ``--package DIR`` runs ``import-hf`` (and its dry run) with another checkout's package (e.g. a copy
-with a fix). ``python bench/import_hf.py phases HF OUT -- <base.yml> KEY=VALUE ...`` (with
+with a fix).
+
+``--adapter`` (issue 60) adds ``import-hf-adapter``: the same import with a rank-``--adapter-rank``
+(16) PEFT adapter of every linear module merged in (``import-hf HF --adapter A ...``; the
+adapter's files as `bench/import_as_lora.py` makes them, float32, random values, 160 MiB at
+8B, made once under ``--work``), alternated with ``import-hf`` of the base alone, each in a
+fresh process; it prints the ratio of their walls and the merge's peak RSS against issue 60's
+goals (≤ 1.2x the base's import, peak RSS ≤ imports + the budget + 512 MiB, the base import's
+own RSS goal). Its default operations are then ``dry-run import-hf import-hf-adapter``::
+
+    PYTHONPATH=$PWD $V/bin/python bench/import_hf.py --work /tmp/omtl-importhf --adapter \
+        --repeats 3 --remove-step --no-check [--package DIR] ``python bench/import_hf.py phases HF OUT -- <base.yml> KEY=VALUE ...`` (with
 ``JAX_PLATFORMS=cpu``) runs the import in-process with timers around its phases (`phases`): where
 its time and memory go.
 
@@ -53,6 +64,8 @@ after (then ``sync``):
   shape and dtype, and the values of the embedding, the logits kernel, both norms, the MLP
   kernels and the attention kernels: equal bit for bit, except the query kernel (MaxText's
   hooks scale it by sqrt(head_dim) on export and back on import: at most 1 bf16 ulp);
+- ``import-hf-adapter`` (with ``--adapter``): ``import-hf`` as above with ``--adapter A``; its
+  report must name every linear weight of every layer as merged;
 - ``to-maxtext``: ``python -m maxtext.checkpoint_conversion.to_maxtext <base.yml>
   model_name=llama3.1-8b scan_layers=true base_output_directory=OUT hardware=cpu
   skip_jax_distributed_system=True --hf_model_path=HF --save_dtype=bfloat16
@@ -86,10 +99,12 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import import_as_lora as ial  # bench/import_as_lora.py's adapter (standard library at its top)
 import realsize_build as rb  # bench/realsize_*.py: standard library only at their tops
 import realsize_ops as ro
 import realsize_steps as rs
@@ -102,7 +117,10 @@ PKG = "orbax_maxtext_layout"
 STEP_NAME = "llama-onechunk"
 HF_VERSION = 1  # bump when the export's command changes
 CHUNK_BYTES = 64 << 20  # import_hf.CHUNK_BYTES (checked by the floor child)
-OPS = ("cp", "floor", "dry-run", "import-hf", "to-maxtext")
+OPS = ("cp", "floor", "dry-run", "import-hf", "import-hf-adapter", "to-maxtext")
+DEFAULT_OPS = ("cp", "floor", "dry-run", "import-hf", "to-maxtext")
+ADAPTER_OPS = ("dry-run", "import-hf", "import-hf-adapter")  # --adapter's default
+ADAPTER_RATIO = 1.2  # issue 60: the merge at most this times the base's import
 MIB, GIB = 1 << 20, 1 << 30
 TO_MAXTEXT_BEFORE_S = 103.0  # issue 43: to_maxtext on this directory, measured here before
 # params compared by the check (model paths); the query kernel within 1 bf16 ulp
@@ -552,6 +570,7 @@ class Bench:
         self.runs: list[dict] = []
         self.problems: list[str] = []
         self.check: dict | None = None
+        self.adapter: Path | None = None  # --adapter: the PEFT adapter directory
 
     def _mt(self) -> list[str]:
         return ["--maxtext-config", str(rs.base_yml()), *model_keys(self.params)]
@@ -564,11 +583,12 @@ class Bench:
             return ["cp", "-r", str(self.hf), str(out)], rs.child_env(None)
         if op == "floor":
             return [py, str(Path(__file__)), "floor", str(self.hf)], env
-        if op in ("dry-run", "import-hf"):
+        if op in ("dry-run", "import-hf", "import-hf-adapter"):
             env = rs.child_env([self.args.package])
             cmd = [py, "-m", PKG, "import-hf", str(self.hf), "--out", str(out)]
             cmd += ["--save-dtype", "bfloat16", "--memory-budget", a.budget, "--json"]
             cmd += ["--dry-run"] if op == "dry-run" else []
+            cmd += ["--adapter", str(self.adapter)] if op == "import-hf-adapter" else []
             return [*cmd, *self._mt()], env
         if op == "to-maxtext":
             cmd = [py, "-m", "maxtext.checkpoint_conversion.to_maxtext", str(rs.base_yml())]
@@ -587,7 +607,7 @@ class Bench:
         out = self.scratch / f"out-{op}"
         ro.settle(out)
         run = {"op": op, "repeat": repeat}
-        writes = op in ("cp", "import-hf", "to-maxtext")
+        writes = op in ("cp", "import-hf", "import-hf-adapter", "to-maxtext")
         free = shutil.disk_usage(self.work).free
         if writes and free < self.st_bytes + 2 * GIB:
             run.update(rc="disk", error=f"{free / GIB:.1f} GiB free")
@@ -618,8 +638,10 @@ class Bench:
             **{k: p.get(k, 0) for k in ("rchar", "read_bytes", "wchar", "write_bytes")},
         )
         lines = log.read_text(errors="replace").splitlines()
-        if op in ("floor", "dry-run", "import-hf") and p["rc"] == 0:
+        if op in ("floor", "dry-run", "import-hf", "import-hf-adapter") and p["rc"] == 0:
             run["report"] = _last_json(lines)
+        if op == "import-hf-adapter" and p["rc"] == 0:
+            self.check_merged(run)
         if op == "to-maxtext" and p["rc"] != 0:
             # killed for memory shows as -9 (SIGKILL); record how far it got
             run["error"] = rw.tail(log, 15)[-3000:]
@@ -627,7 +649,7 @@ class Bench:
         elif p["rc"] != 0:
             run["error"] = rw.tail(log, 30)[-4000:]
             self.problems.append(f"{label}: exit {p['rc']} (log {log})\n{run['error']}")
-        if op in ("import-hf", "to-maxtext", "cp") and out.exists():
+        if op in ("import-hf", "import-hf-adapter", "to-maxtext", "cp") and out.exists():
             run["output_bytes"] = rs.du(out)
         print(
             f"[{label}] rc {p['rc']}, {res['wall']:.1f} s, peak RSS {p['maxrss_kib'] / 1024:.0f} MiB, "
@@ -641,6 +663,15 @@ class Bench:
             self.run_check(out)
         ro.settle(out)
         return run
+
+    def check_merged(self, run: dict) -> None:
+        """The merge's report names every linear weight of every layer as merged."""
+        got = ((run.get("report") or {}).get("adapter") or {}).get("tensors")
+        want = len(ial.shapes(ial.TINY)) * self.params["layers"]
+        if got != want:
+            self.problems.append(
+                f"import-hf-adapter #{run['repeat']}: merged {got} tensors, not {want}"
+            )
 
     def run_check(self, out: Path) -> None:
         log = self.logs / "check.log"
@@ -727,6 +758,22 @@ def ensure_hf(work: Path, params: dict, step: Path, budget: str, timeout: float)
     return info
 
 
+def ensure_adapter(work: Path, layers: int, rank: int, tiny: bool) -> Path:
+    """``<work>/adapter-...``: `bench/import_as_lora.py`'s PEFT adapter of the model, made in a
+    child (NumPy and the adapter's 160 MiB of values stay out of this process, whose peak RSS
+    a child's ``ru_maxrss`` would start from)."""
+    d = work / f"adapter-{layers}-{rank}-{int(tiny)}"
+    code = (
+        "import sys, pathlib, import_as_lora as ial; "
+        f"ial.make_adapter(pathlib.Path(sys.argv[1]), ial.{'TINY' if tiny else 'FULL'}, "
+        f"{layers}, {rank})"
+    )
+    env = rs.child_env([REPO])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", code, str(d)], env=env, check=True, cwd=HERE)
+    return d
+
+
 def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
     budget = parse_size(b.args.budget)
 
@@ -744,6 +791,7 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
     cp_wall = med(ok("cp"), "wall")
     mt = ok("to-maxtext")
     mt_wall = med(mt, "wall")
+    base_wall = med(ok("import-hf"), "wall")
     rows = []
     for op in OPS:
         runs = ok(op)
@@ -770,7 +818,7 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
             else None,
             "rchar_gib": round(rchar / GIB, 3) if rchar is not None else None,
             "rchar_over_imports_gib": round((rchar - imports_rchar) / GIB, 3)
-            if rchar is not None and op in ("import-hf", "to-maxtext")
+            if rchar is not None and op in ("import-hf", "import-hf-adapter", "to-maxtext")
             else None,
             "write_bytes_gib": round(med(src, "write_bytes") / GIB, 3)
             if med(src, "write_bytes") is not None
@@ -789,7 +837,7 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
             row["x_safetensors"] = round(read / b.st_bytes, 3)
         if op == "floor":
             row["floor_pass_s"] = med([r["report"] for r in runs if r.get("report")], "wall_s")
-        if op in ("dry-run", "import-hf"):
+        if op in ("dry-run", "import-hf", "import-hf-adapter"):
             reps = [r["report"] for r in runs if r.get("report")]
             row["report"] = reps[-1] if reps else None
         if op == "to-maxtext" and failed:
@@ -819,6 +867,8 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
                     1.05,
                 )
             )
+        if op == "import-hf-adapter" and wall is not None:
+            goals += _adapter_goals(row, wall, base_wall, imports_kib, budget)
         row["goals"] = [
             {"goal": g, "value": v, "held": None if v is None else v <= lim} for g, v, lim in goals
         ]
@@ -831,6 +881,7 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
             "repeats": b.args.repeats,
             "ops": b.args.ops,
             "package": str(b.args.package),
+            "adapter_rank": b.args.adapter_rank if b.args.adapter else None,
         },
         "hf": {**hfinfo, "dir": str(b.hf)},
         "safetensors_bytes": b.st_bytes,
@@ -844,6 +895,22 @@ def summarize(b: Bench, hfinfo: dict, quiet: dict) -> dict:
         "problems": b.problems,
         "ok": not b.problems,
     }
+
+
+def _adapter_goals(row: dict, wall: float, base_wall, imports_kib, budget: int) -> list:
+    """Issue 60's goals of the merge: its wall over the base's import (this run's medians),
+    its peak RSS over the imports (the dry run's peak) + the budget + 512 MiB."""
+    goals = []
+    if base_wall:
+        row["x_import_hf"] = round(wall / base_wall, 3)
+        goals.append((f"≤ {ADAPTER_RATIO}x import-hf", row["x_import_hf"], ADAPTER_RATIO))
+    if imports_kib is not None:
+        bound = imports_kib / 1024 + (budget + 512 * MIB) / MIB
+        row["rss_bound_mib"] = round(bound)
+        row["rss_over_imports_mib"] = round(row["peak_rss_mib"] - imports_kib / 1024)
+        goals.append((f"peak RSS ≤ imports + budget + 512 MiB ({bound:.0f} MiB)",
+                      row["peak_rss_mib"], bound))  # fmt: skip
+    return goals
 
 
 def report(s: dict) -> None:
@@ -880,6 +947,14 @@ def report(s: dict) -> None:
             f"| {r['op']} | {r['wall_s']} | {r['x_cp'] or ''} | {r['x_floor'] or ''} | {cpu} | "
             f"{r['peak_rss_mib']:,} | {r['rchar_gib']}{over} | {r['write_bytes_gib']} | {goals} | {held} |"
         )
+    merged = next((r for r in s["rows"] if r["op"] == "import-hf-adapter" and r["runs"]), None)
+    if merged is not None:
+        print(
+            f"\nimport-hf --adapter (rank {s['params']['adapter_rank']}, every linear module): "
+            f"{merged['wall_s']} s, {merged.get('x_import_hf')}x import-hf's wall; peak RSS "
+            f"{merged['peak_rss_mib']:,} MiB ({merged.get('rss_over_imports_mib')} over imports, "
+            f"bound {merged.get('rss_bound_mib')})"
+        )
     c = s.get("check")
     if c:
         print(
@@ -912,7 +987,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--budget", default="2GiB", help="--memory-budget of import-hf (and of the export)"
     )
-    ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    ap.add_argument("--ops", nargs="+", choices=OPS, help=f"default: {' '.join(DEFAULT_OPS)}")
+    ap.add_argument(
+        "--adapter",
+        action="store_true",
+        help="merge a PEFT adapter of every linear module too (import-hf-adapter), "
+        f"default ops then: {' '.join(ADAPTER_OPS)}",
+    )
+    ap.add_argument("--adapter-rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per operation")
     ap.add_argument("--maxtext-timeout", type=float, default=900, help="seconds for to_maxtext")
@@ -930,6 +1012,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", type=Path, metavar="FILE", help="write every figure here")
     args = ap.parse_args(argv)
+    args.ops = args.ops or list(ADAPTER_OPS if args.adapter else DEFAULT_OPS)
+    if "import-hf-adapter" in args.ops and not args.adapter:
+        raise SystemExit("--ops import-hf-adapter needs --adapter")
     parse_size(args.budget)
     args.package = args.package.resolve()
     if rs.package_of(args.package) != args.package / PKG:
@@ -950,6 +1035,8 @@ def main(argv=None) -> int:
     if args.prepare_only:
         return 0
     b = Bench(args, work, step, work / "hf", params)
+    if args.adapter:
+        b.adapter = ensure_adapter(work, params["layers"], args.adapter_rank, args.tiny)
     quiet = wait_quiet(args.quiet_load, args.quiet_wait)
     try:
         for r in range(args.repeats):

@@ -168,7 +168,7 @@ SCRIPTS: dict[str, Script | str] = {
     "import_hf.py": Script(
         "maxtext",
         "--tiny --layers 1 --work {shared}/import_hf.py --step llama-fsdp"
-        " --ops cp floor import-hf --quiet-wait 0",
+        " --ops cp floor import-hf import-hf-adapter --adapter --quiet-wait 0",
         _llama_step,
     ),
     "realsize.py": Script(
