@@ -90,7 +90,8 @@ def run_once(adapter: Path, out: Path, keys: list[str], dry_run: bool = False) -
     env = rs.child_env([HERE.parent])  # this checkout first
     start = time.monotonic()
     with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=err, env=env)
+        # in this checkout: ``-m`` puts the working directory first on the path
+        proc = subprocess.Popen(cmd, stdout=log, stderr=err, env=env, cwd=HERE.parent)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.monotonic() - start
