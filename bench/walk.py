@@ -4,6 +4,12 @@ between them, and the path of one array from the command to its first decoded ch
 
     python bench/walk.py -- convert STEP_ROOT --unroll --target-from UNSCANNED_STEP
     python bench/walk.py -- export-hf STEP --out DIR --maxtext-config base.yml KEY=VALUE...
+    python bench/walk.py -- restore STEP --target-from MAXTEXT_STEP
+
+``restore`` is not a command: it walks ``oml.load_params_from_path(STEP, params)`` (MaxText's
+restore of the params, either layout), the params' shapes from ``MAXTEXT_STEP``'s metadata
+(``Target.from_checkpoint``), each on the default device; it also counts how often each
+item's ``_METADATA`` is parsed (``parses``), which should be once.
 
 runs the CLI in this process under a profiler (`sys.setprofile`, every thread) that sees
 only the package's own functions. A move is a call from a function of one module into a
@@ -33,6 +39,42 @@ def _module(filename: str, root: str) -> str | None:
         return None
     rel = filename[len(root) :].removesuffix(".py").removesuffix("/__init__")
     return rel.replace("/", ".") or "__init__"
+
+
+def _restore(argv: list[str]):
+    """``restore STEP --target-from MAXTEXT_STEP``: MaxText's params restore of ``STEP``, as a
+    call to walk (its params' shapes read before)."""
+    import jax
+
+    import orbax_maxtext_layout as oml
+
+    step, ref = argv[1], argv[argv.index("--target-from") + 1]
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params: dict = {}
+    for path, spec in oml.Target.from_checkpoint(ref).abstract.items():
+        if tuple(path[:2]) == ("params", "params"):  # MaxText's params: nested dicts
+            node = params
+            for k in ("params", *path[2:-1]):
+                node = node.setdefault(k, {})
+            node[path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device)
+    return lambda _: oml.load_params_from_path(step, params) and 0
+
+
+def _parses() -> tuple[list[str], object]:
+    """A count of `_METADATA` parses (``json.loads`` of a text holding ``tree_metadata``)."""
+    import json as json_module
+
+    seen: list[str] = []
+    loads = json_module.loads
+
+    def counting(text, *args, **kwargs):
+        out = loads(text, *args, **kwargs)
+        if isinstance(out, dict) and "tree_metadata" in out:
+            seen.append(str(len(out["tree_metadata"])))
+        return out
+
+    json_module.loads = counting
+    return seen, lambda: setattr(json_module, "loads", loads)
 
 
 def main(argv: list[str]) -> int:
@@ -72,13 +114,16 @@ def main(argv: list[str]) -> int:
         if len(reading) == 1 and (not sequence or sequence[-1] != here):
             sequence.append(here)
 
+    command = _restore(argv) if argv[0] == "restore" else run_cli
+    parses, unpatch = _parses()
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        code = run_cli(argv)
+        code = command(argv)
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+        unpatch()
     path = sequence
     print(
         json.dumps(
@@ -90,6 +135,7 @@ def main(argv: list[str]) -> int:
                 "calls_across": across[0],
                 "one_array": " -> ".join(path),
                 "one_array_moves": max(len(path) - 1, 0),
+                "metadata_parses": len(parses),
                 "entered": sorted(entered) if "-v" in sys.argv else None,
             }
         )

@@ -136,6 +136,7 @@ def export_hf(
         max_shard_size=o.max_shard_size,
         process_index=pi,
         process_count=pc,
+        store=store,
     )
     if o.dry_run:
         return ep.report

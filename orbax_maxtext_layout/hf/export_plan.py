@@ -135,8 +135,10 @@ def plan_export(
     max_shard_size: int | None = None,
     process_index: int = 0,
     process_count: int = 1,
+    store: StepStore | None = None,
 ) -> ExportPlan:
-    """The export of ``step`` as an `ExportPlan`, from metadata alone (see `export_hf`)."""
+    """The export of ``step`` as an `ExportPlan`, from metadata alone (see `export_hf`).
+    ``store``: ``out``'s, as the caller decided it (else decided here)."""
     step = epath.Path(step)
     budget = DEFAULT_BUDGET if memory_budget is None else int(memory_budget)
     src = _Source.of(step, base)
@@ -180,7 +182,7 @@ def plan_export(
         merged=merged,
         process=(process_index, process_count),
     )
-    store = store_for(epath.Path(out))
+    store = store or store_for(epath.Path(out))
     if shares_files(store, process_count):
         for sh in report.shards:  # every process writes its params' tensors into every file
             sh["process"] = None
