@@ -147,13 +147,22 @@ _CALL = re.compile(r'(?:(?:AT_FDCWD|-?\d+)(?:<(?P<dir>[^>]*)>)?, )?"(?P<path>(?:
 _FD_PATH = re.compile(r"\d+<(?P<fd>/[^>]*)>")
 
 
+def strace_argv(log: Path) -> list[str]:
+    """strace logging every path-taking system call of a process, all its threads and
+    children (``-f``), to ``log``, with full strings (``-s``) and fd paths (``-y``); followed by
+    a command line, or ``-p PID`` to attach to a process that runs one (the interop suite's
+    forked commands: hf_export_support.run_cli)."""
+    assert STRACE, "strace is not installed"
+    return [STRACE, "-f", "-qq", "-y", "-s", "65535", "-e", "trace=%file", "-o", str(log)]
+
+
 def traced(
     argv: Sequence[str], log: Path, *, cwd: Path, env: dict | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
     """``argv`` under ``strace -f`` (all threads and children), every path-taking system call
     logged to ``log`` with full strings (``-s``) and fd paths (``-y``)."""
     assert STRACE, "strace is not installed"
-    cmd = [STRACE, "-f", "-qq", "-y", "-s", "65535", "-e", "trace=%file", "-o", str(log), *argv]
+    cmd = [*strace_argv(log), *argv]
     return subprocess.run(
         cmd,
         capture_output=True,

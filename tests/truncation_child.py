@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -217,9 +218,6 @@ def run(job: dict, repo: Path, timeout: int) -> list[dict]:
     """The campaign ``job`` run in a child process (this file, with ``repo``'s package): its
     case lines, after checking that the child finished, never killed by SIGBUS, and reported
     every case (the callers check each case's outcome)."""
-    import signal
-    import subprocess
-
     from conftest import child_env
 
     proc = subprocess.run(
@@ -229,6 +227,16 @@ def run(job: dict, repo: Path, timeout: int) -> list[dict]:
         env=child_env({"PYTHONPATH": str(repo)}),  # this tree's package, not an installed one
         timeout=timeout,
     )
+    return outcomes(job, proc)
+
+
+def outcomes(job: dict, proc: subprocess.CompletedProcess) -> list[dict]:
+    """The case lines of the finished child ``proc`` (``returncode``, ``stdout`` and
+    ``stderr`` as `subprocess.run` gives them) that ran ``job``, after checking that it
+    finished, never killed by SIGBUS, and reported every case (`run`; the interop suite forks
+    its children: tests/interop/test_import_hf_truncation.py)."""
+    import signal
+
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     done = f"after {len(lines)} lines: {lines[-1] if lines else None}"
     op = job["op"]

@@ -14,7 +14,7 @@ seeded random values (weights ~0.02, norm scales ~1), saved by stock Orbax's
 - ``tp``: the same, but on the last axis that divides by 8 (heads or MLP columns);
 - ``one``: one chunk per array (a single-host save).
 
-Run as a child: the device count must be set before JAX starts.
+Run as a child (`make`): the device count must be set before JAX starts its backend.
 """
 
 from __future__ import annotations
@@ -22,8 +22,23 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from pathlib import Path
 
 DEVICES = 8
+HERE = Path(__file__).resolve().parent
+
+
+def make(out: Path, seed: int, chunking: str, keys: list[str]) -> Path:
+    """``OUT/0``, written by this script in a child process with this checkout's library
+    (forked from the MaxText fork server where it can be: `hf_export_support.run`)."""
+    import hf_export_support as S
+    import maxtext_loop_support as L
+
+    argv = (sys.executable, str(HERE / "chunked_step.py"), str(out), str(seed), chunking, *keys)
+    path = (("PYTHONPATH", os.pathsep.join([str(L.REPO), str(HERE)])),)
+    proc = S.run(S.Job(f"chunked_step_{out.name}", out.parent, argv, env_extra=path))
+    assert proc.returncode == 0, proc.why()
+    return out / "0"
 
 
 def main(out: str, seed: int, chunking: str, keys: list[str]) -> None:

@@ -28,6 +28,7 @@ marker, the index, ``config.json``, the final rename of the work directory.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
@@ -114,7 +115,11 @@ def _child(req: dict, proto_fd: int) -> None:
 def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol
+    gc.disable()  # the imports' objects all live on: nothing to collect while they load
     _preload()
+    gc.enable()
+    gc.collect()
+    gc.freeze()  # the children's collections never walk the imports' heap (maxtext_zygote.py)
     proto.write(json.dumps({"ready": os.getpid()}) + "\n")
     children: dict[int, int] = {}  # pid -> pidfd
     done: dict[int, int] = {}  # pid -> exit code, reaped by a poll

@@ -107,11 +107,16 @@ def _random(x: jax.ShapeDtypeStruct, rng: np.random.Generator):
     return rng.standard_normal(x.shape).astype(x.dtype)
 
 
-def model_state(family: str, *, scan_layers: bool, seed: int = 0) -> dict[tuple, object]:
+def model_state(
+    family: str, *, scan_layers: bool, seed: int = 0, abstract: dict | None = None
+) -> dict[tuple, object]:
     """``{model path: array}`` of every weight and nnx_aux leaf MaxText builds for the family,
-    filled with seeded random values."""
-    items, _ = abstract_model(config(family, scan_layers=scan_layers))
-    flat = flatten(items, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    filled with seeded random values; ``abstract``: MaxText's flat abstract items of that
+    model where the caller has them (`Target.abstract` of its config), else built here."""
+    if abstract is None:
+        items, _ = abstract_model(config(family, scan_layers=scan_layers))
+        abstract = flatten(items, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    flat = abstract
     rng = np.random.default_rng(seed)
     out = {}
     for p, x in sorted(flat.items(), key=lambda kv: str(kv[0])):

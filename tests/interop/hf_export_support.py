@@ -1,5 +1,7 @@
-"""Support for test_scan_layers_metadata.py: MaxText 0.2.5's own exporter and SFT trainer,
-run as subprocesses on CPU, offline, for the tiny model of tests/fixtures/maxtext025.
+"""Support for the interop suite's children: MaxText 0.2.5's own exporter and SFT trainer
+(first written for test_scan_layers_metadata.py), run as subprocesses on CPU, offline, for the
+tiny model of tests/fixtures/maxtext025, and the fork server every module's children come from
+where they can (`run`, `run_cli`, maxtext_zygote.py).
 
 - ``to_huggingface``: ``python -m maxtext.checkpoint_conversion.to_huggingface <base.yml>
   <the generator's model keys without scan_layers> load_parameters_path=<items>
@@ -10,6 +12,16 @@ run as subprocesses on CPU, offline, for the tiny model of tests/fixtures/maxtex
   through the fixture generator's ``_train_sft`` (the one substitution it documents: MaxText
   0.2.5's synthetic iterator is run un-jitted, as ``train_sft`` cannot jit it with its
   unhashable config). Run as ``python hf_export_support.py train_sft OUT LOAD [KEY=VALUE ...]``.
+
+**The fork server.** A child that imports MaxText spends 10 s of CPU on the imports and their
+garbage collections before it does anything; the suite's children are MaxText's own programs
+(the references: ``to_huggingface``, ``to_maxtext``, the logits children, the SFT trainer and
+stock pre-training runs) and this library's command line where the test is of what the command
+does, not of its process (`run_cli`). `run` forks each from one server per test process
+(maxtext_zygote.py), which imported MaxText once and froze that heap, where its command line
+allows (`forkable`); this library's own entry points (the runner, the console script), kills of
+a real process and processes side by side stay fresh interpreters, as do all with
+``OMTL_INTEROP_ZYGOTE=0``.
 
 Top-level imports are the standard library and ``maxtext_loop_support`` only (itself standard
 library at import), so the children start with nothing loaded.
@@ -24,6 +36,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -95,12 +108,22 @@ class Proc:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
+    """A command line to run in ``cwd``, with `env` updated by ``env_extra``."""
+
     name: str
     cwd: Path
     argv: tuple[str, ...]
+    env_extra: tuple[tuple[str, str], ...] = ()
+    timeout: float = TIMEOUT_S
+
+    def environ(self) -> dict[str, str]:
+        return {**env(), **dict(self.env_extra)}
 
 
 def env() -> dict[str, str]:
+    """The children's environment (the fork server's too): on CPU, offline, ``PYTHONHASHSEED``
+    0, this directory on ``PYTHONPATH`` and not the library (stock MaxText), and every XLA
+    compilation kept in MaxText's persistent cache (`L.COMPILE_CACHE_ENV`)."""
     out = dict(os.environ)
     out.pop("PYTHONPATH", None)  # stock MaxText: this library is not on the path
     out.update(
@@ -111,29 +134,47 @@ def env() -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONPATH": str(HERE),
+            **L.COMPILE_CACHE_ENV,
         }
     )
     return out
 
 
+# read when an interpreter, JAX or XLA starts: a forked child keeps the fork server's
+STARTUP = re.compile(r"^(PYTHON|JAX_|XLA_|TPU_|LIBTPU|TF_|LD_|MALLOC_|OMP_|OPENBLAS_|MKL_)")
+
+
+def forkable(job: Job) -> bool:
+    """Whether ``job`` runs in a child of the fork server (`maxtext_zygote.py`): a command
+    line of this interpreter (``-m MODULE``, a script or ``-c CODE``) whose environment sets
+    every variable read at start-up (but ``PYTHONPATH``) as the server's does."""
+    if not _ZYGOTE.enabled() or len(job.argv) < 2 or job.argv[0] != sys.executable:
+        return False
+    if job.argv[1].startswith("-") and job.argv[1] not in ("-m", "-c"):
+        return False
+    theirs, ours = job.environ(), _ZYGOTE.environ()
+    keys = {k for k in (*theirs, *ours) if STARTUP.match(k) and k != "PYTHONPATH"}
+    return all(theirs.get(k) == ours.get(k) for k in keys)
+
+
 def run(job: Job) -> Proc:
-    """``job`` run to its end: a ``to_huggingface`` command line in a child forked from the
-    exporter's fork server (`maxtext_zygote.py`: MaxText imported once per test process), any
-    other (or every one, with ``OMTL_INTEROP_ZYGOTE=0``) as a fresh process."""
+    """``job`` run to its end: in a child forked from the fork server (`maxtext_zygote.py`:
+    MaxText imported once per test process) where `forkable`, else (and every one, with
+    ``OMTL_INTEROP_ZYGOTE=0``) as a fresh process."""
     job.cwd.mkdir(parents=True, exist_ok=True)
     log_path = job.cwd / f"{job.name}.log"
     start = time.monotonic()
-    if tuple(job.argv[:3]) == (sys.executable, "-m", EXPORT_MODULE) and _ZYGOTE.enabled():
-        returncode = _ZYGOTE.run(list(job.argv[3:]), job.cwd, log_path)
+    if forkable(job):
+        returncode = _ZYGOTE.run(list(job.argv[1:]), job.cwd, log_path, job.environ(), job.timeout)
     else:
         with open(log_path, "wb") as log:
             returncode = subprocess.run(
                 list(job.argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env(),
+                env=job.environ(),
                 cwd=job.cwd,
-                timeout=TIMEOUT_S,
+                timeout=job.timeout,
                 check=False,
             ).returncode
     seconds = time.monotonic() - start
@@ -147,26 +188,79 @@ def run(job: Job) -> Proc:
     )
 
 
+def library_env() -> dict[str, str]:
+    """`env` with this checkout's library first on ``PYTHONPATH``, for this library's own
+    command line and children that import it."""
+    return {"PYTHONPATH": os.pathsep.join([str(L.REPO), str(HERE)])}
+
+
+def run_cli(
+    *args: object,
+    argv: tuple[str, ...] | None = None,
+    env_extra: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = TIMEOUT_S,
+    trace: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m orbax_maxtext_layout ARGS`` (or ``python ARGV``) with this checkout's
+    library, in `env` (on CPU, offline) updated by ``env_extra``, in ``cwd`` (default: the
+    repository), as ``subprocess.run(..., capture_output=True, text=True)`` returns it: for a
+    test of what a command does (its exit code, output and files), not of the process it runs
+    in. A child forked from the fork server where `forkable` (the command does what it does in
+    a fresh interpreter; MaxText is not imported again), else a fresh process. ``trace``: a
+    tracer's command line (hostile_support.strace_argv), attached to the forked child with
+    ``-p PID`` before it starts the command, or run with the fresh process's."""
+    import tempfile
+
+    cmd = (sys.executable, *(argv or ("-m", "orbax_maxtext_layout", *map(str, args))))
+    extra = {**library_env(), **(env_extra or {})}
+    job = Job("cli", Path(cwd or L.REPO), cmd, tuple(extra.items()), timeout)
+    if not forkable(job):
+        return subprocess.run(
+            [*(trace or ()), *cmd],
+            capture_output=True,
+            text=True,
+            env=job.environ(),
+            cwd=job.cwd,
+            timeout=timeout,
+            check=False,
+        )
+    with tempfile.TemporaryDirectory(prefix="omtl-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        rc = _ZYGOTE.run(list(cmd[1:]), job.cwd, None, job.environ(), timeout, out, err, trace)
+        return subprocess.CompletedProcess(
+            list(cmd), rc, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
+
+
 class _Zygote:
-    """This process's `maxtext_zygote.py` server, started at its first export, stopped at exit;
+    """This process's `maxtext_zygote.py` server, started at its first job, stopped at exit;
     one request at a time (jobs run from a pool's threads)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.started: dict[str, str] = {}
         self.lock = threading.Lock()
 
     @staticmethod
     def enabled() -> bool:
         return os.environ.get("OMTL_INTEROP_ZYGOTE", "1") != "0"
 
+    def environ(self) -> dict[str, str]:
+        """The server's environment: what it was started with, or will be."""
+        with self.lock:
+            alive = self.proc is not None and self.proc.poll() is None
+            return dict(self.started) if alive else env()
+
     def _ask(self, req: dict) -> dict:
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
+                self.started = env()
                 self.proc = subprocess.Popen(
                     [sys.executable, str(HERE / "maxtext_zygote.py")],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
-                    env=env(),
+                    env=self.started,
                     text=True,
                 )
                 atexit.register(self.stop)
@@ -174,17 +268,40 @@ class _Zygote:
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError("the to_huggingface fork server died (its stderr is the test's)")
+            raise RuntimeError("the MaxText fork server died (its stderr is the test's)")
         return json.loads(line)
 
-    def run(self, args: list[str], cwd: Path, log: Path) -> int:
-        pid = self._ask({"op": "start", "argv": args, "cwd": str(cwd), "log": str(log)})["pid"]
-        deadline = time.monotonic() + TIMEOUT_S
-        while (rc := self._ask({"op": "poll", "pid": pid})["rc"]) is None:
-            if time.monotonic() > deadline:
-                return self._ask({"op": "kill", "pid": pid})["rc"]
-            time.sleep(0.1)
-        return rc
+    def run(
+        self,
+        args: list[str],
+        cwd: Path,
+        log: Path | None,
+        environ: dict[str, str],
+        timeout: float,
+        stdout: Path | None = None,
+        stderr: Path | None = None,
+        trace: list[str] | None = None,
+    ) -> int:
+        """``python ARGS`` in a forked child: its exit code (-9 where it was killed at
+        ``timeout``); its output in ``log``, or in ``stdout`` and ``stderr`` apart; ``trace``
+        (a tracer's command line) attached to it before it starts."""
+        req = {"op": "start", "argv": args, "cwd": str(cwd), "env": environ, "stop": bool(trace)}
+        if log is not None:
+            req["log"] = str(log)
+        else:
+            req["stdout"], req["stderr"] = str(stdout), str(stderr)
+        pid = self._ask(req)["pid"]
+        tracer = _attach(trace, pid) if trace else None
+        try:
+            deadline = time.monotonic() + timeout
+            while (rc := self._ask({"op": "poll", "pid": pid})["rc"]) is None:
+                if time.monotonic() > deadline:
+                    return self._ask({"op": "kill", "pid": pid})["rc"]
+                time.sleep(0.05 if trace else 0.1)
+            return rc
+        finally:
+            if tracer is not None:
+                tracer.wait(timeout=60)  # it ends with its tracee, the log complete
 
     def stop(self) -> None:
         with self.lock:
@@ -197,6 +314,40 @@ class _Zygote:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _proc_field(pid: int, name: str) -> str | None:
+    """A field of ``/proc/PID/status`` (None once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return line.split(":", 1)[1].split()[0]
+    except OSError:
+        return None
+    return None
+
+
+def _wait_for(pid: int, ready, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if _proc_field(pid, "State") in (None, "Z", "X"):
+            raise RuntimeError(f"child {pid} ended before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"child {pid}: no {what} in {timeout} s")
+        time.sleep(0.005)
+
+
+def _attach(trace: list[str], pid: int) -> subprocess.Popen:
+    """``trace -p PID`` attached to the forked child, which stopped itself before its command
+    line; then the child resumed (SIGCONT), traced from its first step."""
+    import signal
+
+    _wait_for(pid, lambda: _proc_field(pid, "State") == "T", "stop")
+    tracer = subprocess.Popen([*trace, "-p", str(pid)], stdin=subprocess.DEVNULL)
+    _wait_for(pid, lambda: _proc_field(pid, "TracerPid") not in (None, "0"), "tracer")
+    os.kill(pid, signal.SIGCONT)
+    return tracer
 
 
 _ZYGOTE = _Zygote()

@@ -11,9 +11,10 @@ saved with a small ``max_shard_size`` (an index and several shards).
 
 **The reference** (`REFS`) is MaxText 0.2.5's ``to_maxtext`` run stock through
 import_hf_reference.py (its one change: MaxText's HF config resized to the MaxText config
-first), in a fresh process per (model, scan form), with ``--save_dtype`` always given,
-``--simulated_cpu_devices_count=2`` (1 crashes: the lazy tensors reach Orbax unconverted) and
-``--lazy_load_tensors=true``. Two are derived:
+first), in a process of its own per (model, scan form: a child of the fork server,
+hf_export_support.run), with ``--save_dtype`` always given, ``--simulated_cpu_devices_count=2``
+(1 crashes: the lazy tensors reach Orbax unconverted) and ``--lazy_load_tensors=true``. Two
+are derived:
 
 - ``mixtral_scanned``: to_maxtext crashes on every scanned mixtral (it stacks
   ``MoeBlock_0-gate-kernel`` on axis 0), so the reference is its unscanned output with each
@@ -195,7 +196,8 @@ def hf_python() -> str:
 
 def write_hf(root: Path, names: list[str]) -> dict[str, Path]:
     """``name -> directory`` of the `HF` checkpoints ``names``, written under ``root`` by one
-    hf-venv child (import_hf_writer.py); its report (``root/written.jsonl``) is kept."""
+    hf-venv child (import_hf_writer.py); its report is kept (added to ``root/written.jsonl``).
+    The tests take them from `hf_checkpoints`."""
     specs = [
         {
             "out": str(root / n),
@@ -219,7 +221,37 @@ def write_hf(root: Path, names: list[str]) -> dict[str, Path]:
     assert proc.returncode == 0, (
         f"import_hf_writer.py: exit {proc.returncode}\n{proc.stderr[-4000:]}"
     )
-    (root / "written.jsonl").write_text(proc.stdout)
+    with open(root / "written.jsonl", "a") as report:
+        report.write(proc.stdout)
+    return {n: root / n for n in names}
+
+
+def run_dir(tmp_path_factory) -> Path:
+    """A directory of this pytest run alone, shared by all its processes: the run's base
+    temporary directory (under xdist, the parent of each worker's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def hf_checkpoints(tmp_path_factory, names: list[str]) -> dict[str, Path]:
+    """``name -> directory`` of the `HF` checkpoints ``names``, each written once per pytest
+    run (`write_hf`, under `run_dir`; xdist workers take turns on a file lock) and then read,
+    never written to, by every module that names it: inputs made by transformers from a seed
+    (import_hf_writer.py), nothing of this library's."""
+    import fcntl
+    import shutil
+
+    root = run_dir(tmp_path_factory) / "hf_checkpoints"
+    root.mkdir(exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        missing = [n for n in names if not (root / f"{n}.written").is_file()]
+        for n in missing:
+            shutil.rmtree(root / n, ignore_errors=True)  # left by a writer that failed
+        if missing:
+            write_hf(root, missing)
+        for n in missing:
+            (root / f"{n}.written").touch()
     return {n: root / n for n in names}
 
 
@@ -269,11 +301,10 @@ def reference_job(name: str, hf_dir: Path, out: Path) -> S.Job:
 
 
 def import_job(case: Case, hf_dir: Path, out: Path) -> S.Job:
-    """Our ``python -m orbax_maxtext_layout import-hf`` for ``case``, into ``out``. The child
-    imports this checkout (``PYTHONPATH`` set through ``env``, over hf_export_support.env's)."""
+    """Our ``python -m orbax_maxtext_layout import-hf`` for ``case``, into ``out``, with this
+    checkout's library (hf_export_support.library_env): forked from the fork server
+    (hf_export_support.run), as the command line runs it."""
     argv = (
-        "env",
-        f"PYTHONPATH={REPO}{os.pathsep}{HERE}",
         sys.executable,
         "-m",
         "orbax_maxtext_layout",
@@ -289,7 +320,8 @@ def import_job(case: Case, hf_dir: Path, out: Path) -> S.Job:
         *FAMILY_KEYS[case.family],
         scan_key(case.scan_layers),
     )
-    return S.Job(f"import_hf_{case.id}", out.parent, argv)
+    env = tuple(S.library_env().items())
+    return S.Job(f"import_hf_{case.id}", out.parent, argv, env_extra=env)
 
 
 def to_huggingface_job(name: str, items: Path, out: Path, family: str, scan_layers: bool) -> S.Job:

@@ -24,8 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -134,31 +132,17 @@ def child_main(jobs_path: str, out_path: str) -> None:
 def run_child(work: Path, jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs the jobs in one child (in ``work``): ``{job name: logits}`` and, for each LoRA job,
     ``{"<name>::<module path>/<weight>_lora_{a,b}": array}`` of the model's adapters."""
+    import hf_export_support as S
     import numpy as np
 
     work.mkdir(parents=True, exist_ok=True)
-    jobs_path, out_path, log_path = work / "jobs.json", work / "logits.npz", work / "logits.log"
+    jobs_path, out_path = work / "jobs.json", work / "logits.npz"
     jobs_path.write_text(json.dumps(jobs))
-    env = dict(os.environ)
-    env.update(
-        {
-            "JAX_PLATFORMS": "cpu",
-            "PYTHONHASHSEED": "0",
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "PYTHONPATH": str(HERE),
-        }
-    )
-    with open(log_path, "wb") as log:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__)), "logits", str(jobs_path), str(out_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-            timeout=CHILD_TIMEOUT_S,
-            check=False,
-        )
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+    argv = (sys.executable, str(Path(__file__)), "logits", str(jobs_path), str(out_path))
+    # on CPU, offline, PYTHONHASHSEED=0, this directory on PYTHONPATH (hf_export_support.env);
+    # forked from the fork server where it can be (hf_export_support.run)
+    proc = S.run(S.Job("logits", work, argv, timeout=CHILD_TIMEOUT_S))
+    tail = "\n".join(proc.log.splitlines()[-40:])
     assert proc.returncode == 0, f"logits child in {work}: exit {proc.returncode}\n{tail}"
     with np.load(out_path) as z:
         return {k: z[k] for k in z.files}

@@ -63,6 +63,12 @@ RUN_TIMEOUT_S = 600
 # not restore. The Tunix runs never drew from these streams, so their keys are seed 0's init
 # keys: only a different seed makes a restored key distinguishable from an initialized one.
 INIT_SEED = 1
+# MaxText keeps JAX's persistent compilation cache in ~/jax_cache (base.yml's jax_cache_dir);
+# JAX stores there only what took a second or more to compile. Its children here (the runs,
+# the exports, the references) compile the same small programs of the tiny models in every
+# suite run, so they keep every one (a run of `train` spends about 10% less CPU once warm).
+# An executable is the compiled program of its HLO, whatever the checkpoint it then runs on.
+COMPILE_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 @functools.cache
@@ -300,29 +306,42 @@ def _env(site: Path, probe_out: Path) -> dict[str, str]:
             # runner's children import the library under test (stock runs never import it).
             "PYTHONPATH": os.pathsep.join([str(site), str(HERE), str(REPO)]),
             PROBE_ENV: str(probe_out),
+            **COMPILE_CACHE_ENV,
         }
     )
     return env
 
 
 def run(spec: Spec, site: Path) -> Run:
+    """``spec``'s MaxText process, to its end. Stock MaxText's runs are forked from the suite's
+    MaxText fork server (`hf_export_support.run`: MaxText imported once per test process; the
+    child imports the probe's ``sitecustomize`` as a fresh interpreter would, and everything
+    from ``train`` on); the runner's (this library's entry point) start a fresh interpreter."""
     spec.base.mkdir(parents=True, exist_ok=True)
     argv = spec.argv()
     log_path = spec.base / "maxtext.log"
+    env = _env(site, spec.base / "probe")
     start = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.run(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_env(site, spec.base / "probe"),
-            cwd=spec.base,
-            timeout=RUN_TIMEOUT_S,
-            check=False,
-        )
+    if not spec.runner:
+        import hf_export_support as S
+
+        extra = tuple((k, env[k]) for k in ("PYTHONPATH", PROBE_ENV))
+        job = S.Job("maxtext", spec.base, tuple(argv), env_extra=extra, timeout=RUN_TIMEOUT_S)
+        returncode = S.run(job).returncode
+    else:
+        with open(log_path, "wb") as log:
+            returncode = subprocess.run(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=spec.base,
+                timeout=RUN_TIMEOUT_S,
+                check=False,
+            ).returncode
     seconds = time.monotonic() - start
     text = log_path.read_text(errors="replace")
-    return Run(spec.name, spec.base, argv, proc.returncode, text, seconds)
+    return Run(spec.name, spec.base, argv, returncode, text, seconds)
 
 
 def run_all(specs: list[Spec], site: Path, workers: int = 2) -> dict[str, Run]:
@@ -333,12 +352,13 @@ def run_all(specs: list[Spec], site: Path, workers: int = 2) -> dict[str, Run]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """``orbax-maxtext-layout ARGS``: the installed console script next to this interpreter."""
-    script = shutil.which("orbax-maxtext-layout", path=str(Path(sys.executable).parent))
-    assert script, f"no orbax-maxtext-layout script next to {sys.executable}"
-    cmd = [script, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    """``orbax-maxtext-layout ARGS`` that must succeed: the command line (``python -m
+    orbax_maxtext_layout``, this checkout's library), forked from the suite's fork server
+    (`hf_export_support.run_cli`; test_maxtext_config.py runs the console script itself)."""
+    import hf_export_support as S
+
+    proc = S.run_cli(*args)
+    assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 

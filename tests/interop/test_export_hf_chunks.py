@@ -17,10 +17,9 @@ from __future__ import annotations
 import collections
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
+import chunked_step
 import hf_export_support as S
 import maxtext_loop_support as L
 import pytest
@@ -28,7 +27,6 @@ import pytest
 from orbax_maxtext_layout.hf.export_hf import export_hf
 from orbax_maxtext_layout.orbax_io.orbax_files import io_counts
 
-HERE = Path(__file__).resolve().parent
 TOKENIZER = L.TESTS_DIR / "fixtures" / "hf_tokenizer"
 KEYS = [
     "model_name=llama3.1-8b",
@@ -51,10 +49,7 @@ def steps(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("chunked")
     out = {}
     for chunking in ("fsdp", "tp", "one"):
-        run = root / chunking
-        cmd = [sys.executable, str(HERE / "chunked_step.py"), str(run), "0", chunking]
-        subprocess.run([*cmd, *KEYS, "scan_layers=true"], check=True, capture_output=True)
-        out[chunking] = run / "0"
+        out[chunking] = chunked_step.make(root / chunking, 0, chunking, [*KEYS, "scan_layers=true"])
     return out
 
 

@@ -5,8 +5,11 @@ Here, not in the core suite: export-hf plans from MaxText's own model (``--maxte
 before it opens any item, so without MaxText it stops earlier, at "install maxtext"
 (tests/test_export_hf_cli.py), and never reaches the table. The forged items and the strace
 check are the core suite's (tests/hostile_support.py, tests/ocdbt_craft.py; the cases are
-described there and in tests/test_hostile_paths.py). The export runs as users run it, a fresh
-``python -m orbax_maxtext_layout export-hf`` process, offline, under strace where there is one.
+described there and in tests/test_hostile_paths.py). The export runs as users type it,
+``python -m orbax_maxtext_layout export-hf``, offline, in a child forked from the suite's
+MaxText fork server (`hf_export_support.run_cli`: MaxText is not imported again for each
+case), under strace where there is one: strace attaches to the child before it starts the
+command, so every file the export touches is in its log.
 """
 
 from __future__ import annotations
@@ -34,14 +37,13 @@ TOKENIZER = L.TESTS_DIR / "fixtures" / "hf_tokenizer"
 
 
 def _export(tmp_path: Path, *args: object, bait: list[Path]) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "orbax_maxtext_layout", "export-hf", *map(str, args)]
+    argv = ["export-hf", *map(str, args)]
     argv += ["--hf-model-path", str(TOKENIZER), "--override-model-architecture"]
     argv += ["--maxtext-config", str(L.base_yml()), *S.model_keys()]
-    env = {**S.env(), "PYTHONPATH": str(L.REPO)}
     if not H.STRACE:
-        return subprocess.run(argv, capture_output=True, text=True, cwd=L.REPO, env=env)
+        return S.run_cli(*argv, cwd=L.REPO)
     log = tmp_path / "strace.log"
-    res = H.traced(argv, log, cwd=L.REPO, env=env, timeout=600)
+    res = S.run_cli(*argv, cwd=L.REPO, trace=H.strace_argv(log))
     hits = H.touched(log, bait, cwd=L.REPO)
     assert hits == [], "\n".join(hits[:20])
     return res

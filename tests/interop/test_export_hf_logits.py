@@ -14,12 +14,13 @@ Each is exported by this library's CLI (``export-hf STEP --out OUT
 token batch:
 
 - **MaxText's logits**: a child of the interop venv (``child_main`` below, as in
-  test_lora.py) builds each model with MaxText's own ``model_creation_utils.from_pretrained``
-  from the step itself (``load_parameters_path=<step>/items`` for the MaxText step,
-  ``<step>/model_params`` for the Tunix ones, which 0.2.5's ``from_pretrained`` reads as an
-  NNX tree: no code of this library is on that path) and runs it with
-  ``enable_dropout=False``. The child also returns the weights the model holds, which must be
-  the step's, bit for bit (so a silently kept init could not pass).
+  test_lora.py; forked from the suite's MaxText fork server) builds each model with MaxText's
+  own ``model_creation_utils.from_pretrained`` from the step itself
+  (``load_parameters_path=<step>/items`` for the MaxText step, ``<step>/model_params`` for the
+  Tunix ones, which 0.2.5's ``from_pretrained`` reads as an NNX tree: no code of this library
+  is on that path) and runs it with ``enable_dropout=False``. The child also returns the
+  weights the model holds, which must be the step's, bit for bit (so a silently kept init
+  could not pass).
 - **transformers' logits**: a child of the **hf venv** (``OMTL_HF_PYTHON``: Python 3.11 with
   the CPU build of torch 2.13.0 and transformers 5.24.0, constraints/hf.txt; .ci/interop.sh
   builds it and sets the variable) runs hf_logits_child.py:
@@ -53,6 +54,7 @@ The checks cannot pass vacuously (each measured once, asserted with a margin):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -254,18 +256,13 @@ def results(work, steps) -> dict[str, Any]:
     ]
     (root / "maxtext_jobs.json").write_text(json.dumps(jobs))
     mt_out = root / "maxtext.npz"
-    maxtext = _start(
-        [
-            sys.executable,
-            str(Path(__file__)),
-            "logits",
-            str(root / "maxtext_jobs.json"),
-            str(mt_out),
-        ],
-        root,
-        "maxtext",
-        _env(PYTHONPATH=str(HERE)),
-    )
+    # this file's `child_main`, forked from the suite's MaxText fork server (hf_export_support.run:
+    # on CPU, offline, PYTHONHASHSEED=0, without the library), while the exports run here
+    argv = (sys.executable, str(Path(__file__)), "logits", str(root / "maxtext_jobs.json"))
+    job = S.Job("maxtext", root, (*argv, str(mt_out)), timeout=CHILD_TIMEOUT_S)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    maxtext = pool.submit(S.run, job)
+    pool.shutdown(wait=False)
     try:
         # Imported here: the MaxText child runs this file without the library.
         from orbax_maxtext_layout import cli
@@ -302,10 +299,11 @@ def results(work, steps) -> dict[str, Any]:
             _env(OMP_NUM_THREADS="1"),
         )
         hf_logits = _finish(hf, root, "hf", hf_out)
-    except BaseException:
-        _stop(maxtext)
-        raise
-    mt = _finish(maxtext, root, "maxtext", mt_out)
+    finally:
+        done = maxtext.result()  # (it ends by itself, within its timeout)
+    assert done.returncode == 0, done.why()
+    with np.load(mt_out) as z:
+        mt = {k: z[k] for k in z.files}
     info = {
         k.removesuffix("::info"): json.loads(str(v))
         for k, v in hf_logits.items()

@@ -20,6 +20,7 @@ gpt-oss, llama4) and DeepSeek's ``dense_layers``/``moe_layers``. What proves wha
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -29,6 +30,7 @@ import families_support as F
 import pytest
 
 import orbax_maxtext_layout as oml
+from orbax_maxtext_layout import Target
 from orbax_maxtext_layout.base.treepaths import flatten, unflatten
 from orbax_maxtext_layout.model.layer_axes import layer_map
 from orbax_maxtext_layout.model.scan_trees import unstack_layer
@@ -63,10 +65,18 @@ LAYERS = {
 EXPORTED = ["llama3.1", "gemma2", "gemma3", "mixtral", "qwen3-moe", "gpt-oss"]
 
 
+@functools.cache
+def maxtext_forms(family: str, scanned: bool) -> Target:
+    """`rescan.maxtext_forms` of the family's config with ``scan_layers`` given (MaxText
+    builds the model in both forms): once per family and form in this module's process,
+    shared by its tests (a frozen `Target`, read only)."""
+    return rescan.maxtext_forms(F.config(family, scan_layers=scanned))
+
+
 @pytest.mark.parametrize("family", sorted(F.FAMILIES))
 def test_layer_map_is_read_off_maxtext_s_two_forms(family):
     for scanned in (True, False):
-        target = rescan.maxtext_forms(F.config(family, scan_layers=scanned))
+        target = maxtext_forms(family, scanned)
         assert rescan.is_scanned(target) is scanned
         assert target.twin is not None and rescan.is_scanned(target.twin) is not scanned
         stacked = target if scanned else target.twin
@@ -96,12 +106,12 @@ def _same_tensors(got: dict, want: dict) -> list[str]:
 
 def _unrolled_run(family: str, tmp: Path) -> tuple[dict, Path, Path]:
     """(the scanned state, a pristine copy of its Tunix step, the step converted --unroll)."""
-    state = F.model_state(family, scan_layers=True)
+    # The scanned config, as a user passes the model's own config: the output is unscanned.
+    target = maxtext_forms(family, True)
+    state = F.model_state(family, scan_layers=True, abstract=target.abstract)
     step = F.write_tunix_step(tmp / "run", 1, state)
     pristine = tmp / "pristine" / "1"
     shutil.copytree(step, pristine)
-    # The scanned config, as a user passes the model's own config: the output is unscanned.
-    target = rescan.maxtext_forms(F.config(family, scan_layers=True))
     report = oml.convert_step(step, target, rescan="unroll", optimizer="drop")
     assert "unroll" in report.rules
     return state, pristine, step
@@ -113,13 +123,20 @@ def test_unroll_is_maxtext_s_unscanned_layout_and_stack_undoes_it(family, tmp_pa
     assert oml.verify_step(step).ok
     meta = json.loads((step / "_CHECKPOINT_METADATA").read_text())
     assert meta["custom_metadata"]["scan_layers"] is False
-    unscanned = rescan.maxtext_forms(F.config(family, scan_layers=False))
+    unscanned = maxtext_forms(family, False)
     items = restore_flat(step / "items")
     # Exactly MaxText's unscanned weights, and only RNG state its unscanned model holds.
     assert {p[2:] for p in items if p[:2] == P} == set(unscanned.params)
     assert {p[2:] for p in items if p[:2] == A} <= set(unscanned.nnx_aux)
 
     if family in EXPORTED:
+        unrolled = tmp_path / "hf_unrolled"
+        oml.export_hf(
+            step / "items",
+            unrolled,
+            maxtext_config=F.config(family),
+            override_model_architecture=True,
+        )
         for keys in ([], ["scan_layers=true"]):  # read from the raw step, or given
             out = tmp_path / f"hf_raw{len(keys)}"
             oml.export_hf(
@@ -128,29 +145,17 @@ def test_unroll_is_maxtext_s_unscanned_layout_and_stack_undoes_it(family, tmp_pa
                 maxtext_config=F.config(family) + keys,
                 override_model_architecture=True,
             )
-            unrolled = tmp_path / f"hf_unrolled{len(keys)}"
-            oml.export_hf(
-                step / "items",
-                unrolled,
-                maxtext_config=F.config(family),
-                override_model_architecture=True,
-            )
             raw_hf = _read_hf(out)
             assert raw_hf and _same_tensors(_read_hf(unrolled), raw_hf) == [], family
 
     # Back: the unrolled values as an unscanned Tunix step, converted --stack.
     flat = {p[2:]: v for p, v in items.items() if p[:2] in (P, A)}
     back = F.write_tunix_step(tmp_path / "unscanned_run", 1, flat)
-    oml.convert_step(
-        back,
-        rescan.maxtext_forms(F.config(family, scan_layers=False)),
-        rescan="stack",
-        optimizer="drop",
-    )
+    oml.convert_step(back, unscanned, rescan="stack", optimizer="drop")
     assert oml.verify_step(back).ok
     got = restore_flat(back / "items")
     weights = [p for p in state if P + p in got]
-    assert len(weights) == len(rescan.maxtext_forms(F.config(family)).params)
+    assert len(weights) == len(maxtext_forms(family, True).params)
     differ = [p for p in weights if raw(got[P + p]).tobytes() != raw(state[p]).tobytes()]
     assert differ == [], family
     # RNG state the unscanned step held (layer 0's shared stream) comes back to layer 0.

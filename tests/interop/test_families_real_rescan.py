@@ -6,10 +6,10 @@ pre-training loop; ``gen_maxtext025.py --only gptoss``) of a block-scanned mixtu
 gpt-oss, ``decoder/layers/layers_0`` and ``layers_1`` with two scan steps each, and its unscanned
 form ``decoder/layers_0 .. layers_3``. Each is converted with ``python -m orbax_maxtext_layout
 convert STEP --unroll|--stack --target-from <MaxText's step of the other form> --out DIR`` and
-checked with ``verify DIR``, a process each. A model's Hugging Face weights do not depend on its
-scan form, so MaxText's export of the output (its form read from the ``scan_layers`` the output
-records) must equal its export of the source, tensor for tensor (names, shapes, dtypes, bytes).
-Only the command line and MaxText are used here; the core suite checks the same conversions,
+checked with ``verify DIR``, a process each (forked from the suite's fork server,
+`hf_export_support.run_cli`). A model's Hugging Face weights do not depend on its scan form, so
+MaxText's export of the output (its form read from the ``scan_layers`` the output records) must
+equal its export of the source, tensor for tensor (names, shapes, dtypes, bytes). Only the command line and MaxText are used here; the core suite checks the same conversions,
 and qwen3-moe's, leaf by leaf (tests/test_family_fixtures.py). Four exports: about 95 s of CPU
 time, a minute on 2 cores.
 """
@@ -17,9 +17,7 @@ time, a minute on 2 cores.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import hf_export_support as S
@@ -56,9 +54,8 @@ def _run(step: str) -> str:
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    argv = [sys.executable, "-m", "orbax_maxtext_layout", *map(str, args)]
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    """``python -m orbax_maxtext_layout ARGS``, forked from the suite's fork server."""
+    return S.run_cli(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,20 @@ MaxText 0.2.5's mapping (issue 43, parts 1 and 2):
 - a tensor whose shape label is permuted (the same element count) is refused, naming it;
 - a symlink in ``--out`` named like a dead run's work directory is left, never followed.
 
-The tiny checkpoints are import_hf_support's (transformers' save_pretrained, hf venv).
+The tiny checkpoints are import_hf_support's (transformers' save_pretrained, hf venv). Each
+command (and the sharded restore's child) runs as typed, forked from the suite's MaxText fork
+server (hf_export_support.run_cli), but the import that is killed: a real process.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import hf_export_support as S
 import import_hf_support as H
 import maxtext_loop_support as L
 import pytest
@@ -63,12 +65,14 @@ print("equal", len(flat), "cut", cut)
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=f"{H.REPO}{os.pathsep}{H.HERE}", JAX_PLATFORMS="cpu")
+    """A real process's environment (the killed import): hf_export_support.run_cli's."""
+    return {**S.env(), **S.library_env()}
 
 
 def _import(hf_dir: Path, out: Path, family: str, scan: bool, *extra: str) -> list[str]:
+    """``import-hf``'s arguments (after ``python -m orbax_maxtext_layout``)."""
     return [
-        sys.executable, "-m", "orbax_maxtext_layout", "import-hf", str(hf_dir), "--out", str(out),
+        "import-hf", str(hf_dir), "--out", str(out),
         "--save-dtype", "float32", "--maxtext-config", str(L.base_yml()),
         *H.FAMILY_KEYS[family], H.scan_key(scan), *extra,
     ]  # fmt: skip
@@ -76,7 +80,7 @@ def _import(hf_dir: Path, out: Path, family: str, scan: bool, *extra: str) -> li
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    return H.write_hf(tmp_path_factory.mktemp("hf"), ["llama_f32", "mixtral"])
+    return H.hf_checkpoints(tmp_path_factory, ["llama_f32", "mixtral"])
 
 
 @pytest.mark.parametrize(
@@ -88,14 +92,10 @@ def test_a_hf_directory_restores_as_the_import_s_params_on_a_sharded_target(
     hf_dirs, tmp_path, name, family, scan
 ):
     out = tmp_path / "run"
-    done = subprocess.run(
-        _import(hf_dirs[name], out, family, scan), env=_env(), capture_output=True, text=True,
-        timeout=H.CHILD_TIMEOUT_S,
-    )  # fmt: skip
+    done = S.run_cli(*_import(hf_dirs[name], out, family, scan), timeout=H.CHILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     keys = [str(L.base_yml()), *H.FAMILY_KEYS[family], H.scan_key(scan)]
-    child = [sys.executable, "-c", CHILD, str(hf_dirs[name]), str(out / "0"), *keys]
-    ran = subprocess.run(child, env=_env(), capture_output=True, text=True, timeout=600)
+    ran = S.run_cli(argv=("-c", CHILD, str(hf_dirs[name]), str(out / "0"), *keys))
     assert ran.returncode == 0, ran.stderr[-3000:]
     equal, cut = ran.stdout.split()[1::2]
     assert int(equal) > 10 and int(cut) > 0  # every leaf, most of them cut 8 ways
@@ -106,7 +106,7 @@ def test_a_config_of_another_size_is_refused_naming_every_mismatch(hf_dirs, tmp_
     argv = _import(hf_dirs["llama_f32"], out, "llama3.1", True)
     argv = [a if not a.startswith("base_mlp_dim=") else "base_mlp_dim=48" for a in argv]
     argv = [a if not a.startswith("vocab_size=") else "vocab_size=128" for a in argv]
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    done = S.run_cli(*argv)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "intermediate_size (HF=32 vs MaxText=48)" in done.stderr
     assert "vocab_size (HF=64 vs MaxText=128)" in done.stderr
@@ -142,7 +142,7 @@ def test_a_shape_label_permuted_with_the_same_count_is_refused(hf_dirs, tmp_path
     name, label, true = _permuted(hf_dirs["llama_f32"], tmp_path / "hf")
     out = tmp_path / "run"
     argv = _import(tmp_path / "hf", out, "llama3.1", True, "--dry-run")
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    done = S.run_cli(*argv)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     assert f"{name}: {label}, MaxText's " in done.stderr and f"has {true}" in done.stderr
     assert "Traceback" not in done.stderr
@@ -165,7 +165,7 @@ def test_a_link_named_like_a_dead_run_s_work_directory_is_never_followed(hf_dirs
     planted = out / f"0.orbax-checkpoint-tmp-{'a' * 12}.{socket.gethostname()}.{gone.pid}"
     planted.symlink_to(victim)
     argv = _import(hf_dirs["llama_f32"], out, "llama3.1", True)
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    done = S.run_cli(*argv)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert f"{planted}: named like a dead run's work directory, but a symlink" in done.stderr
@@ -176,7 +176,8 @@ def test_a_link_named_like_a_dead_run_s_work_directory_is_never_followed(hf_dirs
 def test_a_killed_import_leaves_no_step_and_the_next_run_writes_it(hf_dirs, tmp_path):
     out = tmp_path / "run"
     argv = _import(hf_dirs["mixtral"], out, "mixtral", True)
-    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    real = [sys.executable, "-m", "orbax_maxtext_layout", *argv]  # a real process, to kill
+    proc = subprocess.Popen(real, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if out.exists() and any(".orbax-checkpoint-tmp" in p.name for p in out.iterdir()):
@@ -186,7 +187,7 @@ def test_a_killed_import_leaves_no_step_and_the_next_run_writes_it(hf_dirs, tmp_
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert not (out / "0").exists() or proc.returncode == 0  # never a half-written step
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    done = S.run_cli(*argv)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "0" / "items" / "_METADATA").is_file()
     assert [p.name for p in out.iterdir()] == ["0"]  # the dead run's work directory swept
@@ -200,17 +201,13 @@ def test_import_of_an_export_gives_back_the_step_s_params(tmp_path):
 
     step = H.REPO / "tests/fixtures/maxtext025/pretrain_run/checkpoints/1"
     config = ["--maxtext-config", str(L.base_yml()), *H.FAMILY_KEYS["llama3.1"]]
-    out = [sys.executable, "-m", "orbax_maxtext_layout"]
-    exported = subprocess.run(
-        [*out, "export-hf", str(step), "--out", str(tmp_path / "hf"),
-         "--override-model-architecture", *config],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    exported = S.run_cli(
+        "export-hf", step, "--out", tmp_path / "hf", "--override-model-architecture", *config
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
-    imported = subprocess.run(
-        [*out, "import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"),
-         "--save-dtype", "float32", *config, "scan_layers=true"],
-        env=_env(), capture_output=True, text=True, timeout=600,
+    imported = S.run_cli(
+        "import-hf", tmp_path / "hf", "--out", tmp_path / "run",
+        "--save-dtype", "float32", *config, "scan_layers=true",
     )  # fmt: skip
     assert imported.returncode == 0, imported.stderr[-3000:]
     want = {k: v for k, v in restore_flat(step / "items").items() if k[0] == "params"}

@@ -11,7 +11,9 @@ PEFT's ``merge_and_unload()`` of it saved as a Hugging Face directory.
    tree, dtypes and shapes; and the adapter moved the reference (so a dropped merge fails).
    Cases: llama3.1 attention only, all linear, rsLoRA, rank and alpha patterns, a budget
    under every slice; qwen3 with tied embeddings; mixtral and qwen3-moe expert adapters
-   (``target_parameters``, the fused names PEFT saves), scanned and unscanned.
+   (``target_parameters``, the fused names PEFT saves), scanned and unscanned. The imports of
+   a case's base and of PEFT's merge, the references, are made once per module (`imported`)
+   and shared by the tests below that compare with them.
 2. ``test_refused[...]``: DoRA, another PEFT type, a config claiming another rank than the
    factors hold, a factor for a module the base lacks, an adapter of another model (qwen3's on
    llama), a factor whose partner is missing, ``lm_head`` on tied qwen3 (the base has no
@@ -50,7 +52,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import import_hf_support as H
@@ -138,6 +139,24 @@ def _import(src: Path, out: Path, case: Case, **kw) -> H.Step:
     return H.read_step(out / "0")
 
 
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """``imported(src, case) -> (--out, its step)``: `_import` of a fixed Hugging Face directory
+    (a case's base, or PEFT's merge of its adapter: the references), made once per module for
+    the tests that compare with it; read only."""
+    root = tmp_path_factory.mktemp("imported")
+    done: dict[tuple, tuple[Path, H.Step]] = {}
+
+    def get(src: Path, case: Case) -> tuple[Path, H.Step]:
+        key = (src, case.family, case.scan, case.budget)
+        if key not in done:
+            out = root / str(len(done))
+            done[key] = (out, _import(src, out, case))
+        return done[key]
+
+    return get
+
+
 def _max_diffs(got: H.Step, want: H.Step) -> dict[str, float]:
     assert got.tree == want.tree
     out = {}
@@ -149,7 +168,7 @@ def _max_diffs(got: H.Step, want: H.Step) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("case_id", list(BY_ID))
-def test_merged_equals_peft_merge(made, tmp_path, case_id):
+def test_merged_equals_peft_merge(made, imported, tmp_path, case_id):
     case = BY_ID[case_id]
     d, report = made[case_id]
     assert report["moved"] > 0.05, report["moved"]  # the adapter changes the model
@@ -158,8 +177,8 @@ def test_merged_equals_peft_merge(made, tmp_path, case_id):
             ".experts.lora_A" in k or ".experts.base_layer.lora_A" in k for k in report["tensors"]
         )
     ours = _import(d / "base", tmp_path / "ours", case, adapter=d / "adapter")
-    want = _import(d / "merged", tmp_path / "want", case)
-    base = _import(d / "base", tmp_path / "base", case)
+    want = imported(d / "merged", case)[1]
+    base = imported(d / "base", case)[1]
     diffs = _max_diffs(ours, want)
     worst = max(diffs.values())
     moved = {p: v for p, v in _max_diffs(base, want).items() if v > 0}
@@ -177,7 +196,7 @@ BASE_CASES = ["llama31-patterns", "llama31-all-linear-unscanned", "qwen3tied-all
 
 
 @pytest.mark.parametrize("case_id", BASE_CASES)
-def test_base_step_merged_equals_peft_merge(made, tmp_path, case_id):
+def test_base_step_merged_equals_peft_merge(made, imported, tmp_path, case_id):
     """``--base STEP``: the base imported first (a MaxText step), then the adapter merged
     into it: equal to the import of PEFT's merge within 1e-6, every param the adapter leaves
     the step's own bytes."""
@@ -185,14 +204,14 @@ def test_base_step_merged_equals_peft_merge(made, tmp_path, case_id):
 
     case = BY_ID[case_id]
     d, _ = made[case_id]
-    base = _import(d / "base", tmp_path / "base", case)
+    base_out, base = imported(d / "base", case)
     report = oml.import_hf(
         None, tmp_path / "ours", maxtext_config=_keys(case.family, case.scan),
-        adapter=d / "adapter", base=tmp_path / "base" / "0", memory_budget=case.budget,
+        adapter=d / "adapter", base=base_out / "0", memory_budget=case.budget,
     )  # fmt: skip
     assert report.save_dtype == "float32" and report.adapter["tensors"] > 0
     ours = H.read_step(tmp_path / "ours" / "0")
-    want = _import(d / "merged", tmp_path / "want", case)
+    want = imported(d / "merged", case)[1]
     diffs = _max_diffs(ours, want)
     print(f"{case_id} --base: max |ours - import of merge_and_unload| {max(diffs.values()):.3g}")
     assert max(diffs.values()) <= TOLERANCE, {p: v for p, v in diffs.items() if v > TOLERANCE}
@@ -203,17 +222,17 @@ def test_base_step_merged_equals_peft_merge(made, tmp_path, case_id):
     )
 
 
-def test_base_step_of_another_model_is_refused(made, tmp_path):
+def test_base_step_of_another_model_is_refused(made, imported, tmp_path):
     import orbax_maxtext_layout as oml
     from orbax_maxtext_layout.errors import LayoutMismatchError
 
     qwen = BY_ID["qwen3tied-all-linear"]
-    _import(made[qwen.id][0] / "base", tmp_path / "qwen", qwen)
+    qwen_out, _ = imported(made[qwen.id][0] / "base", qwen)
     llama = BY_ID["llama31-attention"]
     with pytest.raises(LayoutMismatchError) as e:
         oml.import_hf(
             None, tmp_path / "out", maxtext_config=_keys(llama.family, llama.scan),
-            adapter=made[llama.id][0] / "adapter", base=tmp_path / "qwen" / "0",
+            adapter=made[llama.id][0] / "adapter", base=qwen_out / "0",
         )  # fmt: skip
     assert "not a MaxText step of the model" in str(e.value)
     assert not (tmp_path / "out").exists()
@@ -224,17 +243,15 @@ LOGITS_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("case_id", LOGITS)
-def test_logits_equal_peft(made, tmp_path, case_id):
+def test_logits_equal_peft(made, imported, tmp_path, case_id):
     import lora_logits_support as G
 
     case = BY_ID[case_id]
     d, _ = made[case_id]
     _import(d / "base", tmp_path / "ours", case, adapter=d / "adapter")
-    _import(d / "merged", tmp_path / "want", case)
+    steps = {"ours": tmp_path / "ours", "want": imported(d / "merged", case)[0]}
     keys = [*H.FAMILY_KEYS[case.family], H.scan_key(case.scan)]
-    jobs = [
-        G.job(n, keys, tmp_path / n / "0" / "items", tmp_path / "run") for n in ("ours", "want")
-    ]
+    jobs = [G.job(n, keys, out / "0" / "items", tmp_path / "run") for n, out in steps.items()]
     got = G.run_child(tmp_path / "maxtext", jobs)
     maxtext = got["ours"]
     spec = {"tokens": G.tokens().tolist(),
@@ -331,13 +348,11 @@ def test_refused(made, tmp_path, refusal):
 def test_cli_refusal(made, tmp_path):
     case = BY_ID["llama31-attention"]
     out = tmp_path / "out"
-    argv = [
-        sys.executable, "-m", "orbax_maxtext_layout", "import-hf", str(made[case.id][0] / "base"),
-        "--out", str(out), "--adapter", str(made["llama31-dora"][0] / "adapter"),
+    proc = H.S.run_cli(
+        "import-hf", made[case.id][0] / "base", "--out", out,
+        "--adapter", made["llama31-dora"][0] / "adapter",
         "--save-dtype", "float32", "--maxtext-config", *_keys(case.family, case.scan),
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=f"{H.REPO}{os.pathsep}{H.HERE}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "use_dora" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
@@ -417,7 +432,7 @@ AS_LORA = {"llama31-patterns": True, "llama31-rslora-qv": False, "qwen3tied-all-
 
 
 @pytest.fixture(scope="module")
-def as_lora(made, tmp_path_factory) -> dict:
+def as_lora(made, imported, tmp_path_factory) -> dict:
     """Every --as-lora run, once: each case's base imported (float32) and adapter written as a
     LoRA step, exported back with ``export-hf --adapter`` (no ``--alpha``); then, side by side
     (2 cores), one MaxText child building both LoRA models (as ``train_sft`` builds them), one
@@ -435,7 +450,7 @@ def as_lora(made, tmp_path_factory) -> dict:
     for case_id, scan in AS_LORA.items():
         case = dataclasses.replace(MADE[case_id], scan=scan)
         d, work = made[case_id][0], root / case_id
-        _import(d / "base", work / "base", case)
+        base = imported(d / "base", case)[0] / "0" / "items"
         report = _as_lora(case, d / "adapter", work / "step")
         lora = report.adapter["as_lora"]
         keys = [*H.FAMILY_KEYS[case.family], H.scan_key(scan)]
@@ -446,20 +461,19 @@ def as_lora(made, tmp_path_factory) -> dict:
         )  # fmt: skip
         restore = {"rank": lora["rank"], "alpha": lora["alpha"],
                    "restore": str(step / "model_params"), "module_path": lora["module_path"]}  # fmt: skip
-        jobs.append(G.job(case_id, keys, work / "base" / "0" / "items", work / "run", lora=restore))
-        jobs.append(G.job(f"{case_id}__base", keys, work / "base" / "0" / "items", work / "run"))
-        _import(d / "merged", work / "merged", case)  # PEFT's merge_and_unload, imported
-        jobs.append(
-            G.job(f"{case_id}__merged", keys, work / "merged" / "0" / "items", work / "run")
-        )
+        merged = imported(d / "merged", case)[0] / "0" / "items"  # PEFT's merge_and_unload
+        jobs.append(G.job(case_id, keys, base, work / "run", lora=restore))
+        jobs.append(G.job(f"{case_id}__base", keys, base, work / "run"))
+        jobs.append(G.job(f"{case_id}__merged", keys, merged, work / "run"))
         peft += [{"name": f"{case_id}__{n}", "base": str(d / "base"), "merged": str(d / "base"),
                   "adapter": str(a)} for n, a in (("orig", d / "adapter"), ("back", work / "back"))]  # fmt: skip
-        runs[case_id] = {"report": report, "step": step, "exported": exported, "work": work}
+        runs[case_id] = {"report": report, "step": step, "exported": exported, "work": work,
+                         "base": base}  # fmt: skip
     scanned = next(c for c, scan in AS_LORA.items() if scan)
     lora = runs[scanned]["report"].adapter["as_lora"]
     params = runs[scanned]["step"] / "model_params"
     sft = S.train_sft_job(
-        "train_sft", root / "sft", runs[scanned]["work"] / "base" / "0" / "items",
+        "train_sft", root / "sft", runs[scanned]["base"],
         "steps=1", "checkpoint_period=1", "lora.enable_lora=true", f"lora.lora_rank={lora['rank']}",
         f"lora.lora_alpha={lora['alpha']}", f"lora.lora_module_path={lora['module_path']}",
         f"lora.lora_restore_path={params}",

@@ -7,10 +7,10 @@ embeddings (no ``lm_head.weight``), mixtral and qwen3-moe (one tensor per expert
 transformers 5 saves them) and gemma3 text (``Gemma3ForCausalLM``), every tensor seeded random.
 
 The reference (import_hf_support.REFS, its docstring says how each is made) is to_maxtext run
-stock in a fresh process per (model, scan form), with MaxText's HF config resized to the
-MaxText config first; scanned mixtral is its unscanned output stacked on ``param_scan_axis``
-(to_maxtext crashes on it), and gemma3's is to_maxtext on the same tensors under the names its
-mapping expects. References are made once per run of this module (under its pytest tmp dir),
+stock in a process of its own per (model, scan form; forked from the suite's MaxText fork
+server, hf_export_support.run), with MaxText's HF config resized to the MaxText config first;
+scanned mixtral is its unscanned output stacked on ``param_scan_axis`` (to_maxtext crashes on
+it), and gemma3's is to_maxtext on the same tensors under the names its mapping expects. References are made once per run of this module (under its pytest tmp dir),
 two processes at a time, and only those the selected tests need (``-k mixtral`` runs
 mixtral's alone). gemma3 is imported twice: from the ``Gemma3ForCausalLM`` files as written,
 and from the renamed copy the reference reads (``gemma3-renamed-…``), so that a naming gap and
@@ -24,10 +24,11 @@ a value difference tell apart.
    reference (saved with stock Orbax) and gives back the original tensors, exactly.
 4. ``test_comparison_catches``: the comparison reports two swapped layers and a dropped hook.
 5. ``test_import_matches_reference[case]``: ``python -m orbax_maxtext_layout import-hf HF_DIR
-   --out OUT --save-dtype D --maxtext-config <base.yml> KEY=VALUE... scan_layers=…`` in a fresh
-   process; ``OUT/0`` restored with stock Orbax equals the reference: the same tree paths and
-   value types, every params leaf with the same dtype, shape and bytes, the same ``step``
-   (int64 0) and custom_metadata ``scan_layers``.
+   --out OUT --save-dtype D --maxtext-config <base.yml> KEY=VALUE... scan_layers=…`` in a
+   process of its own (forked from the same server, this checkout's library on its path);
+   ``OUT/0`` restored with stock Orbax equals the reference: the same tree paths and value
+   types, every params leaf with the same dtype, shape and bytes, the same ``step`` (int64 0)
+   and custom_metadata ``scan_layers``.
 6. ``test_to_huggingface_reads_import[case]``: MaxText's ``to_huggingface`` reads the import and
    gives back the original HF tensors: exact, except llama's ``q_proj`` (the query is scaled by
    1/sqrt(head_dim) on the way in and back on the way out): ≤ 1 ulp in float32.
@@ -97,10 +98,11 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(work) -> dict[str, Path]:
-    """Every HF checkpoint (one hf-venv child, seconds), plus ``gemma3_renamed``."""
-    dirs = H.write_hf(work / "hf", list(H.HF))
-    dirs["gemma3_renamed"] = H.rename_gemma3(dirs["gemma3"], work / "hf" / "gemma3_renamed")
+def hf_dirs(work, tmp_path_factory) -> dict[str, Path]:
+    """Every HF checkpoint (import_hf_support.hf_checkpoints: one hf-venv child, seconds, once
+    per pytest run), plus ``gemma3_renamed`` (this module's)."""
+    dirs = H.hf_checkpoints(tmp_path_factory, list(H.HF))
+    dirs["gemma3_renamed"] = H.rename_gemma3(dirs["gemma3"], work / "gemma3_renamed")
     return dirs
 
 

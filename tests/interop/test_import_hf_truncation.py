@@ -5,14 +5,17 @@ error nothing left under ``--out`` or beside it (no work directory).
 
 The campaign is tests/truncation_child.py's (op ``import``), with MaxText's mapping of the
 tiny llama3.1 of import_hf_support (``llama_bf16_sharded``: six shards), run by the
-interop venv's python; the reads themselves are checked without MaxText by
+interop venv's python (a child forked from the suite's MaxText fork server,
+hf_export_support.run_cli); the reads themselves are checked without MaxText by
 tests/test_truncation.py.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import hf_export_support as S
 import import_hf_support as H
 import maxtext_loop_support as L
 import pytest
@@ -26,8 +29,7 @@ POINTS = 16
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hf")
-    return H.write_hf(root, ["llama_bf16_sharded"])["llama_bf16_sharded"]
+    return H.hf_checkpoints(tmp_path_factory, ["llama_bf16_sharded"])["llama_bf16_sharded"]
 
 
 def _campaign(op: str, hf: Path, work: Path, error: str) -> None:
@@ -42,7 +44,10 @@ def _campaign(op: str, hf: Path, work: Path, error: str) -> None:
         "maxtext_config": config,
     }
     work.mkdir()
-    got = T.run(job, H.REPO, timeout=900)
+    # the campaign's child, forked from the suite's MaxText fork server (MaxText imported once
+    # per test process), with this checkout's library: T.run's checks on what it reports
+    child = S.run_cli(argv=(T.__file__, json.dumps(job)), cwd=work, timeout=900)
+    got = T.outcomes(job, child)
     assert len(got) == POINTS
     for g in got:
         if g["outcome"] == "ok":

@@ -10,10 +10,9 @@ that every param goes piece by piece), and the export is imported back twice
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import chunked_step
 import maxtext_loop_support as L
 import numpy as np
 import orbax.checkpoint as ocp
@@ -22,7 +21,6 @@ import pytest
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.paths import flatten
 
-HERE = Path(__file__).resolve().parent
 KEYS = [
     "model_name=llama3.1-8b",
     "override_model_config=true",
@@ -41,10 +39,7 @@ KEYS = [
 
 @pytest.fixture(scope="module")
 def step(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("options") / "run"
-    cmd = [sys.executable, str(HERE / "chunked_step.py"), str(run), "0", "one", *KEYS]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return run / "0"
+    return chunked_step.make(tmp_path_factory.mktemp("options") / "run", 0, "one", KEYS)
 
 
 def _files(directory: Path) -> dict[str, bytes]:
