@@ -19,7 +19,8 @@ when the interpreter or JAX starts (``PYTHON*``, ``JAX_*``, ``XLA_*``, ...: `run
 refuses an environment that changes one), the entry points (``python -m``, the console
 script, the heap frozen at exit, the CPU pinning of a process that never imported JAX),
 signals and kills of a real process, strace of one, and processes running side by side.
-The server's own ``sys.path`` starts with ``tests/reliability`` and ``bench``.
+The server's own ``sys.path`` starts with ``tests/reliability`` and ``bench``; `run_call`
+runs a function of a module there or of a ``.py`` file (a kill campaign's job).
 """
 
 from __future__ import annotations
@@ -60,13 +61,43 @@ def _startup_changes(env: dict[str, str], started: dict[str, str]) -> list[str]:
 
 
 def run_cli(
-    *args: Any, env: dict | None = None, cwd: Path | str = ROOT, timeout: float = 600
+    *args: Any,
+    env: dict | None = None,
+    cwd: Path | str = ROOT,
+    timeout: float = 600,
+    kill_after: float | None = None,
 ) -> subprocess.CompletedProcess:
     """``python -m orbax_maxtext_layout *args`` with ``env`` added to this process's
     environment (a variable ``None`` there: removed), in ``cwd``, as a `subprocess.run` with
     ``capture_output=True, text=True`` would return it, run in a child forked from the fork
-    server (the module's docstring)."""
+    server (the module's docstring). ``kill_after``: SIGKILL the child that many seconds
+    after its fork unless it has exited (a kill campaign: return code -9)."""
     argv = [str(a) for a in args]
+    cmd = [sys.executable, "-m", "orbax_maxtext_layout", *argv]
+    job = {"kind": "cli", "argv": argv}
+    return _run_job(job, cmd, env, Path(cwd), timeout, kill_after)
+
+
+def run_call(
+    func: str,
+    *,
+    env: dict | None = None,
+    timeout: float = 600,
+    kill_after: float | None = None,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess:
+    """``func(**kwargs)`` (``"module:function"``, a module on the server's path:
+    ``tests/reliability``, ``bench``; or ``"FILE.py:function"``) in a forked child, as a script that calls it would run
+    in a fresh process: `run_cli`'s environment, kill and result (its exit code: the
+    function's int return value, else 0)."""
+    cmd = [sys.executable, "-c", f"{func}(**{kwargs!r})"]
+    job = {"kind": "call", "func": func, "kwargs": kwargs}
+    return _run_job(job, cmd, env, ROOT, timeout, kill_after)
+
+
+def _run_job(
+    job: dict, cmd: list, env: dict | None, cwd: Path, timeout: float, kill_after: float | None
+) -> subprocess.CompletedProcess:
     server = zygote()
     env = env or {}
     full = child_env({k: v for k, v in env.items() if v is not None}, cpu=False)
@@ -74,9 +105,8 @@ def run_cli(
     changed = _startup_changes(full, server.env)
     if changed:
         raise ValueError(f"{changed} take effect when a process starts: run a real process")
-    handle = server.start({"kind": "cli", "argv": argv}, env=full, cwd=Path(cwd), exact=True)
-    res = server.wait(handle, timeout=timeout)
-    cmd = [sys.executable, "-m", "orbax_maxtext_layout", *argv]
+    handle = server.start(job, env=full, cwd=cwd, exact=True)
+    res = server.wait(handle, kill_after=kill_after, timeout=timeout)
     if res.timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, res.stdout, res.stderr)
     stderr = res.stderr.replace(UNCAUGHT + "\n", "")  # the server's marker, not Python's

@@ -42,5 +42,12 @@ def cycle(directory: str, template: str, *, use_async: bool = False) -> list[int
         return mngr.all_steps()
 
 
+def run(directory: str, template: str) -> int:
+    """The job as ``python -m gcs.manager_job DIR TEMPLATE`` runs it (forked children call
+    this: `forked_cli.run_call`)."""
+    cycle(directory, template)
+    return 0
+
+
 if __name__ == "__main__":
-    cycle(sys.argv[1], sys.argv[2])
+    sys.exit(run(sys.argv[1], sys.argv[2]))

@@ -1,16 +1,21 @@
 """SIGKILL of `convert` on gs:// at seeded random times: afterwards the step reads as legacy
-or as complete items, never as a half items/ that anyone accepts; a rerun completes."""
+or as complete items, never as a half items/ that anyone accepts; a rerun completes.
+
+Each killed `convert` is the command line in a child forked from the reliability suite's
+server (`forked_cli.run_cli`: JAX, Orbax and the package imported, no backend, no
+tensorstore, no gcsfs touched), as the disk campaigns run it: the kill times are drawn over
+the conversion itself, not over an interpreter's start, which took most of a fresh process's
+time here."""
 
 from __future__ import annotations
 
 import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
+from forked_cli import run_cli
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.cli import main
@@ -26,10 +31,11 @@ KILLS = {"copy": 20, "in_place": 10}  # OMTL_GCS_KILLS=N sets both
 SEED = int(os.environ.get("OMTL_RELIABILITY_SEED", "20261201"))
 
 
-def _convert(gcs_emulator, root, *extra):
-    args = [sys.executable, "-m", "orbax_maxtext_layout", "convert", str(root)]
-    args += ["--target-from", str(TARGET), "-q", "--keep-step-numbers", *extra]
-    return subprocess.Popen(args, env=gcs_emulator.subprocess_env(), stderr=subprocess.PIPE)
+def _convert(gcs_emulator, root, *extra, kill_after: float | None = None):
+    """``convert ROOT`` as the command line runs it, in a forked child (SIGKILL after
+    ``kill_after`` seconds from the fork, unless it has exited)."""
+    args = ["convert", str(root), "--target-from", str(TARGET), "-q", "--keep-step-numbers"]
+    return run_cli(*args, *extra, env=gcs_emulator.env(), kill_after=kill_after)
 
 
 def _legacy(gs_prefix, rel: str) -> dict[str, int]:
@@ -52,8 +58,8 @@ def test_sigkill_during_a_gs_conversion(gcs_emulator, gs_prefix, tmp_path, mode)
     # How long an uninterrupted run takes: kills land between start and that.
     run = gs_prefix.upload(EXAMPLES / "tunix_rl_run", "timing")
     t = time.perf_counter()
-    proc = _convert(gcs_emulator, run / "checkpoints", *extra)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
+    timing = _convert(gcs_emulator, run / "checkpoints", *extra)
+    assert timing.returncode == 0, timing.stderr[-2000:]
     total = time.perf_counter() - t
     rng = random.Random(f"{SEED}-{mode}")
     outcomes = {"legacy": 0, "converted": 0}
@@ -62,10 +68,7 @@ def test_sigkill_during_a_gs_conversion(gcs_emulator, gs_prefix, tmp_path, mode)
         rel = f"k{i}"
         run = gs_prefix.upload(EXAMPLES / "tunix_rl_run", rel)
         legacy_before = _legacy(gs_prefix, f"{rel}/{STEP}")
-        proc = _convert(gcs_emulator, run / "checkpoints", *extra)
-        time.sleep(rng.uniform(0.3, 1.0) * total)
-        proc.kill()
-        proc.wait()
+        _convert(gcs_emulator, run / "checkpoints", *extra, kill_after=rng.uniform(0, total))
         gcs_emulator.wait_idle()  # requests the dead client had sent still land
         invalidate_gcsfs_caches()
         objstore.refresh(run)

@@ -13,13 +13,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 import pytest
+from forked_cli import run_call
 
 import orbax_maxtext_layout as oml
 from orbax_maxtext_layout.cli import main
@@ -34,9 +34,9 @@ EXAMPLES = oml.EXAMPLES_DIR
 TUNIX_RUN = EXAMPLES / "tunix_rl_run"
 TEMPLATE = EXAMPLES / "maxtext_run" / "checkpoints" / "2"
 ACTOR = "checkpoints/actor"  # Tunix directory 2 = MaxText step 1
-JOB = Path(__file__).with_name("manager_job.py")
 KILLS = int(os.environ.get("OMTL_GCS_MANAGER_KILLS", "10"))
 SEED = int(os.environ.get("OMTL_RELIABILITY_SEED", "20261201"))
+JOB = Path(__file__).with_name("manager_job.py")  # its `run`, forked (`_job`)
 LEGACY = ("model_params", "optimizer_state")
 
 
@@ -222,11 +222,16 @@ def test_debris_where_the_legacy_step_moves_is_replaced(gs_prefix, tmp_path, ref
 
 
 # -- SIGKILLs during the manager's migration --------------------------------------------------
-def _job(gcs_emulator, actor) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(JOB), str(actor), str(TEMPLATE)],
-        env=gcs_emulator.subprocess_env(),
-        stderr=subprocess.PIPE,
+def _job(gcs_emulator, actor, kill_after: float | None = None) -> subprocess.CompletedProcess:
+    """The job (`manager_job.run`) as its script runs it, in a child forked from the
+    reliability suite's server (`forked_cli.run_call`: imports done, so the kill times are
+    drawn over the job, not an interpreter's start); SIGKILL after ``kill_after`` s."""
+    return run_call(
+        f"{JOB}:run",
+        directory=str(actor),
+        template=str(TEMPLATE),
+        env=gcs_emulator.env(),
+        kill_after=kill_after,
     )
 
 
@@ -257,27 +262,18 @@ def test_sigkill_during_the_manager_migration_on_gs(gcs_emulator, gs_prefix, ref
     pristine = _legacy_objects(gs_prefix, "pristine/" + ACTOR + "/2")
     run = gs_prefix.upload(TUNIX_RUN, "timing")
     t = time.perf_counter()
-    proc = _job(gcs_emulator, run / ACTOR)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
+    timing = _job(gcs_emulator, run / ACTOR)
+    assert timing.returncode == 0, timing.stderr[-2000:]
     total = time.perf_counter() - t
     rng = random.Random(f"{SEED}-gs-manager")
     outcomes: dict[str, int] = {}
     for i in range(KILLS):
         rel = f"k{i}"
         run = gs_prefix.upload(TUNIX_RUN, rel)
-        proc = _job(gcs_emulator, run / ACTOR)
-        time.sleep(rng.uniform(0.3, 1.0) * total)
-        proc.kill()
-        proc.wait()
+        _job(gcs_emulator, run / ACTOR, kill_after=rng.uniform(0, total))
         gcs_emulator.wait_idle()  # requests the dead client had sent still land
         invalidate_gcsfs_caches()
         where = _after_kill(gs_prefix, f"{rel}/{ACTOR}", pristine, reference)
-        print(
-            "DEBUG",
-            i,
-            where,
-            sorted(k for k in gs_prefix.objects(f"{rel}/{ACTOR}") if "/d/" not in k),
-        )
         outcomes[where] = outcomes.get(where, 0) + 1
         # The rerun (the same job, in this process) completes whatever the kill left.
         steps = cycle(str(run / ACTOR), str(TEMPLATE))

@@ -11,7 +11,8 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
 
 * ``{"op": "start", "job": {...}, "stdout": PATH, "stderr": PATH, "env": {...}, "cwd": DIR}``
   -> ``{"id": ID, "pid": PID}``.  ``job`` is ``{"kind": "cli", "argv": [...]}`` or
-  ``{"kind": "call", "func": "module:function", "kwargs": {...}}``.
+  ``{"kind": "call", "func": "module:function", "kwargs": {...}}`` (``module``: a name on
+  this server's path, or a ``.py`` file's path).
 * ``{"op": "wait", "id": ID, "kill_after": SECONDS | null, "timeout": SECONDS}``
   -> ``{"rc": RC, "killed": BOOL, "elapsed": SECONDS}``. ``kill_after`` counts from the
   fork; the child is sent SIGKILL then unless it has exited. The kill is sent before
@@ -48,6 +49,20 @@ REPO = HERE.parents[1]
 for p in (str(HERE), str(REPO / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+
+def _module(name: str):
+    """The module ``name`` (on this server's path), or the file ``name`` (``*.py``: a module
+    of a test package that another directory on the path would shadow, ``tests/gcs``)."""
+    import importlib
+    import importlib.util
+
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(Path(name).stem, name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _preload() -> None:
@@ -99,10 +114,8 @@ def _child(req: dict, proto_fd: int) -> None:
             sys.argv = [os.path.join(package, "__main__.py"), *job["argv"]]
             rc = main(job["argv"]) or 0
         else:
-            import importlib
-
             module, _, fn = job["func"].partition(":")
-            rc = getattr(importlib.import_module(module), fn)(**job.get("kwargs", {})) or 0
+            rc = getattr(_module(module), fn)(**job.get("kwargs", {})) or 0
     except SystemExit as e:  # what Python exits with (argparse's usage errors: 2)
         if e.code is None or isinstance(e.code, int):
             rc = e.code or 0
