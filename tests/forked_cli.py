@@ -66,16 +66,20 @@ def run_cli(
     cwd: Path | str = ROOT,
     timeout: float = 600,
     kill_after: float | None = None,
+    trace: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``python -m orbax_maxtext_layout *args`` with ``env`` added to this process's
     environment (a variable ``None`` there: removed), in ``cwd``, as a `subprocess.run` with
     ``capture_output=True, text=True`` would return it, run in a child forked from the fork
     server (the module's docstring). ``kill_after``: SIGKILL the child that many seconds
-    after its fork unless it has exited (a kill campaign: return code -9)."""
+    after its fork unless it has exited (a kill campaign: return code -9). ``trace``: a
+    tracer's command line (`hostile_support.strace_argv`), attached to the child before it
+    starts the command (`hostile_support.attach`): every system call of the command, none of
+    an interpreter's start."""
     argv = [str(a) for a in args]
     cmd = [sys.executable, "-m", "orbax_maxtext_layout", *argv]
-    job = {"kind": "cli", "argv": argv}
-    return _run_job(job, cmd, env, Path(cwd), timeout, kill_after)
+    job = {"kind": "cli", "argv": argv, "stop": bool(trace)}
+    return _run_job(job, cmd, env, Path(cwd), timeout, kill_after, trace)
 
 
 def run_call(
@@ -96,7 +100,13 @@ def run_call(
 
 
 def _run_job(
-    job: dict, cmd: list, env: dict | None, cwd: Path, timeout: float, kill_after: float | None
+    job: dict,
+    cmd: list,
+    env: dict | None,
+    cwd: Path,
+    timeout: float,
+    kill_after: float | None,
+    trace: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
     server = zygote()
     env = env or {}
@@ -106,7 +116,16 @@ def _run_job(
     if changed:
         raise ValueError(f"{changed} take effect when a process starts: run a real process")
     handle = server.start(job, env=full, cwd=cwd, exact=True)
-    res = server.wait(handle, kill_after=kill_after, timeout=timeout)
+    tracer = None
+    if trace:
+        from hostile_support import attach
+
+        tracer = attach(trace, handle[1])
+    try:
+        res = server.wait(handle, kill_after=kill_after, timeout=timeout)
+    finally:
+        if tracer is not None:
+            tracer.wait(timeout=60)  # it ends with its tracee, the log complete
     if res.timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, res.stdout, res.stderr)
     stderr = res.stderr.replace(UNCAUGHT + "\n", "")  # the server's marker, not Python's

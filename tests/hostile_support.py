@@ -28,7 +28,9 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -154,6 +156,39 @@ def strace_argv(log: Path) -> list[str]:
     forked commands: hf_export_support.run_cli)."""
     assert STRACE, "strace is not installed"
     return [STRACE, "-f", "-qq", "-y", "-s", "65535", "-e", "trace=%file", "-o", str(log)]
+
+
+def attach(trace: Sequence[str], pid: int) -> subprocess.Popen:
+    """``trace -p PID`` (`strace_argv`) attached to a forked child that stopped itself before
+    its command (a fork server's ``"stop"`` job); then the child resumed (SIGCONT), traced
+    from its first step. The tracer ends with its tracee, its log complete."""
+    _wait_for(pid, lambda: _proc_field(pid, "State") == "T", "stop")
+    tracer = subprocess.Popen([*trace, "-p", str(pid)], stdin=subprocess.DEVNULL)
+    _wait_for(pid, lambda: _proc_field(pid, "TracerPid") not in (None, "0"), "tracer")
+    os.kill(pid, signal.SIGCONT)
+    return tracer
+
+
+def _proc_field(pid: int, name: str) -> str | None:
+    """A field of ``/proc/PID/status`` (None once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return line.split(":", 1)[1].split()[0]
+    except OSError:
+        return None
+    return None
+
+
+def _wait_for(pid: int, ready, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if _proc_field(pid, "State") in (None, "Z", "X"):
+            raise RuntimeError(f"child {pid} ended before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"child {pid}: no {what} in {timeout} s")
+        time.sleep(0.005)
 
 
 def traced(

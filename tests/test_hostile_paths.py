@@ -259,24 +259,40 @@ def test_the_tracer_sees_every_way_of_naming_the_bait(tmp_path):
 
 
 # -- the command line --------------------------------------------------------------------
+@pytest.mark.skipif(not H.STRACE, reason="strace is not installed or may not trace here")
+def test_the_tracer_attached_to_a_forked_command_sees_its_reads(tmp_path):
+    """The control for `run_cli`'s traced commands: strace attached to the forked child
+    before it starts (`forked_cli.run_cli(trace=...)`) logs the files the command reads (the
+    step's item metadata and data), from the fork on (no interpreter's start)."""
+    step = copy_fixture(RL, tmp_path / "run")
+    log = tmp_path / "strace.log"
+    res = forked_cli.run_cli("inspect", step, "--json", cwd=ROOT, trace=H.strace_argv(log))
+    assert res.returncode == 0, res.stderr
+    assert H.touched(log, [step / "model_params" / "_METADATA"], cwd=ROOT)
+    assert H.touched(log, [step / "model_params" / "d"], cwd=ROOT)
+    assert "execve(" not in log.read_text()  # no interpreter started: the fork was traced
+
+
 def run_cli(
     tmp_path: Path, *args: object, bait: list[Path] = (), env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``orbax-maxtext-layout ARGS``; with ``bait``, in a fresh interpreter under strace where
-    there is one, then asserting no system call named the bait. Without, forked from a warm
-    interpreter (`forked_cli.run_cli`), but for a ``PYTHONPATH`` in ``env`` (read when
-    Python starts: a fresh interpreter)."""
+    """``orbax-maxtext-layout ARGS`` forked from a warm interpreter (`forked_cli.run_cli`);
+    with ``bait``, under strace where there is one (attached before the command starts),
+    then asserting no system call named the bait. A ``PYTHONPATH`` in ``env`` (read when
+    Python starts) takes a fresh interpreter, traced from its start."""
     argv = [sys.executable, "-m", "orbax_maxtext_layout", *map(str, args)]
-    if not H.STRACE or not bait:
-        if not (env and "PYTHONPATH" in env):
-            return forked_cli.run_cli(*args, env=env, cwd=ROOT)
+    log = tmp_path / "strace.log"
+    trace = H.strace_argv(log) if H.STRACE and bait else None
+    if not (env and "PYTHONPATH" in env):
+        res = forked_cli.run_cli(*args, env=env, cwd=ROOT, trace=trace)
+    elif trace is None:
         env = child_env(env, cpu=False)  # the CLI pins the CPU itself
         return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env)
-    env = child_env(env, cpu=False)
-    log = tmp_path / "strace.log"
-    res = H.traced(argv, log, cwd=ROOT, env=env)
-    hits = H.touched(log, bait, cwd=ROOT)
-    assert hits == [], "\n".join(hits[:20])
+    else:
+        res = H.traced(argv, log, cwd=ROOT, env=child_env(env, cpu=False))
+    if trace is not None:
+        hits = H.touched(log, bait, cwd=ROOT)
+        assert hits == [], "\n".join(hits[:20])
     return res
 
 

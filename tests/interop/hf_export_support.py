@@ -316,38 +316,10 @@ class _Zygote:
                 proc.kill()
 
 
-def _proc_field(pid: int, name: str) -> str | None:
-    """A field of ``/proc/PID/status`` (None once the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return line.split(":", 1)[1].split()[0]
-    except OSError:
-        return None
-    return None
-
-
-def _wait_for(pid: int, ready, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if _proc_field(pid, "State") in (None, "Z", "X"):
-            raise RuntimeError(f"child {pid} ended before {what}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"child {pid}: no {what} in {timeout} s")
-        time.sleep(0.005)
-
-
 def _attach(trace: list[str], pid: int) -> subprocess.Popen:
-    """``trace -p PID`` attached to the forked child, which stopped itself before its command
-    line; then the child resumed (SIGCONT), traced from its first step."""
-    import signal
+    from hostile_support import attach  # tests/: on the path of the suite's processes
 
-    _wait_for(pid, lambda: _proc_field(pid, "State") == "T", "stop")
-    tracer = subprocess.Popen([*trace, "-p", str(pid)], stdin=subprocess.DEVNULL)
-    _wait_for(pid, lambda: _proc_field(pid, "TracerPid") not in (None, "0"), "tracer")
-    os.kill(pid, signal.SIGCONT)
-    return tracer
+    return attach(trace, pid)
 
 
 _ZYGOTE = _Zygote()

@@ -21,7 +21,9 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
   would get: `tests/forked_cli.py`), not this process's updated with it.
 * ``{"op": "exit"}``.
 
-A job may carry ``"fsize_limit": BYTES`` (RLIMIT_FSIZE with SIGXFSZ ignored, so a write
+A job with ``"stop": true`` stops itself (SIGSTOP) right before it runs, for the caller to
+attach a tracer (strace ``-p PID``) and resume it (SIGCONT): traced from its first step, none
+of the imports. A job may carry ``"fsize_limit": BYTES`` (RLIMIT_FSIZE with SIGXFSZ ignored, so a write
 past it fails with EFBIG) and ``"kill_on_call": {"calls": [NAMES], "at": K, "count_file": PATH}``: the child
 then SIGKILLs itself (or sends itself ``"signal"``, e.g. SIGSTOP) right before its K-th call of one of the named file-system functions
 (``os.rename``, ``os.unlink``, ``io.open``, ...), seen through `sys.setprofile`, and writes
@@ -104,6 +106,8 @@ def _child(req: dict, proto_fd: int) -> None:
     job = req["job"]
     hook = job.get("kill_on_call")
     calls = _install_kill_hook(hook) if hook else None
+    if job.get("stop"):  # held until the caller has attached its tracer, then resumed
+        os.kill(os.getpid(), signal.SIGSTOP)
     try:
         if job["kind"] == "cli":
             import orbax_maxtext_layout
