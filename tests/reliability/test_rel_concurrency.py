@@ -86,6 +86,7 @@ def test_three_converters_convert_each_step_once(base, target, tmp_path):
     S.count("faults")
 
 
+@pytest.mark.slow  # a converter beside a training process: .ci/run's slow pass
 def test_converter_beside_a_training_process(base, target, tmp_path):
     """A trainer saves steps 20..25 into the root (Orbax: tmp dir, then rename) while the
     converter runs again and again, as a cron job would."""

@@ -299,7 +299,14 @@ if S.FULL:
 SHORT = {S.RL: "rl", S.PATHWAYS: "pathways", S.V1_RL: "v1-zarr3", S.DPO: "dpo", S.SFT: "sft"}
 
 
-@pytest.mark.parametrize("fixture,how", SWEEPS, ids=[f"{SHORT[f]}-{d}" for f, d in SWEEPS])
+# flips (a conversion per file and offset: 12 s) in .ci/run's slow pass; truncations here
+SWEEP_CASES = [
+    pytest.param(f, d, id=f"{SHORT[f]}-{d}", marks=[pytest.mark.slow] if d == "flip" else [])
+    for f, d in SWEEPS
+]
+
+
+@pytest.mark.parametrize("fixture,how", SWEEP_CASES)
 def test_sweep_every_file(fixture, how, tmp_path):
     files = _sweep_files(fixture)
     target, optimizer = SWEEP_TARGETS[fixture]
