@@ -145,3 +145,32 @@ def test_a_tensorstore_read_of_a_cut_item_names_its_data_files(tmp_path):
         msg = str(got.value)
         assert "damaged data files" in msg, msg
         assert any(f.name in msg.split("damaged data files")[1] for f in files), msg
+
+
+def test_a_chunk_read_whole_from_a_file_cut_meanwhile_names_the_file(tmp_path):
+    """A read racing another process's truncation can copy the cut pages as zeros instead of
+    returning short (the long campaign met it: 1 case in 120); the chunk then fails to decode.
+    The error says the data file was cut, naming it; a chunk that fails to decode in an
+    intact file names its data file too."""
+    import zstandard as zstd
+
+    from orbax_maxtext_layout.errors import CheckpointReadError
+    from orbax_maxtext_layout.orbax_io import chunks
+    from orbax_maxtext_layout.orbax_io.stored_values import FileValue
+
+    data = tmp_path / "d" / "cafe01"
+    data.parent.mkdir()
+    data.write_bytes(bytes(100))
+    where = "items: cannot read params.w: chunk 0.0 at (0, 0)"
+    with FileValue(str(data), 0, 200) as cut:  # the B-tree places the chunk up to byte 200
+        with pytest.raises(CheckpointReadError) as e:
+            with chunks._decoding(where, None, cut):
+                raise zstd.ZstdError("zstd decompress error: Data corruption detected")
+    assert str(e.value).startswith(where) and str(data) in str(e.value)
+    assert "ends at byte 100" in str(e.value) and "cut short" in str(e.value)
+    with FileValue(str(data), 0, 100) as whole:
+        with pytest.raises(CheckpointReadError) as e:
+            with chunks._decoding(where, None, whole):
+                raise zstd.ZstdError("zstd decompress error: Data corruption detected")
+    assert f"in data file {data}: zstd decompress error" in str(e.value)
+    assert "cut short" not in str(e.value)

@@ -291,7 +291,7 @@ def _decode(
     # that declares another size is refused before it is decoded (`_Framed`), and one that
     # decodes past the chunk's last row (more frames, or a frame that declares no size) too.
     stream = _Framed(frame, lay.chunk_bytes)
-    with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
+    with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay, frame):
         with zstd.ZstdDecompressor().stream_reader(
             stream, read_size=stored_values.PIECE, read_across_frames=True
         ) as r:
@@ -334,23 +334,53 @@ def _runs(
 
 
 @contextlib.contextmanager
-def _decoding(where: str, lay: ChunkLayout) -> Iterator[None]:
-    """Every way a stored chunk fails to decode as a `CheckpointReadError` naming it."""
+def _decoding(where: str, lay: ChunkLayout, frame: Any = None) -> Iterator[None]:
+    """Every way a stored chunk fails to decode as a `CheckpointReadError` naming it and the
+    data file it was read from (``frame``: a `stored_values.FileValue`), or that file cut
+    short while this read it (`_cut_meanwhile`)."""
     try:
         yield
-    except (zstd.ZstdError, OSError, ValueError, MemoryError) as e:
-        raise CheckpointReadError(f"{where}: {e}") from e
-    except Short as e:
-        raise CheckpointReadError(f"{where} decodes to fewer bytes than it holds ({e}).") from e
-    except _Long as e:
-        raise CheckpointReadError(
+    except (zstd.ZstdError, OSError, ValueError, MemoryError, Short, _Long, _Declared) as e:
+        cut = None if isinstance(e, CheckpointReadError) else _cut_meanwhile(frame)
+        if cut is not None:
+            raise CheckpointReadError(f"{where}: {cut}") from e
+        if not isinstance(e, CheckpointReadError):
+            where += _in_file(frame)
+        raise _undecodable(where, lay, e) from e
+
+
+def _undecodable(where: str, lay: ChunkLayout, e: BaseException) -> CheckpointReadError:
+    if isinstance(e, Short):
+        return CheckpointReadError(f"{where} decodes to fewer bytes than it holds ({e}).")
+    if isinstance(e, _Long):
+        return CheckpointReadError(
             f"{where} decodes to more bytes than it holds ({lay.chunk_bytes}): damaged or forged."
-        ) from e
-    except _Declared as e:
-        raise CheckpointReadError(
+        )
+    if isinstance(e, _Declared):
+        return CheckpointReadError(
             f"{where}: its zstd frame declares {e.size} bytes, the chunk holds "
             f"{lay.chunk_bytes}: damaged or forged."
-        ) from e
+        )
+    return CheckpointReadError(f"{where}: {e}")
+
+
+def _in_file(frame: Any) -> str:
+    """`` in data file PATH``, where ``frame`` reads one (else nothing)."""
+    return f" in data file {frame.path}" if isinstance(frame, stored_values.FileValue) else ""
+
+
+def _cut_meanwhile(frame: Any) -> CheckpointReadError | None:
+    """The error naming ``frame``'s data file where it now ends before the chunk does: cut
+    short while this read it. A read racing the truncation can copy the cut pages as zeros
+    instead of returning short (the kernel checked the size before the cut), so the chunk
+    fails to decode rather than to read."""
+    if not isinstance(frame, stored_values.FileValue):
+        return None
+    try:
+        size = os.fstat(frame.fd).st_size
+    except OSError:
+        return None
+    return frame._cut(size) if size < frame.end else None
 
 
 # -- one stored chunk at a time (the restore engine's tasks) -----------------------------
@@ -410,7 +440,7 @@ def decode_cell_into(
                 before(0, flat.nbytes)
             np.copyto(out, src.fill_value(name))  # an array: a NaN's payload kept
             continue
-        with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay):
+        with _decoding(f"{what}: {_chunk_name(lay, origin)} at {origin}", lay, frame):
             stream = _Framed(frame, lay.chunk_bytes)
             with zstd.ZstdDecompressor().stream_reader(
                 stream, read_size=stored_values.PIECE, read_across_frames=True
