@@ -156,14 +156,15 @@ def pytest_xdist_make_scheduler(config, log):
 _WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
 
 
-def without_warnings(stderr: str) -> str:
+def without_warnings(stderr: str, source: str | None = None) -> str:
     """``stderr`` without the warnings Python printed into it (``file:line: XWarning: ...``
-    and the source line after it): a TPU host's libtpu warns at every start ("Transparent
-    hugepages are not enabled"), even in a child pinned to the CPU. A test compares what
-    the command said, never a host's warnings."""
+    and the source line after it), or only those raised in a file whose path holds
+    ``source``: a TPU host's libtpu warns at every start ("Transparent hugepages are not
+    enabled"), even in a child pinned to the CPU. A test compares what the command said,
+    never a host's warnings."""
     out, skip = [], False
     for line in stderr.splitlines(keepends=True):
-        if _WARNING.match(line):
+        if _WARNING.match(line) and (source is None or source in line.split(":", 1)[0]):
             skip = True
             continue
         if skip and line.startswith("  "):

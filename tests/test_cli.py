@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, MAXTEXT_NATIVE, child_env, tree_digest
+from conftest import FIXTURES, MAXTEXT_NATIVE, child_env, tree_digest, without_warnings
 from forked_cli import STARTUP, run_cli
 
 from orbax_maxtext_layout import Layout, detect_layout, find_steps
@@ -121,23 +121,6 @@ def test_every_command_runs_on_the_cpu_unless_jax_platforms_is_set(tmp_path):
     assert out.stdout.split()[-2:] == ["0", "cpu,tpu"], out.stdout + out.stderr
 
 
-def _without_jax_start_warnings(stderr: str) -> str:
-    """``stderr`` less what JAX itself warns of the host as it is imported (on a TPU host:
-    "Transparent hugepages are not enabled", from ``cloud_tpu_init``): the fork server
-    imported JAX once, so its children never print it; the command's own output is the rest."""
-    lines = stderr.splitlines(keepends=True)
-    out, skip = [], False
-    for line in lines:
-        if "jax/_src/cloud_tpu_init.py" in line and "Warning:" in line:
-            skip = True  # the warning, then the source line `warnings` prints under it
-            continue
-        if skip and line.startswith("  "):
-            continue
-        skip = False
-        out.append(line)
-    return "".join(out)
-
-
 def test_a_forked_command_is_the_fresh_process_s_command(tmp_path):
     """`forked_cli.run_cli` (what `cli` runs) against ``python -m orbax_maxtext_layout``: the
     same exit codes (0, 1, 2, 3), stdout and stderr, relative paths resolved in ``cwd``. A
@@ -165,7 +148,9 @@ def test_a_forked_command_is_the_fresh_process_s_command(tmp_path):
         assert (forked.returncode, forked.stdout, forked.stderr) == (
             fresh.returncode,
             fresh.stdout,
-            _without_jax_start_warnings(fresh.stderr),
+            # less what JAX warns of the host as it is imported (a TPU host): the fork
+            # server imported JAX once, so its children never print it
+            without_warnings(fresh.stderr, source="jax/_src/cloud_tpu_init.py"),
         ), args
         codes.append(forked.returncode)
     assert codes == [0, 1, 2, 3]
