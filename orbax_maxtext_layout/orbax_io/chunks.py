@@ -337,15 +337,15 @@ def _runs(
 def _decoding(where: str, lay: ChunkLayout, frame: Any = None) -> Iterator[None]:
     """Every way a stored chunk fails to decode as a `CheckpointReadError` naming it and the
     data file it was read from (``frame``: a `stored_values.FileValue`), or that file cut
-    short while this read it (`_cut_meanwhile`)."""
+    short while this read it (`FileValue.cut_meanwhile`)."""
     try:
         yield
     except (zstd.ZstdError, OSError, ValueError, MemoryError, Short, _Long, _Declared) as e:
-        cut = None if isinstance(e, CheckpointReadError) else _cut_meanwhile(frame)
-        if cut is not None:
-            raise CheckpointReadError(f"{where}: {cut}") from e
-        if not isinstance(e, CheckpointReadError):
-            where += _in_file(frame)
+        if isinstance(frame, stored_values.FileValue) and not isinstance(e, CheckpointReadError):
+            cut = frame.cut_meanwhile()
+            if cut is not None:
+                raise CheckpointReadError(f"{where}: {cut}") from e
+            where += f" in data file {frame.path}"
         raise _undecodable(where, lay, e) from e
 
 
@@ -362,25 +362,6 @@ def _undecodable(where: str, lay: ChunkLayout, e: BaseException) -> CheckpointRe
             f"{lay.chunk_bytes}: damaged or forged."
         )
     return CheckpointReadError(f"{where}: {e}")
-
-
-def _in_file(frame: Any) -> str:
-    """`` in data file PATH``, where ``frame`` reads one (else nothing)."""
-    return f" in data file {frame.path}" if isinstance(frame, stored_values.FileValue) else ""
-
-
-def _cut_meanwhile(frame: Any) -> CheckpointReadError | None:
-    """The error naming ``frame``'s data file where it now ends before the chunk does: cut
-    short while this read it. A read racing the truncation can copy the cut pages as zeros
-    instead of returning short (the kernel checked the size before the cut), so the chunk
-    fails to decode rather than to read."""
-    if not isinstance(frame, stored_values.FileValue):
-        return None
-    try:
-        size = os.fstat(frame.fd).st_size
-    except OSError:
-        return None
-    return frame._cut(size) if size < frame.end else None
 
 
 # -- one stored chunk at a time (the restore engine's tasks) -----------------------------

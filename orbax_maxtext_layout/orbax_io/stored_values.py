@@ -163,6 +163,17 @@ class FileValue:
         self.pos += n
         return memoryview(buf)
 
+    def cut_meanwhile(self) -> CheckpointReadError | None:
+        """The error naming this data file where it now ends before the value does: cut
+        short while it was read. A read racing the truncation can copy the cut pages as
+        zeros instead of returning short (the kernel checked the size before the cut), so
+        the value then fails to decode rather than to read (`chunks._decoding`)."""
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError:
+            return None
+        return self._cut(size) if size < self.end else None
+
     def _cut(self, at: int) -> CheckpointReadError:
         return CheckpointReadError(
             f"{self.path}: the data file ends at byte {at}, before the end of the stored "

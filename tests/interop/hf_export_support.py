@@ -291,7 +291,11 @@ class _Zygote:
         else:
             req["stdout"], req["stderr"] = str(stdout), str(stderr)
         pid = self._ask(req)["pid"]
-        tracer = _attach(trace, pid) if trace else None
+        tracer = None
+        if trace:
+            from hostile_support import attach  # tests/: on the path of the suite's processes
+
+            tracer = attach(trace, pid)
         try:
             deadline = time.monotonic() + timeout
             while (rc := self._ask({"op": "poll", "pid": pid})["rc"]) is None:
@@ -314,12 +318,6 @@ class _Zygote:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _attach(trace: list[str], pid: int) -> subprocess.Popen:
-    from hostile_support import attach  # tests/: on the path of the suite's processes
-
-    return attach(trace, pid)
 
 
 _ZYGOTE = _Zygote()
